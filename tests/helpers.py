@@ -1,0 +1,57 @@
+"""Shared test utilities: tolerances, comparison by relative RMS, step counting for chunk forms."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from linearize.ops import common
+
+# Relative-RMS tolerance of a form against the fp64 reference, by input dtype.
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (b is the reference)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str = "") -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    err = rel_rms(a, b)
+    assert err <= tol, f"{what}: relative RMS {err:.3e} > {tol:.1e}"
+
+
+def assert_state_close(a, b, tol: float, what: str = "state") -> None:
+    for name, x, y in zip(a._fields, a, b):
+        if x.is_floating_point():
+            assert_rel_close(x, y, tol, f"{what}.{name}")
+        else:
+            assert torch.equal(x, y), f"{what}.{name} differs"
+
+
+@contextlib.contextmanager
+def count_chunk_steps():
+    """Counts the spans that chunk forms walk through via common.chunk_spans."""
+    counter = {"calls": 0, "spans": 0}
+    original = common.chunk_spans
+
+    def counting(T, C):
+        spans = original(T, C)
+        counter["calls"] += 1
+        counter["spans"] += len(spans)
+        return spans
+
+    common.chunk_spans = counting
+    try:
+        yield counter
+    finally:
+        common.chunk_spans = original
+
+
+def randn(*shape, dtype=torch.float64, seed=None, scale=1.0):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)

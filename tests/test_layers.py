@@ -1,0 +1,122 @@
+import pytest
+import torch
+
+from linearize.layers import (
+    GATES, GLAGate, HedgehogFeatureMap, Mamba2Gate, PoolGate, SigmoidGate, Sinks, T2RFeatureMap,
+)
+from linearize.ops.gla import gla_chunk
+from linearize.ops.window_attn import window_attn_chunk
+
+B, H, T, D, HIDDEN = 2, 3, 11, 8, 24
+
+
+def x_heads(seed=0):
+    return torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def x_hidden(seed=1):
+    return torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def test_hedgehog_identity_init_is_softmax_of_both_signs():
+    fm = HedgehogFeatureMap(H, D)  # F = D, so F/2 = D/2 columns of the identity
+    x = x_heads()
+    xw = x[..., : D // 2]
+    expected = torch.cat([xw.softmax(-1), (-xw).softmax(-1)], -1)
+    torch.testing.assert_close(fm(x), expected)
+    fm_full = HedgehogFeatureMap(H, D, feature_dim=2 * D)  # F/2 = d: exactly LoLCATs' identity init
+    torch.testing.assert_close(fm_full(x), torch.cat([x.softmax(-1), (-x).softmax(-1)], -1))
+
+
+def test_hedgehog_log_features_are_log_of_features_and_halves_normalised():
+    fm = HedgehogFeatureMap(H, D, feature_dim=12, init="random")
+    x = x_heads().to(torch.float64)
+    fm = fm.double()
+    log_phi = fm.log_features(x)
+    assert log_phi.shape == (B, H, T, 12) and (log_phi <= 0).all()
+    torch.testing.assert_close(log_phi.exp(), fm(x))
+    torch.testing.assert_close(fm(x)[..., :6].sum(-1), torch.ones(B, H, T, dtype=torch.float64))
+    # bf16 inputs keep the log-softmax in fp32 and come back in bf16
+    assert fm.float().log_features(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_t2r_identity_init_is_relu():
+    fm = T2RFeatureMap(H, D)
+    x = x_heads()
+    torch.testing.assert_close(fm(x), torch.relu(x))
+
+
+@pytest.mark.parametrize("gate_name", ["sigmoid", "mamba2"])
+def test_scalar_gates_start_with_long_memory_spread_over_heads(gate_name):
+    gate = GATES[gate_name](HIDDEN, H, init_gamma=(0.95, 0.99))
+    log_g = gate(x_hidden())
+    assert log_g.shape == (B, H, T) and log_g.dtype == torch.float32
+    expected = torch.linspace(0.95, 0.99, H)[None, :, None].expand(B, H, T)
+    torch.testing.assert_close(log_g.exp(), expected)
+
+
+def test_gla_gate_per_channel_near_its_initial_memory():
+    gate = GLAGate(HIDDEN, H, channels=5)
+    log_g = gate(x_hidden())
+    assert log_g.shape == (B, H, T, 5) and (log_g <= 0).all()
+    gamma = log_g.exp()
+    assert ((gamma > 0.9) & (gamma < 0.999)).all()
+
+
+def test_pool_gate_is_parameter_free_and_pools_keys():
+    gate = PoolGate(channels=4)
+    assert list(gate.parameters()) == []
+    k = x_heads()
+    log_g = gate(k)
+    assert log_g.shape == (B, H, T, 4)
+    expected = torch.nn.functional.logsigmoid(k.view(B, H, T, 4, 2).mean(-1)) / 16
+    torch.testing.assert_close(log_g, expected)
+
+
+def _assert_all_grads_nonzero(module):
+    for name, p in module.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{type(module).__name__}.{name} has no gradient"
+
+
+@pytest.mark.parametrize("fm_cls", [HedgehogFeatureMap, T2RFeatureMap])
+@pytest.mark.parametrize("gate_name", list(GATES))
+def test_every_parameter_gets_a_gradient_through_the_gated_op(fm_cls, gate_name):
+    torch.manual_seed(0)
+    fq, fk = fm_cls(H, D, init="random"), fm_cls(H, D, init="random")
+    channels = D // 2 if fm_cls is HedgehogFeatureMap else D
+    gate = {"sigmoid": lambda: SigmoidGate(HIDDEN, H), "mamba2": lambda: Mamba2Gate(HIDDEN, H),
+            "gla": lambda: GLAGate(HIDDEN, H, channels), "pool": lambda: PoolGate(channels)}[gate_name]()
+    q, k, v = x_heads(0), x_heads(1), x_heads(2)
+    log_g = gate(k) if gate_name == "pool" else gate(x_hidden())
+    if log_g.dim() == 4 and fm_cls is HedgehogFeatureMap:
+        log_g = torch.cat([log_g, log_g], -1)  # one gate per channel, shared by the two halves
+    o, _ = gla_chunk(fq(q), fk(k), v, log_g, chunk_size=4)
+    o.square().sum().backward()
+    for m in (fq, fk, gate):
+        _assert_all_grads_nonzero(m)
+
+
+@pytest.mark.parametrize("kind", ["logits", "kv"])
+def test_sinks_get_gradients_through_the_window_op(kind):
+    sinks = Sinks(H, 4, D, kind=kind)
+    q, k, v = x_heads(0), x_heads(1), x_heads(2)
+    o, _ = window_attn_chunk(q, k, v, window=3, chunk_size=4, **sinks.op_kwargs())
+    o.square().sum().backward()
+    _assert_all_grads_nonzero(sinks)
+
+
+def test_bad_layer_settings_raise_naming_the_value():
+    with pytest.raises(ValueError, match="must be even, got 7"):
+        HedgehogFeatureMap(H, D, feature_dim=7)
+    with pytest.raises(ValueError, match=r"init must be one of \('identity', 'random'\), got 'ones'"):
+        T2RFeatureMap(H, D, init="ones")
+    with pytest.raises(ValueError, match=r"init_gamma must be .* got \(0.5, 1.0\)"):
+        SigmoidGate(HIDDEN, H, init_gamma=(0.5, 1.0))
+    with pytest.raises(ValueError, match=r"sink kind must be one of \('logits', 'kv'\), got 'vectors'"):
+        Sinks(H, 4, D, kind="vectors")
+    with pytest.raises(ValueError, match=r"num_sinks must be a positive int, got 0"):
+        Sinks(H, 0, D)
+    with pytest.raises(ValueError, match=r"gate input must be \(B, T, 24\), got \(2, 11, 23\)"):
+        SigmoidGate(HIDDEN, H)(torch.zeros(B, T, HIDDEN - 1))
+    with pytest.raises(ValueError, match=r"expected input \(B, 3, T, 8\), got \(2, 4, 11, 8\)"):
+        HedgehogFeatureMap(H, D)(torch.zeros(B, H + 1, T, D))
