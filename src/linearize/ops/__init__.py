@@ -1,0 +1,1 @@
+"""Pure tensor ops, each in three forms with one meaning (see ``ops.common`` for the conventions)."""
