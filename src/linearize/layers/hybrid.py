@@ -1,0 +1,208 @@
+"""The one hybrid attention that runs every causal method: combine(global branch, local branch).
+
+Inputs are the teacher's projected heads, already expanded for GQA:
+``q, k: (B, H, T, d)`` without RoPE, ``q_rope, k_rope`` the same after RoPE, ``v: (B, H, T, d)``,
+``x: (B, T, hidden)`` the layer input (for gates) and ``valid: (B, T)`` bool or None (False at
+padding). Output ``(B, H, T, d)`` before the output projection, plus the new state.
+
+  global  linear | gated (Lizard) | delta (TPTT's delta rule / DeltaProduct)
+  local   none | window | terraced | softmax (full, its cache grows)
+  combine sum: y_g + alpha_h * y_w (Lizard) | shared_norm: one normaliser (LoLCATs, its own op)
+          | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
+
+Padding: keys and values at padding are zeroed for the linear branches (and their gates set to
+1), and left padding is put at negative window positions, so a padded row gets exactly the
+outputs it gets alone. The state is a dict of op states; nothing in it grows with T except the
+full-softmax local branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..methods import AttentionConfig
+from ..ops.delta import delta_product_chunk, delta_product_recurrent
+from ..ops.gla import gla_chunk, gla_recurrent
+from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
+from ..ops.lolcats_attn import lolcats_attn_chunk, lolcats_attn_recurrent
+from ..ops.window_attn import WindowState, cache_len, window_attn_chunk, window_attn_recurrent
+from .feature_maps import HedgehogFeatureMap, T2RFeatureMap
+from .gates import GLAGate, Mamba2Gate, PoolGate, SigmoidGate
+from .sinks import Sinks
+
+BETA_POOL = 3  # TPTT: beta_t = sigmoid of a causal average of the last 3 keys
+
+
+class HybridAttention(nn.Module):
+    def __init__(self, config: AttentionConfig, num_heads: int, head_dim: int, hidden_size: int,
+                 scale: float | None = None):
+        super().__init__()
+        self.config = config = config.validate()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.scale = scale  # the teacher's softmax scale (Gemma's query_pre_attn_scalar, ...)
+        F_dim = config.feature_dim or head_dim
+        if config.feature_map == "hedgehog":
+            self.phi_q = HedgehogFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
+            self.phi_k = HedgehogFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
+            gate_channels = F_dim // 2
+        elif config.feature_map == "t2r":
+            self.phi_q = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
+            self.phi_k = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
+            gate_channels = F_dim
+        if config.global_rule == "gated":
+            self.gate = {
+                "sigmoid": lambda: SigmoidGate(hidden_size, num_heads, config.gate_init),
+                "mamba2": lambda: Mamba2Gate(hidden_size, num_heads, config.gate_init),
+                "gla": lambda: GLAGate(hidden_size, num_heads, gate_channels, init_gamma=config.gate_init),
+                "pool": lambda: PoolGate(gate_channels),
+            }[config.gate]()
+        has_window = config.local_rule in ("window", "terraced")
+        if has_window and config.sinks and config.combine != "shared_norm":
+            self.sinks = Sinks(num_heads, config.sinks, head_dim, config.sink_kind)
+        if config.combine == "sum" and config.local_rule != "none":
+            self.alpha = nn.Parameter(torch.full((num_heads,), float(config.alpha_init)))
+        if config.combine == "shared_norm":
+            self.window_factor = nn.Parameter(torch.full((num_heads,), float(config.window_factor_init)))
+        if config.combine == "mu":
+            self.register_buffer("mu", torch.tensor(float(config.mu)), persistent=False)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _window_kwargs(self) -> dict:
+        c = self.config
+        kw = {"window": c.window, "terraced": c.local_rule == "terraced", "scale": self.scale}
+        if hasattr(self, "sinks"):
+            kw.update(self.sinks.op_kwargs())
+        return kw
+
+    def _fresh_window_state(self, like: torch.Tensor, valid: torch.Tensor | None, n_features: int | None = None):
+        """A window state whose rows start at minus their left padding."""
+        B, H, _, d = like.shape
+        L = cache_len(self.config.window, self.config.local_rule == "terraced")
+        pos = torch.zeros(B, dtype=torch.long, device=like.device)
+        if valid is not None:
+            pos = -(valid.long().cumsum(1) == 0).sum(1)  # leading padding
+        z = like.new_zeros(B, H, L, d, dtype=torch.float32 if like.dtype != torch.float64 else like.dtype)
+        return z, pos
+
+    def _global_features(self, q, k, x, valid):
+        """Features (or log-features) for the global branch, with padding removed."""
+        c = self.config
+        log_space = c.feature_map == "hedgehog" and c.global_rule == "gated"
+        if c.feature_map == "silu_l2":
+            fq, fk = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+        elif log_space:
+            fq, fk = self.phi_q.log_features(q), self.phi_k.log_features(k)
+        else:
+            fq, fk = self.phi_q(q), self.phi_k(k)
+        if valid is not None:
+            fill = float("-inf") if log_space else 0.0
+            fk = fk.masked_fill(~valid[:, None, :, None], fill)
+        return fq, fk, log_space
+
+    def _log_gates(self, k, x, valid):
+        c = self.config
+        log_g = self.gate(k) if c.gate == "pool" else self.gate(x)
+        if log_g.dim() == 4 and c.feature_map == "hedgehog":
+            log_g = torch.cat([log_g, log_g], dim=-1)  # one gate per channel, shared by the +/- halves
+        if valid is not None:
+            mask = ~valid[:, None, :] if log_g.dim() == 3 else ~valid[:, None, :, None]
+            log_g = log_g.masked_fill(mask, 0.0)
+        return log_g
+
+    def _beta(self, k, k_hist):
+        """beta_t = sigmoid(mean over channels of the causal 3-token average of k)."""
+        k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
+        pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
+        return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, q, k, v, q_rope, k_rope, x, state: dict | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        c = self.config
+        step = state is not None and q.shape[2] == 1  # decoding: the recurrent forms
+        state = dict(state or {})
+        if valid is not None and bool(valid.all()):
+            valid = None
+        v_lin = v if valid is None else v.masked_fill(~valid[:, None, :, None], 0.0)
+        gq, gk = (q_rope, k_rope) if c.rope_global else (q, k)
+        lq, lk = (q_rope, k_rope) if c.rope_window else (q, k)
+        chunk = {"chunk_size": c.chunk_size}
+
+        if c.combine == "shared_norm":
+            fq, fk, _ = self._global_features(gq, gk, x, valid)
+            if "local" not in state:
+                zeros, pos = self._fresh_window_state(lk, valid)
+                from ..ops.lolcats_attn import LolcatsState
+                B, H = q.shape[:2]
+                Fd = fk.shape[-1]
+                state["local"] = LolcatsState(zeros.new_zeros(B, H, Fd, v.shape[-1]), zeros.new_zeros(B, H, Fd),
+                                              zeros, zeros.new_zeros(*zeros.shape[:3], Fd), zeros, pos)
+            fn = lolcats_attn_recurrent if step else lolcats_attn_chunk
+            kw = {} if step else chunk
+            y, state["local"] = fn(lq, lk, v_lin, fq, fk, torch.sigmoid(self.window_factor), window=c.window,
+                                   terraced=c.local_rule == "terraced", scale=self.scale, state=state["local"], **kw)
+            return y, state
+
+        # global branch
+        if c.global_rule == "delta":
+            fq, fk, _ = self._global_features(gq, gk, x, valid)
+            k_hist = state.get("k_hist")
+            if k_hist is None:
+                k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
+            beta, state["k_hist"] = self._beta(fk, k_hist)
+            fn = delta_product_recurrent if step else delta_product_chunk
+            y_g, state["global"] = fn(fq, fk, v_lin, beta, order=c.delta_order, state=state.get("global"),
+                                      **({} if step else chunk))
+            y_g = F.rms_norm(y_g.float(), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
+        else:
+            fq, fk, log_space = self._global_features(gq, gk, x, valid)
+            if c.global_rule == "gated":
+                log_g = self._log_gates(k, x, valid)
+                fn = gla_recurrent if step else gla_chunk
+                y_g, state["global"] = fn(fq, fk, v_lin, log_g, log_space_features=log_space,
+                                          state=state.get("global"), **({} if step else chunk))
+            else:
+                fn = linear_attn_recurrent if step else linear_attn_chunk
+                y_g, state["global"] = fn(fq, fk, v_lin, state=state.get("global"), **({} if step else chunk))
+
+        if c.local_rule == "none":
+            return y_g, state
+
+        # local branch
+        if c.local_rule == "softmax":
+            y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
+        else:
+            if "local" not in state:
+                zeros, pos = self._fresh_window_state(lk, valid)
+                state["local"] = WindowState(zeros, zeros.clone(), pos)
+            fn = window_attn_recurrent if step else window_attn_chunk
+            y_w, state["local"] = fn(lq, lk, v, state=state["local"], **self._window_kwargs(),
+                                     **({} if step else chunk))
+            if valid is not None:  # padding queries see no keys; give them zeros, not NaN
+                y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)
+
+        if c.combine == "mu":
+            y = (1 - self.mu) * y_w + self.mu * y_g
+        else:
+            y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
+        return y.to(v.dtype), state
+
+    def _full_softmax(self, q, k, v, cache, valid):
+        """Full causal softmax (liza's optional branch): the cache keeps every key, by design."""
+        if cache is not None:
+            k_all, v_all, valid_all = cache
+            k, v = torch.cat([k_all, k], 2), torch.cat([v_all, v], 2)
+        else:
+            valid_all = None
+        T, S = q.shape[2], k.shape[2]
+        valid_now = valid if valid is not None else torch.ones(q.shape[0], T, dtype=torch.bool, device=q.device)
+        keys_valid = valid_now if valid_all is None else torch.cat([valid_all, valid_now], 1)
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        mask = causal[None, None] & keys_valid[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        y = y.masked_fill(~valid_now[:, None, :, None], 0.0)
+        return y, (k, v, keys_valid)

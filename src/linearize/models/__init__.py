@@ -1,0 +1,1 @@
+"""HF integration: teachers, architecture adapters, the linearized attention, state cache, convert."""

@@ -1,0 +1,112 @@
+"""The HF-facing linearized attention: the teacher's projections + ``HybridAttention``.
+
+It takes the place of a decoder layer's attention module and keeps the teacher's child modules
+under their own names, so parameter names (and LoRA targets) do not change. Registered as the
+attention implementation ``"linearize"``, whose mask function hands layers the plain 2-D padding
+mask instead of building a T x T mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..layers.hybrid import HybridAttention
+from ..methods import AttentionConfig
+from .adapters import ArchAdapter
+from .cache import state_layer
+
+ATTN_IMPLEMENTATION = "linearize"
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class LinearizedAttention(nn.Module):
+    def __init__(self, attn: nn.Module, adapter: ArchAdapter, config: AttentionConfig, model_config):
+        super().__init__()
+        for name, child in attn.named_children():  # q_proj, k_proj, v_proj, o_proj, qkv_proj, q_norm, k_norm
+            self.add_module(name, child)
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = model_config.num_attention_heads
+        self.num_kv_heads = getattr(model_config, "num_key_value_heads", None) or self.num_heads
+        self.adapter = adapter
+        self.rotary = adapter.rotary_fn(attn)
+        self.hybrid = HybridAttention(config, self.num_heads, self.head_dim, model_config.hidden_size,
+                                      scale=float(attn.scaling))
+        ref = next(attn.parameters())
+        self.hybrid.to(device=ref.device, dtype=ref.dtype)
+        if not config.trainable:
+            self.hybrid.requires_grad_(False)
+
+    def heads(self, hidden_states: torch.Tensor, position_embeddings):
+        """q, k, v without RoPE and q, k with RoPE, all (B, H, T, d) with KV heads expanded."""
+        q, k, v = self.adapter.project(self, hidden_states, self.num_heads, self.num_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        q_rope, k_rope = self.rotary(q, k, cos, sin)
+        g = self.num_heads // self.num_kv_heads
+        return q, _repeat_kv(k, g), _repeat_kv(v, g), q_rope, _repeat_kv(k_rope, g)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        q, k, v, q_rope, k_rope = self.heads(hidden_states, position_embeddings)
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"a linearized model takes a 2-D padding mask (B, S), got shape {tuple(attention_mask.shape)}")
+            valid = attention_mask[:, -T:].bool()
+        layer = state_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
+        y, state = self.hybrid(q, k, v, q_rope, k_rope, hidden_states, layer.state if layer else None, valid)
+        if layer is not None:
+            layer.set_state(state, T)
+        out = self.o_proj(y.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
+        return out, None
+
+
+# ---------------------------------------------------------------------- the "linearize" implementation
+
+
+def padding_mask_only(attention_mask=None, **kwargs):
+    """Mask function: the 2-D padding mask as it is (None when nothing is padded)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def softmax_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, **kwargs):
+    """Kept softmax layers under the "linearize" implementation: SDPA (eager math for soft-capping)
+    with causal, sliding-window and padding masks built from the 2-D mask."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    B, _, Tq, _ = query.shape
+    Tk = key.shape[2]
+    total = attention_mask.shape[1] if attention_mask is not None else Tk
+    q_pos = torch.arange(total - Tq, total, device=query.device)
+    k_pos = torch.arange(total - Tk, total, device=query.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+    mask = mask[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -Tk:].bool()
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0)
+    else:
+        scores = (query @ key.transpose(-1, -2)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1, dtype=torch.float32).to(query.dtype) @ value
+    # rows with no visible key (padding queries) come out NaN: zero them
+    out = torch.nan_to_num(out, nan=0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, softmax_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_only)

@@ -1,0 +1,68 @@
+"""``convert``: swap a causal LM's attention modules for linearized ones, in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from numbers import Integral, Real
+
+from torch import nn
+
+from ..methods import method_config
+from .adapters import adapter_for
+from .attention import ATTN_IMPLEMENTATION, LinearizedAttention
+
+
+def resolve_softmax_layers(spec, num_layers: int) -> list[int]:
+    """Layer indices kept as softmax: a list of ints, or a fraction in [0, 1] spread evenly."""
+    if spec is None:
+        return []
+    if isinstance(spec, Real) and not isinstance(spec, (bool, Integral)):
+        if not 0.0 <= spec <= 1.0:
+            raise ValueError(f"softmax_layers as a fraction must be in [0, 1], got {spec!r}")
+        n = round(spec * num_layers)
+        return sorted({math.floor((i + 0.5) * num_layers / n) for i in range(n)}) if n else []
+    try:
+        indices = sorted({int(i) for i in spec if isinstance(i, Integral) and not isinstance(i, bool)})
+        if len(indices) != len(set(spec)):
+            raise TypeError
+    except TypeError:
+        raise ValueError(f"softmax_layers must be a list of layer indices or a fraction, got {spec!r}") from None
+    bad = [i for i in indices if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"softmax_layers {bad} out of range for a model with {num_layers} layers (0..{num_layers - 1})")
+    return indices
+
+
+def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) -> nn.Module:
+    """Swap the attention of ``model`` (a HF causal LM) for ``method`` in place and return it.
+
+    ``softmax_layers``: layer indices (or a fraction such as 0.5) kept as the original attention.
+    ``overrides``: fields of ``methods.AttentionConfig`` (window, sinks, feature_dim, gate, ...).
+    """
+    if getattr(model, "linearize_spec", None) is not None:
+        raise ValueError("this model is already converted (linearize_spec is set); convert a fresh teacher")
+    adapter = adapter_for(model)
+    config = method_config(method, **overrides)
+    layers = adapter.layers(model)
+    kept = resolve_softmax_layers(softmax_layers, len(layers))
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if config.keep_native_sliding:
+        kept = sorted(set(kept) | {i for i, t in enumerate(layer_types) if t == "sliding_attention"})
+    for i, layer in enumerate(layers):
+        if i in kept:
+            continue
+        attn = getattr(layer, adapter.attention_attr)
+        setattr(layer, adapter.attention_attr, LinearizedAttention(attn, adapter, config, model.config))
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    model.linearize_spec = {
+        "method": method,
+        "overrides": dict(overrides),
+        "config": dataclasses.asdict(config),
+        "softmax_layers": kept,
+    }
+    return model
+
+
+def linearized_layers(model: nn.Module) -> list[LinearizedAttention]:
+    return [m for m in model.modules() if isinstance(m, LinearizedAttention)]

