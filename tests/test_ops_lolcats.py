@@ -1,0 +1,238 @@
+import math
+
+import pytest
+import torch
+
+from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps
+from linearize.ops.lolcats_attn import (
+    LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel, lolcats_attn_recurrent,
+)
+from linearize.ops.window_attn import cache_len
+
+B, H, T, DK, DV, F = 2, 3, 37, 8, 5, 6
+# Standard w = 5 (cache 4); terraced w = 4 (blocks of 4, cache 7): both well inside T.
+WINDOWS = {False: 5, True: 4}
+
+
+def inputs(dtype, seed=0, T=T, B=B):
+    """(q, k, v, fq, fk, window_factor); features non-negative, as a feature map gives them."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64)
+    # features scaled so the linear terms weigh about as much as the window's
+    fq, fk = (torch.rand(B, H, T, F, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    f = torch.sigmoid(torch.randn(H, generator=g, dtype=torch.float64))
+    return tuple(x.to(dtype) for x in (q, k, v, fq, fk, f))
+
+
+def cut(args, s0, s1):
+    """The time slice [s0, s1) of the per-token inputs; the window factor is per head."""
+    return tuple(x[:, :, s0:s1] for x in args[:5]) + (args[5],)
+
+
+FORMS = {
+    "parallel": lolcats_attn_parallel,
+    "chunk": lambda *a, **kw: lolcats_attn_chunk(*a, chunk_size=8, **kw),
+    "recurrent": lolcats_attn_recurrent,
+}
+
+
+def window_of(t, w, terraced):
+    """The softmax-window keys of query t, written out by hand."""
+    first = max(0, (t // w - 1) * w) if terraced else max(0, t - w + 1)
+    return list(range(first, t + 1))
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_parallel_matches_explicit_sum(terraced):
+    q, k, v, fq, fk, f = inputs(torch.float64)
+    w, eps = WINDOWS[terraced], 1e-6
+    o, _ = lolcats_attn_parallel(q, k, v, fq, fk, f, window=w, terraced=terraced, eps=eps)
+    for t in (0, 3, 4, 7, 20, 23, T - 1):
+        win = window_of(t, w, terraced)
+        older = [s for s in range(t + 1) if s not in win]
+        scores = torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) / math.sqrt(DK)
+        a = f[None, :, None] * torch.exp(scores - scores.max(-1, keepdim=True).values)
+        lin = torch.einsum("bhf,bhsf->bhs", fq[:, :, t], fk[:, :, older])
+        num = (torch.einsum("bhs,bhsd->bhd", a, v[:, :, win])
+               + torch.einsum("bhs,bhsd->bhd", lin, v[:, :, older]))
+        den = a.sum(-1, keepdim=True) + lin.sum(-1, keepdim=True)
+        assert_rel_close(o[:, :, t], num / (den + eps), 1e-12, f"t={t}")
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+def test_forms_agree(form, dtype, terraced):
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    ref, ref_state = lolcats_attn_parallel(*inputs(torch.float64), **kw)
+    o, state = FORMS[form](*inputs(dtype), **kw)
+    assert o.dtype == dtype
+    assert state.S.dtype == state.k.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_rel_close(o, ref, TOL[dtype], f"{form} {dtype}")
+    assert_state_close(state, ref_state, TOL[dtype])
+    assert state.pos.tolist() == [T] * B
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 50])
+def test_extreme_windows(window, terraced):
+    """Empty or one-slot caches, and a window longer than the input (no linear terms at all)."""
+    args = inputs(torch.float64)
+    kw = dict(window=window, terraced=terraced)
+    ref, ref_state = lolcats_attn_parallel(*args, **kw)
+    for form in (lambda *a, **kw: lolcats_attn_chunk(*a, chunk_size=3, **kw), lolcats_attn_recurrent):
+        o, state = form(*args, **kw)
+        assert_rel_close(o, ref, 1e-12)
+        assert_state_close(state, ref_state, 1e-12)
+    if window == 50:  # f cancels up to eps: causal softmax attention (eps / f ~ 1e-5 relative)
+        q, k, v = args[:3]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(DK)).masked_fill(~causal, -math.inf)
+        assert_rel_close(ref, torch.softmax(scores, -1) @ v, 1e-5)
+        assert torch.equal(ref_state.S, torch.zeros_like(ref_state.S))  # nothing left the cache
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 8, 64])
+def test_chunk_size_and_length_do_not_change_prefix(chunk_size, terraced):
+    args = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    ref, _ = lolcats_attn_parallel(*args, **kw)
+    o, _ = lolcats_attn_chunk(*cut(args, 0, 29), chunk_size=chunk_size, **kw)
+    assert_rel_close(o, ref[:, :, :29], 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_causal(form, terraced):
+    args = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    o, _ = FORMS[form](*args, **kw)
+    changed = tuple(x.clone() for x in args)
+    for x in changed[:5]:
+        x[:, :, 21:] = torch.rand_like(x[:, :, 21:])
+    o2, _ = FORMS[form](*changed, **kw)
+    assert torch.equal(o[:, :, :21], o2[:, :, :21])
+    assert not torch.allclose(o[:, :, 21:], o2[:, :, 21:])
+
+
+# Splits inside the first window (cache partly empty), inside a block, on a block boundary
+# (terraced w = 4) and late in the sequence.
+@pytest.mark.parametrize("split", [2, 13, 16, 30])
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_two_piece_prefill_equals_one(form, terraced, split):
+    args = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    full, full_state = FORMS[form](*args, **kw)
+    a, st = FORMS[form](*cut(args, 0, split), **kw)
+    b, st = FORMS[form](*cut(args, split, T), state=st, **kw)
+    assert_rel_close(torch.cat([a, b], 2), full, 1e-12)
+    assert_state_close(st, full_state, 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced):
+    args = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    full, full_state = lolcats_attn_parallel(*args, **kw)
+    a, st = lolcats_attn_chunk(*cut(args, 0, 22), chunk_size=6, **kw)
+    outs = [a]
+    for t in range(22, T):
+        o, st = lolcats_attn_recurrent(*cut(args, t, t + 1), state=st, **kw)
+        outs.append(o)
+    assert_rel_close(torch.cat(outs, 2), full, 1e-12)
+    assert_state_close(st, full_state, 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_left_padding_via_negative_pos(form, terraced):
+    """Row 0 carries 3 padding tokens at positions -3..-1: they reach neither window nor S/z."""
+    pad = 3
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    args = inputs(torch.float64, T=T + pad)
+    alone0, st0 = FORMS[form](*(x[:1, :, pad:] for x in args[:5]), args[5], **kw)
+    alone1, st1 = FORMS[form](*(x[1:] for x in args[:5]), args[5], **kw)
+    L = cache_len(kw["window"], terraced)
+    z = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+    start = LolcatsState(z(2, H, F, DV), z(2, H, F), z(2, H, L, DK), z(2, H, L, F), z(2, H, L, DV),
+                         torch.tensor([-pad, 0]))
+    o, st = FORMS[form](*args, state=start, **kw)
+    assert torch.equal(o[:1, :, :pad], torch.zeros_like(o[:1, :, :pad]))  # padding queries see nothing
+    assert_rel_close(o[:1, :, pad:], alone0, 1e-12)
+    assert_rel_close(o[1:], alone1, 1e-12)
+    assert st.pos.tolist() == [T, T + pad]
+    assert_rel_close(st.S[:1], st0.S, 1e-12)
+    assert_rel_close(st.z[:1], st0.z, 1e-12)
+
+
+def test_empty_input_keeps_state():
+    args = inputs(torch.float64)
+    _, st = lolcats_attn_chunk(*args, window=5)
+    for form in FORMS.values():
+        o, st2 = form(*cut(args, 0, 0), window=5, state=st)
+        assert o.shape == (B, H, 0, DV)
+        assert_state_close(st2, st, 0.0)
+
+
+def test_chunk_form_takes_ceil_t_over_c_steps():
+    with count_chunk_steps() as counter:
+        lolcats_attn_chunk(*inputs(torch.float32), window=5, chunk_size=8)
+    assert counter == {"calls": 1, "spans": math.ceil(T / 8)}
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_gradcheck_chunk(terraced):
+    g = torch.Generator().manual_seed(3)
+    Bs, Hs, Ts, Dk, Dv, Fs = 1, 2, 7, 3, 2, 4
+    q, k = (torch.randn(Bs, Hs, Ts, Dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(Bs, Hs, Ts, Dv, generator=g, dtype=torch.float64)
+    # features kept away from 0 so that finite differences stay in the non-negative domain
+    fq, fk = (torch.rand(Bs, Hs, Ts, Fs, generator=g, dtype=torch.float64) + 0.1 for _ in range(2))
+    f = torch.sigmoid(torch.randn(Hs, generator=g, dtype=torch.float64))
+    args = [x.requires_grad_() for x in (q, k, v, fq, fk, f)]
+
+    def fn(*a):
+        return lolcats_attn_chunk(*a, window=2, terraced=terraced, chunk_size=3)[0]
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_state_size_does_not_depend_on_length(terraced):
+    shapes = []
+    for length in (50, 500):
+        args = tuple(x[:1, :1] for x in inputs(torch.float32, T=length)[:5]) + (torch.full((1,), 0.5),)
+        for form in (lolcats_attn_chunk, lolcats_attn_recurrent):
+            _, st = form(*args, window=WINDOWS[terraced], terraced=terraced)
+            shapes.append([tuple(x.shape) for x in st])
+    assert all(s == shapes[0] for s in shapes)
+    L = cache_len(WINDOWS[terraced], terraced)
+    assert shapes[0] == [(1, 1, F, DV), (1, 1, F), (1, 1, L, DK), (1, 1, L, F), (1, 1, L, DV), (1,)]
+
+
+def test_bad_inputs_raise_naming_the_value():
+    q, k, v, fq, fk, f = args = inputs(torch.float32)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"window must be a positive int, got {bad!r}"):
+            lolcats_attn_parallel(*args, window=bad)
+    with pytest.raises(ValueError, match=r"terraced must be a bool, got 1"):
+        lolcats_attn_chunk(*args, window=4, terraced=1)
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
+        lolcats_attn_chunk(*args, window=4, chunk_size=0)
+    with pytest.raises(ValueError, match=r"window_factor must have shape \(H,\) = \(3,\), got \(1, 3\)"):
+        lolcats_attn_recurrent(q, k, v, fq, fk, f[None], window=4)
+    msg = r"fk must have shape \(B, H, T, F\) = \(2, 3, 37, F\), got \(2, 3, 36, 6\)"
+    with pytest.raises(ValueError, match=msg):
+        lolcats_attn_chunk(q, k, v, fq, fk[:, :, 1:], f, window=4)
+    with pytest.raises(ValueError, match=r"fq and fk must have the same shape"):
+        lolcats_attn_parallel(q, k, v, fq, fk[..., 1:], f, window=4)
+    _, st = lolcats_attn_chunk(*args, window=5)  # cache of 4
+    with pytest.raises(ValueError, match=r"state.k must have shape \(2, 3, 5, 8\), got \(2, 3, 4, 8\)"):
+        lolcats_attn_recurrent(*args, window=6, state=st)
+    with pytest.raises(ValueError, match=r"state.S must have shape \(2, 3, 5, 5\), got \(2, 3, 6, 5\)"):
+        lolcats_attn_parallel(q, k, v, fq[..., 1:], fk[..., 1:], f, window=5, state=st)
+    with pytest.raises(ValueError, match=r"state.pos must have dtype torch.int64, got torch.float32"):
+        lolcats_attn_chunk(*args, window=5, state=st._replace(pos=st.pos.float()))

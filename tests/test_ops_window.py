@@ -1,0 +1,256 @@
+import math
+
+import pytest
+import torch
+
+from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps
+from linearize.ops.window_attn import (
+    WindowState, cache_len, window_attn_chunk, window_attn_parallel, window_attn_recurrent,
+)
+
+B, H, T, DK, DV = 2, 3, 37, 8, 5
+M_LOGITS, M_KV = 2, 3
+# Standard w = 5 (cache 4); terraced w = 4 (blocks of 4, cache 7): both well inside T.
+WINDOWS = {False: 5, True: 4}
+SINKS = ["none", "logits", "kv", "both"]
+
+
+def inputs(dtype, seed=0, T=T, B=B):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def sinks(kind, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    if kind in ("logits", "both"):
+        out["sink_logits"] = torch.randn(H, M_LOGITS, generator=g, dtype=torch.float64).to(dtype)
+    if kind in ("kv", "both"):
+        out["sink_k"] = torch.randn(H, M_KV, DK, generator=g, dtype=torch.float64).to(dtype)
+        out["sink_v"] = torch.randn(H, M_KV, DV, generator=g, dtype=torch.float64).to(dtype)
+    return out
+
+
+FORMS = {
+    "parallel": window_attn_parallel,
+    "chunk": lambda *a, **kw: window_attn_chunk(*a, chunk_size=8, **kw),
+    "recurrent": window_attn_recurrent,
+}
+
+
+def window_of(t, w, terraced):
+    """The visible keys of query t, written out by hand."""
+    first = max(0, (t // w - 1) * w) if terraced else max(0, t - w + 1)
+    return list(range(first, t + 1))
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_parallel_matches_explicit_softmax(terraced):
+    q, k, v = inputs(torch.float64)
+    sk = sinks("both")
+    w = WINDOWS[terraced]
+    o, _ = window_attn_parallel(q, k, v, window=w, terraced=terraced, **sk)
+    scale = 1 / math.sqrt(DK)
+    for t in (0, 2, 4, 7, 20, 23, T - 1):
+        win = window_of(t, w, terraced)
+        logits = torch.cat([
+            sk["sink_logits"][None].expand(B, H, M_LOGITS),
+            torch.einsum("bhd,hmd->bhm", q[:, :, t], sk["sink_k"]) * scale,
+            torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) * scale,
+        ], dim=-1)
+        values = torch.cat([
+            torch.zeros(B, H, M_LOGITS, DV, dtype=torch.float64),  # v2 sinks carry no value
+            sk["sink_v"][None].expand(B, H, M_KV, DV),
+            v[:, :, win],
+        ], dim=2)
+        ref = torch.einsum("bhs,bhsd->bhd", torch.softmax(logits, -1), values)
+        assert_rel_close(o[:, :, t], ref, 1e-12, f"t={t}")
+
+
+def test_cache_length():
+    assert cache_len(5, False) == 4 and cache_len(4, True) == 7 and cache_len(1, False) == 0
+
+
+@pytest.mark.parametrize("sink", SINKS)
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+def test_forms_agree(form, dtype, terraced, sink):
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    ref, ref_state = window_attn_parallel(*inputs(torch.float64), **kw, **sinks(sink))
+    o, state = FORMS[form](*inputs(dtype), **kw, **sinks(sink, dtype))
+    assert o.dtype == dtype
+    assert state.k.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert state.pos.dtype == torch.int64
+    assert_rel_close(o, ref, TOL[dtype], f"{form} {dtype}")
+    assert_state_close(state, ref_state, TOL[dtype])
+    assert state.pos.tolist() == [T] * B
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 50])
+def test_extreme_windows(window, terraced):
+    """Empty or one-slot caches, and a window longer than the input (= full causal softmax)."""
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=window, terraced=terraced)
+    ref, ref_state = window_attn_parallel(q, k, v, **kw)
+    for form in (lambda *a, **kw: window_attn_chunk(*a, chunk_size=3, **kw), window_attn_recurrent):
+        o, state = form(q, k, v, **kw)
+        assert_rel_close(o, ref, 1e-12)
+        assert_state_close(state, ref_state, 1e-12)
+    if window == 1 and not terraced:  # each query sees only itself
+        assert_rel_close(ref, v, 1e-15)
+    if window == 50:
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(DK)).masked_fill(~causal, -math.inf)
+        assert_rel_close(ref, torch.softmax(scores, -1) @ v, 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 8, 64])
+def test_chunk_size_and_length_do_not_change_prefix(chunk_size, terraced):
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks("both"))
+    ref, _ = window_attn_parallel(q, k, v, **kw)
+    o, _ = window_attn_chunk(q[:, :, :29], k[:, :, :29], v[:, :, :29], chunk_size=chunk_size, **kw)
+    assert_rel_close(o, ref[:, :, :29], 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_causal(form, terraced):
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks("both"))
+    o, _ = FORMS[form](q, k, v, **kw)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for x in (q2, k2, v2):
+        x[:, :, 21:] = torch.randn_like(x[:, :, 21:])
+    o2, _ = FORMS[form](q2, k2, v2, **kw)
+    assert torch.equal(o[:, :, :21], o2[:, :, :21])
+    assert not torch.allclose(o[:, :, 21:], o2[:, :, 21:])
+
+
+# Splits inside the first window (state partly empty), inside a block, on a block boundary
+# (terraced w = 4) and late in the sequence.
+@pytest.mark.parametrize("split", [2, 13, 16, 30])
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_two_piece_prefill_equals_one(form, terraced, split):
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks("both"))
+    full, full_state = FORMS[form](q, k, v, **kw)
+    a, st = FORMS[form](q[:, :, :split], k[:, :, :split], v[:, :, :split], **kw)
+    b, st = FORMS[form](q[:, :, split:], k[:, :, split:], v[:, :, split:], state=st, **kw)
+    assert_rel_close(torch.cat([a, b], 2), full, 1e-12)
+    assert_state_close(st, full_state, 1e-12)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced):
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks("both"))
+    full, full_state = window_attn_parallel(q, k, v, **kw)
+    a, st = window_attn_chunk(q[:, :, :22], k[:, :, :22], v[:, :, :22], chunk_size=6, **kw)
+    outs = [a]
+    for t in range(22, T):
+        o, st = window_attn_recurrent(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, **kw)
+        outs.append(o)
+    assert_rel_close(torch.cat(outs, 2), full, 1e-12)
+    assert_state_close(st, full_state, 1e-12)
+
+
+@pytest.mark.parametrize("sink", ["none", "both"])
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_left_padding_via_negative_pos(form, terraced, sink):
+    """Row 0 carries 3 padding tokens at positions -3..-1: its real tokens get what they get alone."""
+    pad = 3
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks(sink))
+    q, k, v = inputs(torch.float64, T=T + pad)
+    alone0, st0 = FORMS[form](q[:1, :, pad:], k[:1, :, pad:], v[:1, :, pad:], **kw)
+    alone1, st1 = FORMS[form](q[1:], k[1:], v[1:], **kw)
+    L = cache_len(kw["window"], terraced)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+    start = WindowState(zeros(2, H, L, DK), zeros(2, H, L, DV), torch.tensor([-pad, 0]))
+    o, st = FORMS[form](q, k, v, state=start, **kw)
+    assert torch.isfinite(o).all()
+    assert_rel_close(o[:1, :, pad:], alone0, 1e-12)
+    assert_rel_close(o[1:], alone1, 1e-12)
+    assert st.pos.tolist() == [T, T + pad]
+    assert_rel_close(st.k[:1], st0.k, 1e-12)
+    if sink == "none":  # a padding query sees nothing at all: exactly zero, not NaN
+        assert torch.equal(o[:1, :, :pad], torch.zeros_like(o[:1, :, :pad]))
+
+
+def test_empty_input_keeps_state():
+    q, k, v = inputs(torch.float64)
+    _, st = window_attn_chunk(q, k, v, window=5)
+    for form in FORMS.values():
+        o, st2 = form(q[:, :, :0], k[:, :, :0], v[:, :, :0], window=5, state=st)
+        assert o.shape == (B, H, 0, DV)
+        assert_state_close(st2, st, 0.0)
+
+
+def test_chunk_form_takes_ceil_t_over_c_steps():
+    with count_chunk_steps() as counter:
+        window_attn_chunk(*inputs(torch.float32), window=5, chunk_size=8)
+    assert counter == {"calls": 1, "spans": math.ceil(T / 8)}
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_gradcheck_chunk(terraced):
+    g = torch.Generator().manual_seed(3)
+    Bs, Hs, Ts, Dk, Dv, m = 1, 2, 7, 3, 2, 2
+    shapes = ((Bs, Hs, Ts, Dk), (Bs, Hs, Ts, Dk), (Bs, Hs, Ts, Dv), (Hs, m), (Hs, m, Dk), (Hs, m, Dv))
+    args = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True) for shape in shapes]
+
+    def fn(q, k, v, sink_logits, sink_k, sink_v):
+        return window_attn_chunk(q, k, v, window=2, terraced=terraced, chunk_size=3, sink_logits=sink_logits,
+                                 sink_k=sink_k, sink_v=sink_v)[0]
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_state_size_does_not_depend_on_length(terraced):
+    shapes = []
+    for length in (50, 500):
+        q, k, v = (x[:1, :1] for x in inputs(torch.float32, T=length))
+        for form in (window_attn_chunk, window_attn_recurrent):
+            _, st = form(q, k, v, window=WINDOWS[terraced], terraced=terraced)
+            shapes.append([tuple(x.shape) for x in st])
+    assert all(s == shapes[0] for s in shapes)
+    L = cache_len(WINDOWS[terraced], terraced)
+    assert shapes[0] == [(1, 1, L, DK), (1, 1, L, DV), (1,)]
+
+
+def test_bad_inputs_raise_naming_the_value():
+    q, k, v = inputs(torch.float32)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"window must be a positive int, got {bad!r}"):
+            window_attn_parallel(q, k, v, window=bad)
+    with pytest.raises(ValueError, match=r"terraced must be a bool, got 'yes'"):
+        window_attn_chunk(q, k, v, window=4, terraced="yes")
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
+        window_attn_chunk(q, k, v, window=4, chunk_size=0)
+    with pytest.raises(ValueError, match=r"sink_logits must have shape \(H, m\) = \(3, m\), got \(4, 2\)"):
+        window_attn_recurrent(q, k, v, window=4, sink_logits=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"sink_k must have shape \(H, m, Dk\) = \(3, m, 8\), got \(3, 2, 7\)"):
+        window_attn_chunk(q, k, v, window=4, sink_k=torch.zeros(3, 2, 7), sink_v=torch.zeros(3, 2, 5))
+    with pytest.raises(ValueError, match=r"sink_v must have shape \(H, m, Dv\) = \(3, 2, 5\), got \(3, 3, 5\)"):
+        window_attn_parallel(q, k, v, window=4, sink_k=torch.zeros(3, 2, 8), sink_v=torch.zeros(3, 3, 5))
+    with pytest.raises(ValueError, match=r"sink_k and sink_v must be given together"):
+        window_attn_parallel(q, k, v, window=4, sink_k=torch.zeros(3, 2, DK))
+    _, st = window_attn_chunk(q, k, v, window=5)  # cache of 4
+    with pytest.raises(ValueError, match=r"state.k must have shape \(2, 3, 5, 8\), got \(2, 3, 4, 8\)"):
+        window_attn_recurrent(q, k, v, window=6, state=st)
+    with pytest.raises(ValueError, match=r"state.k must have shape \(2, 3, 9, 8\), got \(2, 3, 4, 8\)"):
+        window_attn_parallel(q, k, v, window=5, terraced=True, state=st)
+    with pytest.raises(ValueError, match=r"state.pos must have dtype torch.int64, got torch.int32"):
+        window_attn_chunk(q, k, v, window=5, state=st._replace(pos=st.pos.int()))
+    with pytest.raises(ValueError, match=r"state.pos must have shape \(2,\), got \(1,\)"):
+        window_attn_chunk(q, k, v, window=5, state=st._replace(pos=st.pos[:1]))
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number, got -1.0"):
+        window_attn_chunk(q, k, v, window=5, scale=-1.0)
