@@ -101,6 +101,8 @@ def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = N
                  device: torch.device | str | None = None):
     """Load a teacher causal LM and its tokenizer: ``(model, tokenizer)``, in eval mode.
 
+    The tokenizer is None for a local model directory that has no tokenizer files.
+
     ``name`` is a bundled teacher (default ``smollm2-135m``, offline), a local directory or a hub
     id. ``dtype`` defaults to fp32 (the bundled weights are dequantized fp32).
     """
@@ -112,8 +114,11 @@ def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = N
             raise ValueError(f"dtype must be a torch dtype name such as 'float32' or 'bfloat16', got {dtype!r}")
         dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    has_tokenizer = not Path(path).is_dir() or any(
+        (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     if device is not None:
         model.to(device)
     model.eval()
+    model.linearize_base = name  # what a checkpoint records to rebuild this base
     return model, tokenizer

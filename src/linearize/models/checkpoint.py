@@ -1,0 +1,214 @@
+"""Checkpoints: safetensors + JSON, never pickles; loading runs no code.
+
+A checkpoint directory holds
+  linearize.json      format version, method + settings, softmax layers, the base model and the
+                      fingerprint of its weights, LoRA settings, the file list;
+  adapter.safetensors what conversion and training added or changed (the new attention modules,
+                      LoRA weights) — a small fraction of the base;
+or, with ``merged=True``, model.safetensors with every weight (LoRA folded into the projections),
+the HF config and the tokenizer, so it loads without the base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT_VERSION = 1
+META_FILE = "linearize.json"
+ADAPTER_FILE = "adapter.safetensors"
+MERGED_FILE = "model.safetensors"
+ADDED_MARKERS = (".hybrid.", "lora_")
+
+
+def _is_added(name: str) -> bool:
+    return any(m in name for m in ADDED_MARKERS)
+
+
+def _base_name(name: str) -> str:
+    """A base parameter's name as in the unwrapped HF model (peft adds prefixes and base_layer)."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """SHA-256 over the names, shapes, dtypes and bytes of the base weights (added modules excluded)."""
+    h = hashlib.sha256()
+    tensors = {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        if not _is_added(name):
+            tensors.setdefault(_base_name(name), t)  # tied weights appear once
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _added_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if _is_added(k)}
+
+
+def _write_atomically(directory: Path, write) -> None:
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        write(tmp)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save(model: nn.Module, directory: str | os.PathLike, merged: bool = False, tokenizer=None) -> Path:
+    """Write a checkpoint of a converted (and possibly trained) model; returns the directory."""
+    spec = getattr(model, "linearize_spec", None)
+    if spec is None:
+        raise ValueError("save() takes a model converted with linearize.convert (it has no linearize_spec)")
+    base = getattr(model, "linearize_base", None) or getattr(model.config, "_name_or_path", None)
+    lora = getattr(model, "linearize_lora", None)
+    meta = {"format_version": FORMAT_VERSION, "library": "linearize", **spec, "lora": lora, "merged": merged,
+            "base": {"name": base, "fingerprint": None if merged else base_fingerprint(model)}}
+
+    def write(tmp: Path) -> None:
+        if merged:
+            full = _merged_model(model)
+            state = {k: v.detach().to("cpu").contiguous() for k, v in full.state_dict().items()}
+            save_file(_untie(state, full), str(tmp / MERGED_FILE), metadata={"format": "pt"})
+            full.config.save_pretrained(tmp)
+            meta["lora"] = None
+            tok = tokenizer if tokenizer is not None else _base_tokenizer(base)
+            if tok is not None:
+                tok.save_pretrained(tmp)
+            meta["files"] = [MERGED_FILE]
+        else:
+            save_file(_added_state(model), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+            meta["files"] = [ADAPTER_FILE]
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+
+    _write_atomically(Path(directory), write)
+    return Path(directory)
+
+
+def _base_tokenizer(base: str | None):
+    """The base model's tokenizer, so a merged export is self-contained (None if it has none)."""
+    if not base:
+        return None
+    from transformers import AutoTokenizer
+
+    from .teacher import resolve_teacher_path
+
+    path = Path(resolve_teacher_path(base))
+    if path.is_dir() and not (path / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _untie(state: dict, model: nn.Module) -> dict:
+    """safetensors refuses shared storage: drop the tied output embedding (HF re-ties on load)."""
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        state = dict(state)
+        state.pop("lm_head.weight")
+    return state
+
+
+def _merged_model(model: nn.Module) -> nn.Module:
+    """The model with any LoRA folded into its projections (a copy; ``model`` is not changed)."""
+    if getattr(model, "linearize_lora", None) is None:
+        return model
+    import copy
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.linearize_spec = model.linearize_spec
+    return merged
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a linearize checkpoint: {META_FILE} is missing")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"corrupted checkpoint: {path} is not valid JSON ({e})") from None
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format_version {version!r} is not supported by this linearize "
+                         f"(supported: {FORMAT_VERSION})")
+    return meta
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"corrupted checkpoint: {path} is missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupted checkpoint: cannot read {path} ({e})") from None
+
+
+def load(directory: str | os.PathLike, base: str | None = None, device=None, dtype=None):
+    """Rebuild a saved model: ``(model, tokenizer)``. ``base`` overrides the recorded base model."""
+    from .convert import convert
+    from .teacher import load_teacher
+
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta.get("merged"):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
+        convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
+        state = _load_tensors(directory / MERGED_FILE)
+        _load_exact(model, state, allow_missing={"lm_head.weight"} if config.tie_word_embeddings else set())
+        if config.tie_word_embeddings:
+            model.tie_weights()
+    else:
+        base_name = base or meta["base"]["name"]
+        model, tokenizer = load_teacher(base_name)
+        found = base_fingerprint(model)
+        if found != meta["base"]["fingerprint"]:
+            raise ValueError(f"base model {base_name!r} does not match the checkpoint: weights fingerprint "
+                             f"{found[:16]}... != recorded {str(meta['base']['fingerprint'])[:16]}...")
+        convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
+        if meta.get("lora"):
+            from ..train.lora import apply_lora  # stage 2 adds LoRA; same settings rebuild it
+
+            model = apply_lora(model, **meta["lora"])
+        state = _load_tensors(directory / ADAPTER_FILE)
+        expected = set(_added_state(model))
+        if set(state) != expected:
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"corrupted checkpoint: {ADAPTER_FILE} does not match the model "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        model.load_state_dict(state, strict=False)
+    model.linearize_base = meta["base"]["name"] if base is None else base
+    if dtype is not None or device is not None:
+        model.to(device=device, dtype=dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def _load_exact(model: nn.Module, state: dict, allow_missing: set[str]) -> None:
+    result = model.load_state_dict(state, strict=False)
+    missing = set(result.missing_keys) - allow_missing
+    if missing or result.unexpected_keys:
+        raise ValueError(f"corrupted checkpoint: missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")

@@ -1,0 +1,128 @@
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import linearize
+from linearize.models.checkpoint import ADAPTER_FILE, META_FILE
+
+
+def _tiny_base(path, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A converted tiny model whose new modules moved away from their initialisation."""
+    base = _tiny_base(tmp_path / "base")
+    model, _ = linearize.load_teacher(base)
+    linearize.convert(model, "lizard", window=8, softmax_layers=[1])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".hybrid." in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model, tmp_path
+
+
+IDS = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def test_save_then_load_reproduces_logits_exactly(trained):
+    model, tmp = trained
+    ref = model(IDS).logits
+    linearize.save(model, tmp / "ck")
+    meta = json.loads((tmp / "ck" / META_FILE).read_text())
+    assert meta["method"] == "lizard" and meta["overrides"] == {"window": 8} and meta["softmax_layers"] == [1]
+    loaded, _ = linearize.load(tmp / "ck")
+    assert torch.equal(loaded(IDS).logits, ref)
+    # only the new modules are stored: a small fraction of the base
+    n_added = sum(p.numel() for n, p in model.named_parameters() if ".hybrid." in n)
+    n_base = sum(p.numel() for n, p in model.named_parameters() if ".hybrid." not in n)
+    size = (tmp / "ck" / ADAPTER_FILE).stat().st_size
+    assert size < 4 * n_added + 4096 and n_added < 0.2 * n_base
+
+
+def test_merged_export_is_self_contained_and_reproduces_logits(trained):
+    model, tmp = trained
+    ref = model(IDS).logits
+    linearize.save(model, tmp / "merged", merged=True)
+    loaded, _ = linearize.load(tmp / "merged", base="/nonexistent-base-is-not-needed")
+    assert torch.equal(loaded(IDS).logits, ref)
+
+
+def test_save_overwrites_atomically_and_leaves_no_temporaries(trained):
+    model, tmp = trained
+    linearize.save(model, tmp / "ck")
+    linearize.save(model, tmp / "ck")
+    assert sorted(p.name for p in tmp.iterdir()) == ["base", "ck"]
+
+
+def test_wrong_base_fingerprint_is_refused(trained):
+    model, tmp = trained
+    linearize.save(model, tmp / "ck")
+    other = _tiny_base(tmp / "other", seed=1)
+    with pytest.raises(ValueError, match="does not match the checkpoint: weights fingerprint"):
+        linearize.load(tmp / "ck", base=other)
+
+
+def test_format_version_mismatch_is_refused(trained):
+    model, tmp = trained
+    linearize.save(model, tmp / "ck")
+    meta_path = tmp / "ck" / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["format_version"] = 99
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"format_version 99 is not supported .*supported: 1"):
+        linearize.load(tmp / "ck")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_json", "delete"])
+def test_corrupted_checkpoint_gives_a_clear_error(trained, damage):
+    model, tmp = trained
+    linearize.save(model, tmp / "ck")
+    tensors = tmp / "ck" / ADAPTER_FILE
+    if damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:100])
+        err, match = ValueError, "corrupted checkpoint: cannot read"
+    elif damage == "garbage_json":
+        (tmp / "ck" / META_FILE).write_text("{not json")
+        err, match = ValueError, "corrupted checkpoint: .* is not valid JSON"
+    else:
+        tensors.unlink()
+        err, match = FileNotFoundError, "corrupted checkpoint: .* is missing"
+    with pytest.raises(err, match=match):
+        linearize.load(tmp / "ck")
+
+
+def test_save_requires_a_converted_model(tmp_path):
+    model, _ = linearize.load_teacher(_tiny_base(tmp_path / "base"))
+    with pytest.raises(ValueError, match="converted with linearize.convert"):
+        linearize.save(model, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.slow
+def test_bundled_teacher_checkpoint_round_trip(tmp_path):
+    model, _ = linearize.load_teacher()
+    linearize.convert(model, "lizard")
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".hybrid." in name:
+                p.add_(torch.randn_like(p) * 0.01)
+        ref = model(ids).logits
+    linearize.save(model, tmp_path / "ck")
+    size = (tmp_path / "ck" / ADAPTER_FILE).stat().st_size
+    base_bytes = 4 * sum(p.numel() for n, p in model.named_parameters() if ".hybrid." not in n)
+    print(f"\nlizard checkpoint of SmolLM2-135M: {size / 1e6:.2f} MB = {100 * size / base_bytes:.2f}% of the fp32 base")
+    assert size < 0.05 * base_bytes
+    loaded, tokenizer = linearize.load(tmp_path / "ck")
+    assert tokenizer is not None
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
