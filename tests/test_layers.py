@@ -75,6 +75,8 @@ def test_pool_gate_is_parameter_free_and_pools_keys():
 
 def _assert_all_grads_nonzero(module):
     for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{type(module).__name__}.{name} has no gradient"
 
 
@@ -120,3 +122,23 @@ def test_bad_layer_settings_raise_naming_the_value():
         SigmoidGate(HIDDEN, H)(torch.zeros(B, T, HIDDEN - 1))
     with pytest.raises(ValueError, match=r"expected input \(B, 3, T, 8\), got \(2, 4, 11, 8\)"):
         HedgehogFeatureMap(H, D)(torch.zeros(B, H + 1, T, D))
+
+
+@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza", "hedgehog", "t2r", "liger"])
+def test_hybrid_attention_parameters_all_receive_gradients(method):
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    cfg = method_config(method, window=4, chunk_size=4, **({"sink_kind": "kv"} if method == "lizard" else {}))
+    layer = HybridAttention(cfg, H, D, HIDDEN)
+    q, k, v = (t.requires_grad_() for t in (x_heads(0), x_heads(1), x_heads(2)))
+    y, state = layer(q, k, v, q * 0.9, k * 1.1, x_hidden())
+    assert y.shape == (B, H, T, D) and torch.isfinite(y).all()
+    y.square().sum().backward()
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    # liger (frozen maps, parameter-free gate) and liza (parameter-free features and beta) have
+    # nothing to learn before LoRA; every other method's parameters all learn
+    assert (len(trainable) == 0) == (method in ("liger", "liza"))
+    _assert_all_grads_nonzero(layer)
+    assert all(t.grad.abs().sum() > 0 for t in (q, k, v))  # and the teacher's projections (LoRA) learn

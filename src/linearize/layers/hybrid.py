@@ -26,7 +26,7 @@ from ..methods import AttentionConfig
 from ..ops.delta import delta_product_chunk, delta_product_recurrent
 from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
-from ..ops.lolcats_attn import lolcats_attn_chunk, lolcats_attn_recurrent
+from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
 from ..ops.window_attn import WindowState, cache_len, window_attn_chunk, window_attn_recurrent
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from .gates import GLAGate, Mamba2Gate, PoolGate, SigmoidGate
@@ -67,6 +67,8 @@ class HybridAttention(nn.Module):
             self.window_factor = nn.Parameter(torch.full((num_heads,), float(config.window_factor_init)))
         if config.combine == "mu":
             self.register_buffer("mu", torch.tensor(float(config.mu)), persistent=False)
+        if not config.trainable:
+            self.requires_grad_(False)
 
     # ------------------------------------------------------------------ pieces
 
@@ -77,7 +79,7 @@ class HybridAttention(nn.Module):
             kw.update(self.sinks.op_kwargs())
         return kw
 
-    def _fresh_window_state(self, like: torch.Tensor, valid: torch.Tensor | None, n_features: int | None = None):
+    def _fresh_window_state(self, like: torch.Tensor, valid: torch.Tensor | None):
         """A window state whose rows start at minus their left padding."""
         B, H, _, d = like.shape
         L = cache_len(self.config.window, self.config.local_rule == "terraced")
@@ -134,13 +136,12 @@ class HybridAttention(nn.Module):
 
         if c.combine == "shared_norm":
             fq, fk, _ = self._global_features(gq, gk, x, valid)
-            if "local" not in state:
+            if "local" not in state:  # a fresh state, only to start left-padded rows at negative positions
                 zeros, pos = self._fresh_window_state(lk, valid)
-                from ..ops.lolcats_attn import LolcatsState
-                B, H = q.shape[:2]
+                B, H, L, _ = zeros.shape
                 Fd = fk.shape[-1]
                 state["local"] = LolcatsState(zeros.new_zeros(B, H, Fd, v.shape[-1]), zeros.new_zeros(B, H, Fd),
-                                              zeros, zeros.new_zeros(*zeros.shape[:3], Fd), zeros, pos)
+                                              zeros, zeros.new_zeros(B, H, L, Fd), zeros.clone(), pos)
             fn = lolcats_attn_recurrent if step else lolcats_attn_chunk
             kw = {} if step else chunk
             y, state["local"] = fn(lq, lk, v_lin, fq, fk, torch.sigmoid(self.window_factor), window=c.window,

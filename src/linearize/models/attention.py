@@ -41,8 +41,6 @@ class LinearizedAttention(nn.Module):
                                       scale=float(attn.scaling))
         ref = next(attn.parameters())
         self.hybrid.to(device=ref.device, dtype=ref.dtype)
-        if not config.trainable:
-            self.hybrid.requires_grad_(False)
 
     def heads(self, hidden_states: torch.Tensor, position_embeddings):
         """q, k, v without RoPE and q, k with RoPE, all (B, H, T, d) with KV heads expanded."""

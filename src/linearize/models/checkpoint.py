@@ -190,9 +190,7 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
                              f"{found[:16]}... != recorded {str(meta['base']['fingerprint'])[:16]}...")
         convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
         if meta.get("lora"):
-            from ..train.lora import apply_lora  # stage 2 adds LoRA; same settings rebuild it
-
-            model = apply_lora(model, **meta["lora"])
+            raise ValueError(f"{directory} holds LoRA weights, which this version of linearize cannot rebuild yet")
         state = _load_tensors(directory / ADAPTER_FILE)
         expected = set(_added_state(model))
         if set(state) != expected:
