@@ -53,8 +53,17 @@ class AttentionConfig:
         one_of("local_rule", LOCAL_RULES)
         one_of("combine", COMBINES)
         one_of("sink_kind", SINK_KINDS)
-        if self.global_rule == "gated":
-            one_of("gate", GATES)
+        one_of("gate", GATES + (None,))
+        if self.global_rule == "gated" and self.gate is None:
+            raise ValueError(f"global_rule 'gated' needs a gate, one of {GATES}")
+        if self.global_rule != "gated" and self.gate is not None:
+            raise ValueError(f"gate {self.gate!r} applies only to global_rule 'gated', not {self.global_rule!r}")
+        for name in ("keep_native_sliding", "trainable", "rope_global", "rope_window"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        lo_hi = self.gate_init
+        if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(isinstance(x, (int, float)) for x in lo_hi)):
+            raise ValueError(f"gate_init must be a pair (lo, hi) of gamma values in (0, 1), got {lo_hi!r}")
         for name in ("window", "chunk_size", "delta_order"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -115,8 +115,6 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
     for layer in cache.layers:
         if isinstance(layer, StateLayer):
             out["linear"] += sum(t.numel() * t.element_size() for t in iter_tensors(layer.state))
-        else:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    out["softmax"] += t.numel() * t.element_size()
+        else:  # keys, values and whatever else the layer holds (a sliding layer's window tensor)
+            out["softmax"] += sum(t.numel() * t.element_size() for t in iter_tensors(vars(layer)))
     return out

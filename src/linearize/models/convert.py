@@ -34,6 +34,18 @@ def resolve_softmax_layers(spec, num_layers: int) -> list[int]:
     return indices
 
 
+def native_sliding_layers(model_config, num_layers: int) -> set[int]:
+    """Layers that use the model's own sliding window: those ``layer_types`` marks (Gemma 2/3,
+    Qwen2/3), or every layer where the config has a ``sliding_window`` and no ``layer_types``
+    (Mistral, Phi-3 apply one window to all layers)."""
+    layer_types = getattr(model_config, "layer_types", None)
+    if layer_types:
+        return {i for i, t in enumerate(layer_types) if t == "sliding_attention"}
+    if getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window", True):
+        return set(range(num_layers))
+    return set()
+
+
 def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) -> nn.Module:
     """Swap the attention of ``model`` (a HF causal LM) for ``method`` in place and return it.
 
@@ -46,9 +58,8 @@ def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) 
     config = method_config(method, **overrides)
     layers = adapter.layers(model)
     kept = resolve_softmax_layers(softmax_layers, len(layers))
-    layer_types = getattr(model.config, "layer_types", None) or []
     if config.keep_native_sliding:
-        kept = sorted(set(kept) | {i for i, t in enumerate(layer_types) if t == "sliding_attention"})
+        kept = sorted(set(kept) | native_sliding_layers(model.config, len(layers)))
     for i, layer in enumerate(layers):
         if i in kept:
             continue
