@@ -55,3 +55,9 @@ def count_chunk_steps():
 def randn(*shape, dtype=torch.float64, seed=None, scale=1.0):
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def window_of(t: int, w: int, terraced: bool) -> list[int]:
+    """The window keys of query t, written out by hand (an oracle independent of ops.window_attn)."""
+    first = max(0, (t // w - 1) * w) if terraced else max(0, t - w + 1)
+    return list(range(first, t + 1))

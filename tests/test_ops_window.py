@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps
+from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps, window_of
 from linearize.ops.window_attn import (
     WindowState, cache_len, window_attn_chunk, window_attn_parallel, window_attn_recurrent,
 )
@@ -38,12 +38,6 @@ FORMS = {
     "chunk": lambda *a, **kw: window_attn_chunk(*a, chunk_size=8, **kw),
     "recurrent": window_attn_recurrent,
 }
-
-
-def window_of(t, w, terraced):
-    """The visible keys of query t, written out by hand."""
-    first = max(0, (t // w - 1) * w) if terraced else max(0, t - w + 1)
-    return list(range(first, t + 1))
 
 
 @pytest.mark.parametrize("terraced", [False, True])
