@@ -128,3 +128,25 @@ ARCHS = {
     "gemma2": gemma2,
     "gemma3": gemma3,
 }
+
+
+def tiny_model_dir(directory, num_layers: int = 2, seed: int = 0):
+    """A tiny random Llama saved with the bundled SmolLM2 tokenizer (vocab 49,152), so end-to-end
+    runs (data -> training -> checkpoint -> CLI) take seconds: ``load_teacher(str(directory))``
+    opens it like any local model."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from linearize.models.teacher import resolve_teacher_path
+
+    directory = Path(directory)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_teacher_path("smollm2-135m"))
+    config = LlamaConfig(num_hidden_layers=num_layers, **{**_COMMON, "vocab_size": len(tokenizer),
+                                                         "pad_token_id": tokenizer.pad_token_id,
+                                                         "eos_token_id": tokenizer.eos_token_id,
+                                                         "initializer_range": 0.02}, head_dim=16)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -236,12 +236,7 @@ def test_all_layers_kept_reproduces_the_teacher(arch):
         assert_close(got[i, -s.shape[1]:], logits(teacher, s)[0], f"row {i}")
 
 
-SOFTCAP_GAP = pytest.mark.xfail(
-    strict=True, reason="Gemma 2's attn_logit_softcapping is not applied inside linearized layers "
-    "(ops.window_attn has no soft-cap argument; HybridAttention._full_softmax neither)")
-
-
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=SOFTCAP_GAP) if a == "gemma2" else a for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_liza_with_mu_0_is_the_teachers_attention(arch):
     """LiZA with mu = 0 is its softmax branch alone. With that branch seeing every token (a window
     longer than the input, or full softmax) it must reproduce the teacher exactly: this checks the
@@ -254,6 +249,84 @@ def test_liza_with_mu_0_is_the_teachers_attention(arch):
         model = linearize.convert(fixtures.ARCHS[arch](), "liza", mu=0.0, **kw)
         assert any(isinstance(m, LinearizedAttention) for m in model.modules()) or arch == "mistral"
         assert_close(logits(model, ids[:, :L]), logits(teacher, ids[:, :L]), f"{kw}")
+
+
+# ------------------------------------------------------------------ Gemma 2's logit soft-capping
+
+STRONG_CAP = 5.0  # the fixture's 50 already matters (~7e-3 on logits); 5 bites much harder
+
+
+def gemma2_capped(softcap):
+    """The gemma2 fixture (same weights) with ``attn_logit_softcapping = softcap`` (None: no cap)."""
+    model = fixtures.gemma2()
+    model.config.attn_logit_softcapping = softcap
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = softcap
+    return model
+
+
+def test_gemma2_softcap_matters_for_the_teacher():
+    """Guard for the tests below: without the cap the teacher's logits move far beyond ATOL."""
+    ids = tokens()
+    ref = logits(gemma2_capped(None), ids)
+    for cap, least in [(fixtures.gemma2().config.attn_logit_softcapping, 1e-3), (STRONG_CAP, 1e-1)]:
+        assert (logits(gemma2_capped(cap), ids) - ref).abs().max() > least, cap
+
+
+@pytest.mark.parametrize("method,kw", [
+    ("liza", {"mu": 0.0, "window": 64, "keep_native_sliding": True}),
+    ("liza", {"mu": 0.0, "local_rule": "softmax", "keep_native_sliding": True}),
+    ("liza", {"mu": 0.0, "window": 64}),
+    ("lolcats", {"window": 64, "keep_native_sliding": True}),  # window >= T: no linear terms
+    ("lolcats", {"window": 64}),
+], ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+def test_gemma2_strong_softcap_window_branch_is_the_teachers_attention(method, kw):
+    """With a window covering the input, the linearized layers' softmax part alone (LiZA mu = 0;
+    LoLCATs, whose linear terms are then empty and whose factor f cancels up to eps) must be the
+    teacher's capped attention, next to kept native-sliding softmax layers or with every layer
+    converted (inputs within the native window of 8)."""
+    ids = tokens()
+    L = T if kw.get("keep_native_sliding") else fixtures.SLIDING_WINDOW
+    teacher = gemma2_capped(STRONG_CAP)
+    model = linearize.convert(gemma2_capped(STRONG_CAP), method, **kw)
+    layers = [m for m in model.modules() if isinstance(m, LinearizedAttention)]
+    assert layers and all(m.softcap == STRONG_CAP == m.hybrid.softcap for m in layers)
+    assert_close(logits(model, ids[:, :L]), logits(teacher, ids[:, :L]), f"{method} {kw}")
+    seqs, padded, mask = padded_batch()
+    if L == T:  # and a left-padded batch through the capped branches
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        got = logits(model, padded, attention_mask=mask, position_ids=position_ids)
+        for i, s in enumerate(seqs):
+            assert_close(got[i, -s.shape[1]:], logits(teacher, s)[0], f"{method} {kw} row {i}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gemma2_softcap_reaches_every_method(method):
+    """Every linearized layer takes the teacher's cap (and its native window); methods with a
+    softmax part change with it, pure linear methods do not; the capped model stays consistent."""
+    ids = tokens()
+    capped = converted("gemma2", method)
+    model_cap = capped.config.attn_logit_softcapping
+    uncapped = linearize.convert(gemma2_capped(None), method, **SMALL)
+    layers = [m for m in capped.modules() if isinstance(m, LinearizedAttention)]
+    assert len(layers) == 2
+    assert [m.sliding_window for m in layers] == [fixtures.SLIDING_WINDOW, None]  # sliding, then full
+    assert all(m.softcap == model_cap == m.hybrid.softcap for m in layers)
+    assert all(m.softcap is None and m.hybrid.softcap is None
+               for m in uncapped.modules() if isinstance(m, LinearizedAttention))
+    diff = (logits(capped, ids) - logits(uncapped, ids)).abs().max().item()
+    if layers[0].hybrid.config.local_rule == "none":
+        assert diff == 0.0, f"{method}: no softmax part, yet the cap changed the logits"
+    else:
+        assert diff > 1e-3, f"{method}: the cap does not reach the softmax part ({diff:.1e})"
+    dec, _ = pieces_logits(capped, ids, DECODE_PIECES)
+    assert_close(dec, logits(capped, ids), f"{method} capped: cached vs full")
+
+
+def test_linearized_attention_without_softcap_records_none():
+    model = converted("llama", "lizard")
+    layers = [m for m in model.modules() if isinstance(m, LinearizedAttention)]
+    assert layers and all(m.softcap is None and m.hybrid.softcap is None for m in layers)
 
 
 # ------------------------------------------------------------------ generate

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -12,6 +13,13 @@ from linearize.ops.window_attn import cache_len
 B, H, T, DK, DV, F = 2, 3, 37, 8, 5, 6
 # Standard w = 5 (cache 4); terraced w = 4 (blocks of 4, cache 7): both well inside T.
 WINDOWS = {False: 5, True: 4}
+# Scores are ~N(0, 1) here, so a cap of 1.5 changes them a lot; None is the uncapped op.
+SOFTCAPS = [None, 1.5]
+
+
+def capped(x, softcap):
+    """Gemma 2's soft-cap, written out for the references."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 def inputs(dtype, seed=0, T=T, B=B):
@@ -37,15 +45,17 @@ FORMS = {
 }
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("terraced", [False, True])
-def test_parallel_matches_explicit_sum(terraced):
+def test_parallel_matches_explicit_sum(terraced, softcap):
+    """The reference, by hand; a soft-cap acts on the window logits (and so on c_t) only."""
     q, k, v, fq, fk, f = inputs(torch.float64)
     w, eps = WINDOWS[terraced], 1e-6
-    o, _ = lolcats_attn_parallel(q, k, v, fq, fk, f, window=w, terraced=terraced, eps=eps)
+    o, _ = lolcats_attn_parallel(q, k, v, fq, fk, f, window=w, terraced=terraced, eps=eps, softcap=softcap)
     for t in (0, 3, 4, 7, 20, 23, T - 1):
         win = window_of(t, w, terraced)
         older = [s for s in range(t + 1) if s not in win]
-        scores = torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) / math.sqrt(DK)
+        scores = capped(torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) / math.sqrt(DK), softcap)
         a = f[None, :, None] * torch.exp(scores - scores.max(-1, keepdim=True).values)
         lin = torch.einsum("bhf,bhsf->bhs", fq[:, :, t], fk[:, :, older])
         num = (torch.einsum("bhs,bhsd->bhd", a, v[:, :, win])
@@ -54,11 +64,12 @@ def test_parallel_matches_explicit_sum(terraced):
         assert_rel_close(o[:, :, t], num / (den + eps), 1e-12, f"t={t}")
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("terraced", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
-def test_forms_agree(form, dtype, terraced):
-    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+def test_forms_agree(form, dtype, terraced, softcap):
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap)
     ref, ref_state = lolcats_attn_parallel(*inputs(torch.float64), **kw)
     o, state = FORMS[form](*inputs(dtype), **kw)
     assert o.dtype == dtype
@@ -126,10 +137,11 @@ def test_two_piece_prefill_equals_one(form, terraced, split):
     assert_state_close(st, full_state, 1e-12)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("terraced", [False, True])
-def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced):
+def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced, softcap):
     args = inputs(torch.float64)
-    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap)
     full, full_state = lolcats_attn_parallel(*args, **kw)
     a, st = lolcats_attn_chunk(*cut(args, 0, 22), chunk_size=6, **kw)
     outs = [a]
@@ -178,6 +190,32 @@ def test_chunk_form_takes_ceil_t_over_c_steps():
 
 
 @pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_softcap_large_is_no_cap_and_small_changes_the_output(form, terraced):
+    args = inputs(torch.float64)
+    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+    ref, ref_state = FORMS[form](*args, **kw)
+    none, _ = FORMS[form](*args, softcap=None, **kw)
+    assert torch.equal(none, ref)  # None is the default, bit for bit
+    big, big_state = FORMS[form](*args, softcap=1e6, **kw)
+    assert_rel_close(big, ref, 1e-10)  # c tanh(x / c) = x - x^3 / (3 c^2) + ...
+    assert_state_close(big_state, ref_state, 0.0)  # S, z and the cache never see the cap
+    small, _ = FORMS[form](*args, softcap=1.0, **kw)
+    assert torch.isfinite(small).all()
+    assert (small - ref).abs().max() > 1e-2
+
+
+def test_softcap_leaves_the_linear_terms_alone():
+    """Window 1 with terraced=False: the only window term is the key itself, whose capped logit
+    sets c_t, so its weight is f for any cap: the output does not depend on the cap at all."""
+    args = inputs(torch.float64)
+    ref, _ = lolcats_attn_parallel(*args, window=1)
+    for cap in (0.5, 1.0, 3.0):
+        o, _ = lolcats_attn_parallel(*args, window=1, softcap=cap)
+        assert_rel_close(o, ref, 1e-13)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
 def test_gradcheck_chunk(terraced):
     g = torch.Generator().manual_seed(3)
     Bs, Hs, Ts, Dk, Dv, Fs = 1, 2, 7, 3, 2, 4
@@ -188,10 +226,11 @@ def test_gradcheck_chunk(terraced):
     f = torch.sigmoid(torch.randn(Hs, generator=g, dtype=torch.float64))
     args = [x.requires_grad_() for x in (q, k, v, fq, fk, f)]
 
-    def fn(*a):
-        return lolcats_attn_chunk(*a, window=2, terraced=terraced, chunk_size=3)[0]
+    def fn(*a, softcap=None):
+        return lolcats_attn_chunk(*a, window=2, terraced=terraced, chunk_size=3, softcap=softcap)[0]
 
     assert torch.autograd.gradcheck(fn, args)
+    assert torch.autograd.gradcheck(lambda *a: fn(*a, softcap=1.5), args)
 
 
 @pytest.mark.parametrize("terraced", [False, True])
@@ -230,3 +269,8 @@ def test_bad_inputs_raise_naming_the_value():
         lolcats_attn_parallel(q, k, v, fq[..., 1:], fk[..., 1:], f, window=5, state=st)
     with pytest.raises(ValueError, match=r"state.pos must have dtype torch.int64, got torch.float32"):
         lolcats_attn_chunk(*args, window=5, state=st._replace(pos=st.pos.float()))
+    for bad in (0, -1.0, math.inf, math.nan, False, "5.0", torch.tensor(5.0)):
+        for form in FORMS.values():
+            with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None, got "
+                               + re.escape(repr(bad))):
+                form(*args, window=5, softcap=bad)

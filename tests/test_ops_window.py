@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -13,6 +14,13 @@ M_LOGITS, M_KV = 2, 3
 # Standard w = 5 (cache 4); terraced w = 4 (blocks of 4, cache 7): both well inside T.
 WINDOWS = {False: 5, True: 4}
 SINKS = ["none", "logits", "kv", "both"]
+# Scores are ~N(0, 1) here, so a cap of 1.5 changes them a lot; None is the uncapped op.
+SOFTCAPS = [None, 1.5]
+
+
+def capped(x, softcap):
+    """Gemma 2's soft-cap, written out for the references."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 def inputs(dtype, seed=0, T=T, B=B):
@@ -40,19 +48,22 @@ FORMS = {
 }
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("terraced", [False, True])
-def test_parallel_matches_explicit_softmax(terraced):
+def test_parallel_matches_explicit_softmax(terraced, softcap):
+    """The reference, by hand; with a soft-cap on the query-key logits (window and sink keys),
+    never on the learned sink logits."""
     q, k, v = inputs(torch.float64)
     sk = sinks("both")
     w = WINDOWS[terraced]
-    o, _ = window_attn_parallel(q, k, v, window=w, terraced=terraced, **sk)
+    o, _ = window_attn_parallel(q, k, v, window=w, terraced=terraced, softcap=softcap, **sk)
     scale = 1 / math.sqrt(DK)
     for t in (0, 2, 4, 7, 20, 23, T - 1):
         win = window_of(t, w, terraced)
         logits = torch.cat([
             sk["sink_logits"][None].expand(B, H, M_LOGITS),
-            torch.einsum("bhd,hmd->bhm", q[:, :, t], sk["sink_k"]) * scale,
-            torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) * scale,
+            capped(torch.einsum("bhd,hmd->bhm", q[:, :, t], sk["sink_k"]) * scale, softcap),
+            capped(torch.einsum("bhd,bhsd->bhs", q[:, :, t], k[:, :, win]) * scale, softcap),
         ], dim=-1)
         values = torch.cat([
             torch.zeros(B, H, M_LOGITS, DV, dtype=torch.float64),  # v2 sinks carry no value
@@ -67,12 +78,13 @@ def test_cache_length():
     assert cache_len(5, False) == 4 and cache_len(4, True) == 7 and cache_len(1, False) == 0
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("sink", SINKS)
 @pytest.mark.parametrize("terraced", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
-def test_forms_agree(form, dtype, terraced, sink):
-    kw = dict(window=WINDOWS[terraced], terraced=terraced)
+def test_forms_agree(form, dtype, terraced, sink, softcap):
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap)
     ref, ref_state = window_attn_parallel(*inputs(torch.float64), **kw, **sinks(sink))
     o, state = FORMS[form](*inputs(dtype), **kw, **sinks(sink, dtype))
     assert o.dtype == dtype
@@ -141,10 +153,11 @@ def test_two_piece_prefill_equals_one(form, terraced, split):
     assert_state_close(st, full_state, 1e-12)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("terraced", [False, True])
-def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced):
+def test_chunk_prefill_then_recurrent_decode_equals_full_forward(terraced, softcap):
     q, k, v = inputs(torch.float64)
-    kw = dict(window=WINDOWS[terraced], terraced=terraced, **sinks("both"))
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap, **sinks("both"))
     full, full_state = window_attn_parallel(q, k, v, **kw)
     a, st = window_attn_chunk(q[:, :, :22], k[:, :, :22], v[:, :, :22], chunk_size=6, **kw)
     outs = [a]
@@ -193,6 +206,22 @@ def test_chunk_form_takes_ceil_t_over_c_steps():
     assert counter == {"calls": 1, "spans": math.ceil(T / 8)}
 
 
+@pytest.mark.parametrize("sink", SINKS)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_softcap_large_is_no_cap_and_small_changes_the_output(form, sink):
+    q, k, v = inputs(torch.float64)
+    kw = dict(window=WINDOWS[False], **sinks(sink))
+    ref, ref_state = FORMS[form](q, k, v, **kw)
+    none, _ = FORMS[form](q, k, v, softcap=None, **kw)
+    assert torch.equal(none, ref)  # None is the default, bit for bit
+    big, big_state = FORMS[form](q, k, v, softcap=1e6, **kw)
+    assert_rel_close(big, ref, 1e-10)  # c tanh(x / c) = x - x^3 / (3 c^2) + ...
+    assert_state_close(big_state, ref_state, 0.0)  # the cache holds raw keys/values
+    small, _ = FORMS[form](q, k, v, softcap=1.0, **kw)
+    assert torch.isfinite(small).all()
+    assert (small - ref).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("terraced", [False, True])
 def test_gradcheck_chunk(terraced):
     g = torch.Generator().manual_seed(3)
@@ -200,11 +229,12 @@ def test_gradcheck_chunk(terraced):
     shapes = ((Bs, Hs, Ts, Dk), (Bs, Hs, Ts, Dk), (Bs, Hs, Ts, Dv), (Hs, m), (Hs, m, Dk), (Hs, m, Dv))
     args = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True) for shape in shapes]
 
-    def fn(q, k, v, sink_logits, sink_k, sink_v):
+    def fn(q, k, v, sink_logits, sink_k, sink_v, softcap=None):
         return window_attn_chunk(q, k, v, window=2, terraced=terraced, chunk_size=3, sink_logits=sink_logits,
-                                 sink_k=sink_k, sink_v=sink_v)[0]
+                                 sink_k=sink_k, sink_v=sink_v, softcap=softcap)[0]
 
     assert torch.autograd.gradcheck(fn, args)
+    assert torch.autograd.gradcheck(lambda *a: fn(*a, softcap=1.5), args)
 
 
 @pytest.mark.parametrize("terraced", [False, True])
@@ -248,3 +278,8 @@ def test_bad_inputs_raise_naming_the_value():
         window_attn_chunk(q, k, v, window=5, state=st._replace(pos=st.pos[:1]))
     with pytest.raises(ValueError, match=r"scale must be a positive finite number, got -1.0"):
         window_attn_chunk(q, k, v, window=5, scale=-1.0)
+    for bad in (0, 0.0, -2.0, math.inf, math.nan, True, "50", torch.tensor(50.0)):
+        for form in FORMS.values():
+            with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None, got "
+                               + re.escape(repr(bad))):
+                form(q, k, v, window=5, softcap=bad)

@@ -27,7 +27,9 @@ from ..ops.delta import delta_product_chunk, delta_product_recurrent
 from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
-from ..ops.window_attn import WindowState, cache_len, window_attn_chunk, window_attn_recurrent
+from ..ops.window_attn import (
+    WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent,
+)
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from .gates import GLAGate, Mamba2Gate, PoolGate, SigmoidGate
 from .sinks import Sinks
@@ -37,11 +39,13 @@ BETA_POOL = 3  # TPTT: beta_t = sigmoid of a causal average of the last 3 keys
 
 class HybridAttention(nn.Module):
     def __init__(self, config: AttentionConfig, num_heads: int, head_dim: int, hidden_size: int,
-                 scale: float | None = None):
+                 scale: float | None = None, softcap: float | None = None):
         super().__init__()
         self.config = config = config.validate()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.scale = scale  # the teacher's softmax scale (Gemma's query_pre_attn_scalar, ...)
+        # the teacher's logit soft-cap (Gemma 2's attn_logit_softcapping) for every softmax part
+        self.softcap = check_softcap(softcap)
         F_dim = config.feature_dim or head_dim
         if config.feature_map == "hedgehog":
             self.phi_q = HedgehogFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
@@ -74,7 +78,8 @@ class HybridAttention(nn.Module):
 
     def _window_kwargs(self) -> dict:
         c = self.config
-        kw = {"window": c.window, "terraced": c.local_rule == "terraced", "scale": self.scale}
+        kw = {"window": c.window, "terraced": c.local_rule == "terraced", "scale": self.scale,
+              "softcap": self.softcap}
         if hasattr(self, "sinks"):
             kw.update(self.sinks.op_kwargs())
         return kw
@@ -145,7 +150,8 @@ class HybridAttention(nn.Module):
             fn = lolcats_attn_recurrent if step else lolcats_attn_chunk
             kw = {} if step else chunk
             y, state["local"] = fn(lq, lk, v_lin, fq, fk, torch.sigmoid(self.window_factor), window=c.window,
-                                   terraced=c.local_rule == "terraced", scale=self.scale, state=state["local"], **kw)
+                                   terraced=c.local_rule == "terraced", scale=self.scale, softcap=self.softcap,
+                                   state=state["local"], **kw)
             return y, state
 
         # global branch
@@ -204,6 +210,14 @@ class HybridAttention(nn.Module):
         keys_valid = valid_now if valid_all is None else torch.cat([valid_all, valid_now], 1)
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         mask = causal[None, None] & keys_valid[:, None, None, :]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        if self.softcap is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:  # SDPA cannot soft-cap: explicit scores, capped, masked and normalised in fp32
+            scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            scores = soft_cap(q.to(acc) @ k.to(acc).transpose(-1, -2) * scale, self.softcap)
+            # a row that sees no key (a left-padding query) is zeroed below; keep it finite here
+            scores = scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
+            y = (scores.softmax(-1) @ v.to(acc)).to(v.dtype)
         y = y.masked_fill(~valid_now[:, None, :, None], 0.0)
         return y, (k, v, keys_valid)

@@ -37,8 +37,11 @@ class LinearizedAttention(nn.Module):
         self.num_kv_heads = getattr(model_config, "num_key_value_heads", None) or self.num_heads
         self.adapter = adapter
         self.rotary = adapter.rotary_fn(attn)
+        # the teacher's logit soft-cap (Gemma 2; None elsewhere) and its own native window, if any
+        self.softcap = getattr(attn, "attn_logit_softcapping", None)
+        self.sliding_window = getattr(attn, "sliding_window", None)
         self.hybrid = HybridAttention(config, self.num_heads, self.head_dim, model_config.hidden_size,
-                                      scale=float(attn.scaling))
+                                      scale=float(attn.scaling), softcap=self.softcap)
         ref = next(attn.parameters())
         self.hybrid.to(device=ref.device, dtype=ref.dtype)
 
@@ -58,12 +61,40 @@ class LinearizedAttention(nn.Module):
             if attention_mask.dim() != 2:
                 raise ValueError(f"a linearized model takes a 2-D padding mask (B, S), got shape {tuple(attention_mask.shape)}")
             valid = attention_mask[:, -T:].bool()
+        if self.transfer is not None:
+            return self._transfer_forward(q, k, v, q_rope, k_rope, hidden_states, valid), None
         layer = state_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         y, state = self.hybrid(q, k, v, q_rope, k_rope, hidden_states, layer.state if layer else None, valid)
         if layer is not None:
             layer.set_state(state, T)
-        out = self.o_proj(y.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype))
-        return out, None
+        return self._output(y, hidden_states.dtype), None
+
+    transfer = None  # a train.transfer.TransferRecorder while stage 1 runs
+
+    def _output(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, H, T, d) heads -> (B, T, hidden) through the output projection."""
+        B, _, T, _ = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1).to(dtype))
+
+    def teacher_heads(self, q_rope, k_rope, v, valid) -> torch.Tensor:
+        """The teacher's own softmax attention on these heads, (B, H, T, d): SDPA, no T x T scores."""
+        mask = None if valid is None else valid.long()
+        y = softmax_attention(self, q_rope, k_rope, v, mask, scaling=self.hybrid.scale,
+                              sliding_window=self.sliding_window, softcap=self.softcap)[0]
+        return y.transpose(1, 2)
+
+    def _transfer_forward(self, q, k, v, q_rope, k_rope, x, valid) -> torch.Tensor:
+        """Stage 1: record MSE(student, teacher) for this layer and pass the teacher's output on
+        (teacher forcing), so each layer learns from the teacher's hidden states."""
+        with torch.no_grad():
+            y_teacher = self.teacher_heads(q_rope, k_rope, v, valid)
+            out_teacher = self._output(y_teacher, x.dtype)
+        y_student, _ = self.hybrid(q, k, v, q_rope, k_rope, x, None, valid)
+        if self.transfer.target == "output":
+            self.transfer.record(self.layer_idx, self._output(y_student, x.dtype), out_teacher, valid)
+        else:
+            self.transfer.record(self.layer_idx, y_student.transpose(1, 2), y_teacher.transpose(1, 2), valid)
+        return out_teacher
 
 
 # ---------------------------------------------------------------------- the "linearize" implementation
@@ -84,6 +115,12 @@ def softmax_attention(module, query, key, value, attention_mask, scaling=None, d
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     B, _, Tq, _ = query.shape
     Tk = key.shape[2]
+    plain_causal = (attention_mask is None and softcap is None and Tq == Tk
+                    and (sliding_window is None or sliding_window >= Tk))
+    if plain_causal:  # the common training/prefill case: let SDPA pick a flash kernel, no mask tensor
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0)
+        return out.transpose(1, 2).contiguous(), None
     total = attention_mask.shape[1] if attention_mask is not None else Tk
     q_pos = torch.arange(total - Tq, total, device=query.device)
     k_pos = torch.arange(total - Tk, total, device=query.device)

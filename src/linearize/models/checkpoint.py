@@ -59,21 +59,41 @@ def _added_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _write_atomically(directory: Path, write) -> None:
+    """Write a checkpoint's files into ``directory`` without ever leaving a half-written one.
+
+    ``write(tmp)`` fills a temporary folder beside it; the files then move in one by one with
+    ``os.replace``, the metadata last (and the old metadata removed first), so the folder holds
+    a loadable checkpoint or none. Other files in the folder (a training run's metrics, curves
+    and resume state) are left alone; a previous checkpoint's payload files are removed.
+    """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    created = not directory.exists()
     try:
         write(tmp)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
+        directory.mkdir(exist_ok=True)
+        old_meta = directory / META_FILE
+        stale = set()
+        if old_meta.is_file():
+            try:
+                stale = set(json.loads(old_meta.read_text()).get("files", []))
+            except (json.JSONDecodeError, AttributeError):
+                pass
+            old_meta.unlink()
+        new_files = sorted(p.name for p in tmp.iterdir() if p.name != META_FILE)
+        for name in stale - set(new_files):
+            if "/" not in name and name not in (".", ".."):
+                (directory / name).unlink(missing_ok=True)
+        for name in new_files:
+            os.replace(tmp / name, directory / name)
+        os.replace(tmp / META_FILE, directory / META_FILE)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save(model: nn.Module, directory: str | os.PathLike, merged: bool = False, tokenizer=None) -> Path:
@@ -96,7 +116,7 @@ def save(model: nn.Module, directory: str | os.PathLike, merged: bool = False, t
             tok = tokenizer if tokenizer is not None else _base_tokenizer(base)
             if tok is not None:
                 tok.save_pretrained(tmp)
-            meta["files"] = [MERGED_FILE]
+            meta["files"] = sorted(p.name for p in tmp.iterdir())
         else:
             save_file(_added_state(model), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
             meta["files"] = [ADAPTER_FILE]
@@ -134,7 +154,9 @@ def _merged_model(model: nn.Module) -> nn.Module:
         return model
     import copy
 
-    merged = copy.deepcopy(model).merge_and_unload()
+    from .lora import merge_lora
+
+    merged = merge_lora(copy.deepcopy(model))
     merged.linearize_spec = model.linearize_spec
     return merged
 
@@ -190,7 +212,10 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
                              f"{found[:16]}... != recorded {str(meta['base']['fingerprint'])[:16]}...")
         convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
         if meta.get("lora"):
-            raise ValueError(f"{directory} holds LoRA weights, which this version of linearize cannot rebuild yet")
+            from .lora import add_lora
+
+            lora = meta["lora"]
+            add_lora(model, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"], targets=lora["targets"])
         state = _load_tensors(directory / ADAPTER_FILE)
         expected = set(_added_state(model))
         if set(state) != expected:

@@ -11,17 +11,19 @@ from typing import Optional
 import torch
 
 from .. import common
-from ..window_attn.naive import keep_last, key_positions
+from ..window_attn.naive import check_softcap, keep_last, key_positions
 from .naive import LolcatsState, check_inputs, fold_leaving, hybrid_attend
 
 
 def lolcats_attn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor,
     window_factor: torch.Tensor, *, window: int, terraced: bool = False, scale: Optional[float] = None,
-    state: Optional[LolcatsState] = None, eps: float = 1e-6, chunk_size: int = 64,
+    state: Optional[LolcatsState] = None, eps: float = 1e-6, softcap: Optional[float] = None,
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, LolcatsState]:
     dt, L, state = check_inputs(q, k, v, fq, fk, window_factor, window, terraced, state)
     scale = common.softmax_scale(scale, q.shape[-1])
+    softcap = check_softcap(softcap)
     f = window_factor.to(dt)
     S, z, cache_k, cache_fk, cache_v, pos = state
     outs = []
@@ -32,7 +34,7 @@ def lolcats_attn_chunk(
         values = torch.cat([cache_v, v[:, :, s0:s1].to(dt)], dim=2)
         k_pos = key_positions(pos, L, C)
         outs.append(hybrid_attend(q[:, :, s0:s1].to(dt), fq[:, :, s0:s1].to(dt), keys, fkeys, values,
-                                  k_pos[:, L:], k_pos, S, z, f, window, terraced, scale, eps))
+                                  k_pos[:, L:], k_pos, S, z, f, window, terraced, scale, eps, softcap))
         S, z = fold_leaving(S, z, fkeys, values, k_pos, C)
         cache_k, cache_fk, cache_v = keep_last(keys, L), keep_last(fkeys, L), keep_last(values, L)
         pos = pos + C

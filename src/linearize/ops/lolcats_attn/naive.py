@@ -7,6 +7,10 @@ factor f in (0, 1) (the layer applies the sigmoid), output ``(B, H, T, Dv)``.
     y_t = [sum_{s in win(t)} f e^{q_t.k_s*scale - c_t} v_s + sum_{s older} (fq_t.fk_s) v_s]
           / ([the same without v_s] + eps),        c_t = max_{s in win(t)} q_t.k_s*scale
 
+With ``softcap`` c (Gemma 2's ``attn_logit_softcapping``) every window logit q_t.k_s*scale above,
+c_t included, reads c * tanh(q_t.k_s*scale / c); the linear terms are unchanged. ``softcap=None``
+is the uncapped computation, bit for bit.
+
 "older" = 0 <= s <= t and not in the window. c_t belongs to the model: the linear terms are not
 scaled by e^{-c_t}, so it is not a removable stabiliser; every form computes it over exactly the
 window's scores and it stays differentiable.
@@ -24,7 +28,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import common
-from ..window_attn.naive import check_pos, check_window, keep_last, key_positions, seen, visible
+from ..window_attn.naive import (
+    check_pos, check_softcap, check_window, keep_last, key_positions, seen, soft_cap, visible,
+)
 
 
 class LolcatsState(NamedTuple):
@@ -71,16 +77,17 @@ def check_inputs(q, k, v, fq, fk, window_factor, window, terraced, state: Option
 def hybrid_attend(
     q: torch.Tensor, fq: torch.Tensor, keys: torch.Tensor, fkeys: torch.Tensor, values: torch.Tensor,
     q_pos: torch.Tensor, k_pos: torch.Tensor, S: torch.Tensor, z: torch.Tensor, f: torch.Tensor,
-    window: int, terraced: bool, scale: float, eps: float,
+    window: int, terraced: bool, scale: float, eps: float, softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Queries (B, H, Tq, .) at ``q_pos (B, Tq)`` against keys (B, H, Tk, .) at ``k_pos (B, Tk)``
     and the linear state S, z of everything older than those keys; all in the compute dtype.
 
     Each key is a window term, a linear term or invisible (future / empty slot), by the rule.
+    ``softcap`` (already validated) caps the window logits before c_t and the exp.
     """
     win = visible(q_pos, k_pos, window, terraced)  # (B, 1, Tq, Tk)
     older = seen(q_pos, k_pos) & ~win
-    scores = (q @ keys.transpose(-1, -2) * scale).masked_fill(~win, -math.inf)
+    scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~win, -math.inf)
     c = scores.amax(-1, keepdim=True)  # differentiable: part of the model, see the module docstring
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # rows with an empty window
     weights = f[None, :, None, None] * torch.exp(scores - c)
@@ -103,11 +110,12 @@ def fold_leaving(S: torch.Tensor, z: torch.Tensor, fkeys: torch.Tensor, values: 
 def lolcats_attn_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor,
     window_factor: torch.Tensor, *, window: int, terraced: bool = False, scale: Optional[float] = None,
-    state: Optional[LolcatsState] = None, eps: float = 1e-6,
+    state: Optional[LolcatsState] = None, eps: float = 1e-6, softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, LolcatsState]:
     """The hybrid from the full (T, L + T) score matrices over [cache ++ input], split by the rule."""
     dt, L, state = check_inputs(q, k, v, fq, fk, window_factor, window, terraced, state)
     scale = common.softmax_scale(scale, q.shape[-1])
+    softcap = check_softcap(softcap)
     T = q.shape[2]
     keys = torch.cat([state.k, k.to(dt)], dim=2)
     fkeys = torch.cat([state.fk, fk.to(dt)], dim=2)
@@ -117,7 +125,7 @@ def lolcats_attn_parallel(
         o = v.new_zeros(v.shape, dtype=dt)
     else:
         o = hybrid_attend(q.to(dt), fq.to(dt), keys, fkeys, values, k_pos[:, L:], k_pos, state.S, state.z,
-                          window_factor.to(dt), window, terraced, scale, eps)
+                          window_factor.to(dt), window, terraced, scale, eps, softcap)
     S, z = fold_leaving(state.S, state.z, fkeys, values, k_pos, T)
     new_state = LolcatsState(S, z, keep_last(keys, L), keep_last(fkeys, L), keep_last(values, L),
                              state.pos + T)

@@ -3,6 +3,12 @@
 Shapes: ``q, k: (B, H, T, Dk)``, ``v: (B, H, T, Dv)``, ``sink_logits: (H, m)``,
 ``sink_k: (H, m, Dk)``, ``sink_v: (H, m, Dv)``, output ``(B, H, T, Dv)``.
 
+Soft-capping (Gemma 2's ``attn_logit_softcapping``): with ``softcap = c`` every query-key logit
+becomes ``c * tanh(q.k*scale / c)`` after scaling and before masking and the softmax; this holds
+for the window keys and for v1 sink keys (``q.sk_j*scale`` is a query-key logit too), but not
+for the v2 sink logits t_j, which are learned values. ``softcap=None`` leaves the logits as
+they are (bit for bit the uncapped computation).
+
 Positions are absolute: ``state.pos (B,)`` counts the tokens seen before the input, so input
 token i of batch row b sits at ``pos[b] + i``. The state caches the last ``L`` keys/values before
 the input, at positions ``pos - L .. pos - 1``; a slot at a negative position is empty and never
@@ -83,6 +89,23 @@ def keep_last(x: torch.Tensor, L: int) -> torch.Tensor:
     return x[:, :, x.shape[2] - L:]
 
 
+def check_softcap(softcap: object) -> Optional[float]:
+    """None, or a positive finite number (returned as a float)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def soft_cap(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)``; the scores themselves when ``softcap`` is None."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
 def check_pos(pos: object, B: int) -> None:
     common.check_state_tensor("pos", pos, (B,))
     if pos.dtype != torch.int64:
@@ -138,21 +161,24 @@ def check_inputs(q, k, v, window, terraced, sink_logits, sink_k, sink_v, state: 
 def sink_softmax_attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
     sink_logits: Optional[torch.Tensor], sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """softmax over [sink logits, sink-key scores, visible window scores] applied to [0, sink_v, v].
 
     q (B, H, Tq, Dk), keys (B, H, Tk, Dk), values (B, H, Tk, Dv), mask (B, 1, Tq, Tk); all in
     the compute dtype. A query that sees nothing (a padding position, without sinks) gets 0.
+    ``softcap`` (already validated) caps the window and sink-key scores, not the sink logits.
     """
     dt = q.dtype
     kv_sinks = sink_k is not None and sink_k.shape[1] > 0
     logit_sinks = sink_logits is not None and sink_logits.shape[1] > 0
-    scores = (q @ keys.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
+    scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~mask, -math.inf)
     # The stabiliser cancels out of the softmax, so no gradient needs to flow through it; it
     # includes the sinks so that a large sink logit cannot overflow the denominator.
     c = scores.detach().amax(-1, keepdim=True)
     if kv_sinks:
-        sink_scores = q @ sink_k.to(dt).transpose(-1, -2) * scale  # (B, H, Tq, m): no positions
+        # (B, H, Tq, m), no positions; query-key logits, so capped like the window's
+        sink_scores = soft_cap(q @ sink_k.to(dt).transpose(-1, -2) * scale, softcap)
         c = torch.maximum(c, sink_scores.detach().amax(-1, keepdim=True))
     if logit_sinks:
         logits = sink_logits.to(dt)[None, :, None, :]  # (1, H, 1, m)
@@ -173,16 +199,18 @@ def window_attn_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, terraced: bool = False,
     scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
     sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
-    state: Optional[WindowState] = None,
+    state: Optional[WindowState] = None, softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, WindowState]:
     """Sliding-window softmax with sinks, from the full masked (T, L + T) score matrix.
 
     o_t = [sum_{s visible} e^{q_t.k_s*scale} v_s + sum_j e^{q_t.sk_j*scale} sv_j]
           / [the same without values + sum_j e^{t_j}]
-    with v1 sinks (sk_j, sv_j) = (sink_k, sink_v) and v2 sink logits t_j = sink_logits.
+    with v1 sinks (sk_j, sv_j) = (sink_k, sink_v) and v2 sink logits t_j = sink_logits; with
+    ``softcap`` c each q.k*scale above reads c * tanh(q.k*scale / c).
     """
     dt, L, state = check_inputs(q, k, v, window, terraced, sink_logits, sink_k, sink_v, state)
     scale = common.softmax_scale(scale, q.shape[-1])
+    softcap = check_softcap(softcap)
     T = q.shape[2]
     keys = torch.cat([state.k, k.to(dt)], dim=2)
     values = torch.cat([state.v, v.to(dt)], dim=2)
@@ -191,6 +219,6 @@ def window_attn_parallel(
     if T == 0:
         o = v.new_zeros(v.shape, dtype=dt)
     else:
-        o = sink_softmax_attend(q.to(dt), keys, values, mask, scale, sink_logits, sink_k, sink_v)
+        o = sink_softmax_attend(q.to(dt), keys, values, mask, scale, sink_logits, sink_k, sink_v, softcap)
     new_state = WindowState(keep_last(keys, L), keep_last(values, L), state.pos + T)
     return o.to(v.dtype), new_state

@@ -1,0 +1,151 @@
+"""``TrainConfig``: every setting of a two-stage linearization run, one dataclass.
+
+The CLI builds it from a YAML/JSON file and flags (flag names are the field names with dashes);
+``linearize.train.run(config)`` runs it. ``validate`` names any bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+PACKING = ("split", "concat")
+TRANSFER_TARGETS = ("heads", "output")
+LR_SCHEDULES = ("cosine", "plateau", "constant")
+MU_SCHEDULES = ("constant", "ramp", "cyclic", "switch")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    # what to linearize, on what, and where the run lives
+    method: str = "lizard"
+    model: str = "smollm2-135m"          # a bundled teacher name, a local HF directory, or a hub id
+    data: str = "shakespeare"            # a file, a folder, "shakespeare", "passkey", or a HF dataset name
+    out: str = "runs/lizard"
+    softmax_layers: list[int] | float | None = None
+    overrides: dict = field(default_factory=dict)  # AttentionConfig fields (window, gate, ...)
+
+    # data
+    seq_len: int = 512
+    packing: str = "split"               # split: documents never share a row | concat: the papers' packing
+    val_fraction: float = 0.05
+    val_rows: int = 16                   # validation rows evaluated (at most)
+    seed: int = 0
+
+    # stage 1: attention transfer
+    stage1_tokens: int = 1_000_000
+    stage1_lr: float = 1e-2
+    transfer_target: str = "heads"       # heads: per head before o_proj (LoLCATs) | output: after o_proj
+    block_size: int | None = None        # layers trained together; None = all jointly
+
+    # stage 2: LoRA
+    stage2_tokens: int = 1_000_000
+    stage2_lr: float = 1e-4
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # None: the architecture's q, k, v, o projections
+    distill: float = 0.0                 # weight of KL(teacher || student) on logits; 0 = next-token loss only
+    distill_temperature: float = 1.0
+    mu_schedule: str = "ramp"            # liza only: constant | ramp 0.01 -> 0.5 | cyclic | switch
+    mu_steps: int = 100
+
+    # the loop (both stages)
+    batch_size: int = 8
+    grad_accum: int = 1
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"          # cosine with warmup (Lizard) | plateau (LoLCATs) | constant
+    warmup_steps: int = 10
+    plateau_patience: int = 2            # evaluations without improvement before the LR is cut
+    plateau_factor: float = 0.1
+    clip: float = 1.0                    # gradient norm clipping; 0 = off
+    precision: str = "auto"              # auto: bf16 autocast on CUDA, fp32 elsewhere
+    device: str = "auto"
+    eval_every: int = 50                 # optimizer steps between validations
+    early_stop_patience: int | None = None  # validations without improvement before stopping
+    max_nonfinite: int = 5               # consecutive non-finite losses before the run stops
+    save_every: int = 50                 # optimizer steps between resume checkpoints
+    progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        from ..methods import methods
+
+        if self.method not in methods():
+            raise ValueError(f"method must be one of {sorted(methods())}, got {self.method!r}")
+        _one_of(self, "packing", PACKING)
+        _one_of(self, "transfer_target", TRANSFER_TARGETS)
+        _one_of(self, "lr_schedule", LR_SCHEDULES)
+        _one_of(self, "mu_schedule", MU_SCHEDULES)
+        _one_of(self, "precision", PRECISIONS)
+        for name in ("seq_len", "batch_size", "grad_accum", "lora_rank", "mu_steps", "eval_every",
+                     "save_every", "max_nonfinite", "val_rows"):
+            _positive_int(self, name)
+        for name in ("stage1_tokens", "stage2_tokens", "warmup_steps", "plateau_patience"):
+            _non_negative_int(self, name)
+        for name in ("block_size", "early_stop_patience"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
+        for name in ("stage1_lr", "stage2_lr", "lora_alpha", "distill_temperature"):
+            _positive_real(self, name)
+        for name in ("weight_decay", "clip", "lora_dropout"):
+            value = getattr(self, name)
+            if not _is_real(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        for name, lo, hi in (("val_fraction", 0.0, 0.5), ("distill", 0.0, 1.0), ("plateau_factor", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not _is_real(value) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+        if self.val_fraction == 0 and (self.early_stop_patience or self.lr_schedule == "plateau"):
+            raise ValueError("early stopping and the plateau schedule need a validation split; val_fraction is 0")
+        if not isinstance(self.overrides, dict):
+            raise ValueError(f"overrides must be a mapping of AttentionConfig fields, got {self.overrides!r}")
+        if self.lora_targets is not None and (not isinstance(self.lora_targets, list) or not self.lora_targets
+                                              or not all(isinstance(t, str) and t for t in self.lora_targets)):
+            raise ValueError(f"lora_targets must be a non-empty list of module names, got {self.lora_targets!r}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda[:N]' or 'mps', got {self.device!r}")
+        from ..methods import method_config
+
+        method_config(self.method, **self.overrides)  # names a bad override
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown training setting(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**values).validate()
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _one_of(config, name: str, allowed: tuple) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive_int(config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _positive_real(config, name: str) -> None:
+    value = getattr(config, name)
+    if not _is_real(value) or value <= 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")

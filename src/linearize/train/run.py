@@ -1,0 +1,321 @@
+"""``run(config)``: a whole two-stage linearization, resumable, into one run directory.
+
+    DIR/config.json        the TrainConfig (a resumed run must match it)
+    DIR/metrics.jsonl      every train/validation record of both stages
+    DIR/state/*.pt         resume state per stage (and per stage-1 block)
+    DIR/linearize.json     the final checkpoint (+ adapter.safetensors): linearize.load(DIR)
+    DIR/summary.json       throughput, peak memory, teacher and student validation loss
+    DIR/*.png              loss curves
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..data import load_documents, pack, split_documents
+from ..models.checkpoint import save
+from ..models.convert import convert, linearized_layers
+from ..models.lora import add_lora, lora_parameters
+from ..models.teacher import load_teacher
+from .config import TrainConfig
+from .loop import MetricsLog, Stage, autocast, fit, resolve_device
+from .schedules import mu_at
+from .transfer import Block, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
+
+CONFIG_FILE = "config.json"
+RESUME_IRRELEVANT = {"progress", "out", "device"}  # may differ between a run and its resumption
+
+
+def run(config: TrainConfig, *, resume: bool = False) -> Path:
+    """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves."""
+    config.validate()
+    out = Path(config.out)
+    _check_out_dir(out, config, resume)
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+
+    model, tokenizer = load_teacher(config.model)
+    if tokenizer is None:
+        raise ValueError(f"model {config.model!r} has no tokenizer files; training needs one to read {config.data!r}")
+    train_rows, val_rows = _rows(config, tokenizer)
+    _log(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
+                 f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / CONFIG_FILE).is_file():
+        _write_json(out / CONFIG_FILE, config.to_dict())
+    metrics = MetricsLog(out / "metrics.jsonl")
+    if not resume and metrics.path.exists():
+        metrics.path.unlink()
+    model.to(device)
+    teacher = copy.deepcopy(model) if config.distill > 0 else None
+    teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+
+    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+    model.to(device)
+    summary = {"method": config.method, "model": config.model, "device": _device_name(device),
+               "teacher_val_loss": teacher_val, "stages": []}
+    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
+    summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
+    if val_rows is not None:
+        summary["student_val_loss"] = _lm_loss(model, val_rows, config, device)
+        for key in ("teacher", "student"):
+            summary[f"{key}_val_ppl"] = math.exp(summary[f"{key}_val_loss"])
+
+    save(model, out, tokenizer=tokenizer)
+    _write_json(out / "summary.json", summary)
+    from .plots import plot_metrics
+
+    plot_metrics(metrics.path, out)
+    _log(config, f"done: {out} (linearize.load({str(out)!r}) opens it)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def _rows(config: TrainConfig, tokenizer):
+    documents = load_documents(config.data, tokenizer)
+    train_docs, val_docs = split_documents(documents, config.val_fraction, config.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    train = pack(train_docs, config.seq_len, config.packing, pad_id=pad_id)
+    val = None
+    if val_docs:
+        val = pack(val_docs, config.seq_len, config.packing, pad_id=pad_id)
+        val = _subset(val, range(min(len(val), config.val_rows)))
+    return train, val
+
+
+def _subset(rows, indices):
+    idx = torch.as_tensor(list(indices), dtype=torch.long)
+    return dataclasses.replace(rows, input_ids=rows.input_ids[idx], attention_mask=rows.attention_mask[idx])
+
+
+def _batches(rows, batch_size: int, device):
+    for start in range(0, len(rows), batch_size):
+        indices = list(range(start, min(start + batch_size, len(rows))))
+        batch = rows.batch(indices)
+        yield indices, {k: v.to(device) for k, v in batch.items()}
+
+
+def _steps(tokens: int, config: TrainConfig) -> int:
+    return math.ceil(tokens / (config.batch_size * config.grad_accum * config.seq_len))
+
+
+# --------------------------------------------------------------------------------------- stage 1
+
+
+def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -> list[dict]:
+    steps = _steps(config.stage1_tokens, config)
+    if not trainable_attention_parameters(model):
+        _log(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
+                     "(nothing to transfer); going straight to stage 2")
+        metrics.write({"event": "stage1_skipped", "stage": "stage1", "reason": "no trainable attention parameters"})
+        return []
+    if steps == 0:
+        return []
+    blocks = make_blocks(model, config.block_size)
+    model.eval()  # the teacher path must behave as at inference; the new modules have no dropout
+    summaries = []
+    train_inputs = val_inputs = None  # block inputs (CPU); None = the embeddings
+    if len(blocks) > 1:  # each block trains on its own copy of the rows it will see
+        needed = min(len(train_rows), steps * config.batch_size * config.grad_accum)
+        g = torch.Generator().manual_seed(config.seed)
+        train_rows = _subset(train_rows, torch.randperm(len(train_rows), generator=g)[:needed].tolist())
+    previous_end = 0
+    for b, block in enumerate(blocks):
+        if b > 0:  # advance the cached inputs through the layers between the two blocks
+            span = Block(previous_end, block.start, tuple(
+                m.layer_idx for m in linearized_layers(model) if previous_end <= m.layer_idx < block.start))
+            train_inputs = _block_outputs(model, train_rows, span, train_inputs, config, device)
+            if val_rows is not None:
+                val_inputs = _block_outputs(model, val_rows, span, val_inputs, config, device)
+        previous_end = block.start
+        name = "stage1" if len(blocks) == 1 else f"stage1-block{b}"
+        params = trainable_attention_parameters(model, block)
+        named = _named(model, params)
+        freeze_all_but(model, params)
+        _log(config, f"{name}: layers {list(block.layers)}, {sum(p.numel() for p in params):,} parameters, "
+                     f"{steps} steps")
+
+        def loss_fn(batch, block=block):
+            losses = run_block(model, batch, config.transfer_target, block, batch.get("block_inputs"))
+            mse = [losses[i] for i in block.layers]
+            return torch.stack(mse).sum(), {"layer_mse": [x.item() for x in mse], "layers": list(block.layers)}
+
+        def extra(indices, batch, inputs=train_inputs):
+            if inputs is not None:
+                batch["block_inputs"] = inputs[indices, :batch["input_ids"].shape[1]]
+            return batch
+
+        eval_fn = None
+        if val_rows is not None:
+            def eval_fn(block=block, inputs=val_inputs):
+                return _transfer_eval(model, val_rows, block, inputs, config, device)
+
+        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr)
+        summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", metrics, resume,
+                             extra_batch=extra))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return summaries
+
+
+@torch.no_grad()
+def _block_outputs(model, rows, span: Block, inputs, config, device) -> torch.Tensor:
+    """Teacher hidden states leaving ``span`` for every row: (N, T, hidden) on the CPU."""
+    outs = []
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for indices, batch in _batches(rows, config.batch_size, device):
+        captured = []
+        block_in = None if inputs is None else inputs[indices, :batch["input_ids"].shape[1]].to(device)
+        with autocast(device, config.precision):
+            run_block(model, batch, config.transfer_target, span, block_in, capture=captured)
+        h = captured[0].to("cpu", store)
+        outs.append(F.pad(h, (0, 0, 0, config.seq_len - h.shape[1])))  # batches are trimmed; rows are not
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def _transfer_eval(model, rows, block: Block, inputs, config, device) -> tuple[float, dict]:
+    sums = torch.zeros(len(block.layers), dtype=torch.float64)
+    count = 0
+    for indices, batch in _batches(rows, config.batch_size, device):
+        block_in = None if inputs is None else inputs[indices, :batch["input_ids"].shape[1]].to(device)
+        with autocast(device, config.precision):
+            losses = run_block(model, batch, config.transfer_target, block, block_in)
+        sums += torch.tensor([float(losses[i]) for i in block.layers], dtype=torch.float64) * len(indices)
+        count += len(indices)
+    mse = (sums / count).tolist()
+    return float(sum(mse)), {"layer_mse": mse, "layers": list(block.layers)}
+
+
+# --------------------------------------------------------------------------------------- stage 2
+
+
+def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume) -> dict:
+    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+             targets=config.lora_targets)
+    model.to(device)
+    params = lora_parameters(model)
+    steps = _steps(config.stage2_tokens, config)
+    _log(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
+                 f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
+    uses_mu = model.linearize_spec["config"]["combine"] == "mu"
+
+    def set_mu(step: int) -> None:
+        mu = mu_at(step, config.mu_schedule, config.mu_steps, model.linearize_spec["config"]["mu"])
+        for m in linearized_layers(model):
+            m.hybrid.mu.fill_(mu)
+
+    def loss_fn(batch):
+        out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        ce = _next_token_loss(out_.logits, batch["labels"])
+        if teacher is None:
+            return ce, {"ce": ce.item()}
+        with torch.no_grad():
+            t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).logits
+        kl = _distill_loss(out_.logits, t_logits, batch["labels"], config.distill_temperature)
+        return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.item(), "kl": kl.item()}
+
+    eval_fn = None
+    if val_rows is not None:
+        def eval_fn():
+            loss = _lm_loss(model, val_rows, config, device)
+            model.train()
+            return loss, {"ppl": math.exp(min(loss, 50.0))}
+
+    stage = Stage("stage2", _named(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
+                  before_step=set_mu if uses_mu else None)
+    model.train()
+    summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
+    model.eval()
+    if uses_mu:  # the checkpoint keeps the mu the model ended with
+        final_mu = mu_at(max(steps - 1, 0), config.mu_schedule, config.mu_steps, model.linearize_spec["config"]["mu"])
+        set_mu(max(steps - 1, 0))
+        model.linearize_spec["overrides"]["mu"] = final_mu
+        model.linearize_spec["config"]["mu"] = final_mu
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return summary
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """KL(teacher || student) over the tokens that have a label, scaled by T^2 (Hinton et al.)."""
+    keep = labels != -100
+    s = F.log_softmax(student[keep].float() / temperature, -1)
+    t = F.log_softmax(teacher[keep].float() / temperature, -1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+@torch.no_grad()
+def _lm_loss(model, rows, config, device) -> float:
+    """Mean next-token cross-entropy over every labelled token of ``rows``."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for _, batch in _batches(rows, config.batch_size, device):
+        with autocast(device, config.precision):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(_next_token_loss(logits, batch["labels"])) * n
+        count += n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _named(model, params) -> dict:
+    ids = {id(p) for p in params}
+    return {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+
+def _check_out_dir(out: Path, config: TrainConfig, resume: bool) -> None:
+    saved = out / CONFIG_FILE
+    if resume:
+        if not saved.is_file():
+            raise FileNotFoundError(f"nothing to resume: {saved} does not exist (start the run without --resume)")
+        try:
+            before = json.loads(saved.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cannot resume: {saved} is not valid JSON ({e})") from None
+        now = config.to_dict()
+        changed = sorted(k for k in set(before) | set(now)
+                         if k not in RESUME_IRRELEVANT and before.get(k) != now.get(k))
+        if changed:
+            raise ValueError(f"cannot resume {out}: settings {changed} differ from the run's {saved}")
+    elif out.exists() and any(out.iterdir()):
+        hint = " (it holds a run: pass --resume to continue it)" if saved.is_file() else ""
+        raise ValueError(f"output directory {out} is not empty{hint}; choose another --out")
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _log(config: TrainConfig, message: str) -> None:
+    if config.progress:
+        print(message, flush=True)

@@ -1,0 +1,152 @@
+"""Stage 1, attention transfer: each linearized layer learns to reproduce its teacher's attention.
+
+Teacher-forced and layer-wise (LoLCATs, Lizard): inside every ``LinearizedAttention`` the teacher's
+softmax output (SDPA) and the student's output (the chunked form) are computed on the same q/k/v,
+their MSE is recorded, and the *teacher's* output flows on, so layer i always sees the teacher's
+hidden states and its loss depends only on its own parameters. Only the new modules train; the
+projections are frozen, so no graph is kept outside the student branches.
+
+Blocks: the linearized layers are trained ``block_size`` decoder layers at a time; a block's inputs
+(the teacher's hidden states entering its first layer) are computed once, kept on the CPU, and
+the layers before the block are skipped while it trains (LoLCATs' recipe for 70B/405B). With no
+block size, one block covers the whole model and its inputs are just the embeddings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..models.adapters import adapter_for
+from ..models.attention import LinearizedAttention
+from ..models.convert import linearized_layers
+
+
+@dataclass
+class TransferRecorder:
+    """Collects each layer's MSE(student, teacher) over the valid tokens of one forward pass."""
+
+    target: str = "heads"  # heads: (B, T, H, d) before o_proj | output: (B, T, hidden) after it
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """student, teacher: (B, T, ...) in the same layout; valid: (B, T) bool or None."""
+        err = (student.float() - teacher.float()).pow(2).flatten(2).mean(-1)  # (B, T)
+        if valid is not None:
+            err = err[valid]
+        self.losses[layer_idx] = err.mean()
+
+
+class _StopForward(Exception):
+    """Raised after a block's last layer: nothing beyond it is needed."""
+
+
+class _Skip(nn.Module):
+    """Stands in for a decoder layer before the block: its input passes through untouched."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+@dataclass(frozen=True)
+class Block:
+    start: int  # first decoder layer
+    end: int    # one past the last decoder layer
+    layers: tuple[int, ...]  # the linearized layers in [start, end)
+
+
+def make_blocks(model: nn.Module, block_size: int | None) -> list[Block]:
+    """Blocks of ``block_size`` consecutive decoder layers that hold at least one linearized
+    layer; ``None`` = one block up to the last linearized layer."""
+    linear = sorted(m.layer_idx for m in linearized_layers(model))
+    if not linear:
+        return []
+    if block_size is None:
+        return [Block(0, linear[-1] + 1, tuple(linear))]
+    blocks = []
+    for start in range(0, linear[-1] + 1, block_size):
+        inside = tuple(i for i in linear if start <= i < start + block_size)
+        if inside:
+            blocks.append(Block(start, min(start + block_size, linear[-1] + 1), inside))
+    return blocks
+
+
+def trainable_attention_parameters(model: nn.Module, block: Block | None = None) -> list[nn.Parameter]:
+    """The new modules' parameters that stage 1 trains (all blocks when ``block`` is None)."""
+    params = []
+    for m in linearized_layers(model):
+        if block is None or m.layer_idx in block.layers:
+            if m.hybrid.config.trainable:  # liger's pooled gate has nothing to learn
+                params += list(m.hybrid.parameters())
+    return params
+
+
+def freeze_all_but(model: nn.Module, params: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+@contextlib.contextmanager
+def transfer_mode(model: nn.Module, target: str, block: Block, block_inputs: torch.Tensor | None = None,
+                  capture: list | None = None):
+    """Run ``model`` forward in transfer mode for one block; yields the recorder.
+
+    ``block_inputs``: (B, T, hidden) hidden states entering layer ``block.start`` (None when the
+    block starts at the embeddings). ``capture``: if a list, the block's output hidden states
+    are appended to it. The forward raises ``_StopForward`` after the block's last layer; call
+    it through ``run_block``.
+    """
+    recorder = TransferRecorder(target)
+    adapter = adapter_for(model)
+    layers = adapter.layers(model)
+    attention = {m.layer_idx: m for m in linearized_layers(model)}
+    saved = {i: layers[i] for i in range(block.start)}
+    handles = []
+    try:
+        for i in block.layers:
+            attention[i].transfer = recorder
+        for i in range(block.start):
+            layers[i] = _Skip()
+        if block_inputs is not None:
+            def swap_input(module, args, kwargs):
+                return (block_inputs.to(args[0].dtype),) + tuple(args[1:]), kwargs
+            handles.append(layers[block.start].register_forward_pre_hook(swap_input, with_kwargs=True))
+
+        def stop(module, args, output):
+            if capture is not None:
+                capture.append((output[0] if isinstance(output, tuple) else output).detach())
+            raise _StopForward
+
+        handles.append(layers[block.end - 1].register_forward_hook(stop))
+        yield recorder
+    finally:
+        for h in handles:
+            h.remove()
+        for i, layer in saved.items():
+            layers[i] = layer
+        for i in block.layers:
+            attention[i].transfer = None
+
+
+def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_inputs: torch.Tensor | None = None,
+              capture: list | None = None) -> dict[int, torch.Tensor]:
+    """One teacher-forced forward over ``block``: {layer index: MSE} (differentiable)."""
+    with transfer_mode(model, target, block, block_inputs, capture) as recorder:
+        try:
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        except _StopForward:
+            pass
+    return recorder.losses
+
+
+def has_stage1_parameters(model: nn.Module) -> bool:
+    return any(p.numel() for m in linearized_layers(model) if m.hybrid.config.trainable
+               for p in m.hybrid.parameters())
+
+
+__all__ = ["Block", "LinearizedAttention", "TransferRecorder", "freeze_all_but", "has_stage1_parameters",
+           "make_blocks", "run_block", "trainable_attention_parameters", "transfer_mode"]

@@ -1,0 +1,464 @@
+"""The command line, end to end on a tiny random Llama (tests/fixtures.tiny_model_dir)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import fixtures
+import linearize
+from linearize import cli
+from linearize.models.checkpoint import ADAPTER_FILE, META_FILE
+from linearize.train.config import TrainConfig
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(fixtures.tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory) -> str:
+    """An untrained lizard conversion of the tiny model, written by the CLI."""
+    out = tmp_path_factory.mktemp("conv") / "lizard"
+    assert cli.main(["convert", "--model", tiny, "--method", "lizard", "--out", str(out), "--set", "window=8"]) == 0
+    return str(out)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def parse_train(*argv) -> TrainConfig:
+    return cli.train_config_from_args(cli.build_parser().parse_args(["train", *map(str, argv)]))
+
+
+# ---------------------------------------------------------------------------- help
+
+
+def test_console_script_help_and_error_in_a_subprocess(tmp_path):
+    exe = Path(sys.executable).parent / "linearize"
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "linearize.cli"]
+    result = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in ("methods", "convert", "train", "generate", "demo"):
+        assert name in result.stdout
+
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run([sys.executable, "-m", "linearize.cli", "convert", "--model", str(missing),
+                             "--method", "lizard", "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("linearize: error:") and str(missing) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_command_prints_help(capsys):
+    code, out, _ = run_cli(capsys)
+    assert code == 0 and "usage: linearize" in out and "convert" in out
+
+
+def test_version(capsys):
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and linearize.__version__ in out
+
+
+HELP_FLAGS = {
+    "methods": ["--verbose"],
+    "convert": ["--model", "--method", "--out", "--softmax-layers", "--set", "--merged"],
+    "train": ["--config", "--set", "--resume"] + ["--" + f.name.replace("_", "-")
+                                                  for f in dataclasses.fields(TrainConfig) if f.name != "overrides"]
+             + ["--no-progress"],
+    "generate": ["--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--chat",
+                 "--device"],
+    "demo": ["--out", "--device"],
+}
+
+
+@pytest.mark.parametrize("command", list(HELP_FLAGS))
+def test_every_command_has_help(capsys, command):
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0
+    assert f"usage: linearize {command}" in out and "examples:" in out
+    for flag in HELP_FLAGS[command]:
+        assert flag in out, f"{command} --help does not mention {flag}"
+
+
+# ---------------------------------------------------------------------------- methods
+
+
+def test_methods_lists_every_method(capsys):
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0
+    lines = out.splitlines()
+    for name, description in linearize.methods().items():
+        assert any(line.startswith(name + " ") and description in line for line in lines), name
+    code, out, _ = run_cli(capsys, "methods", "-v")
+    assert code == 0 and "window=128" in out and "gate=sigmoid" in out
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def test_convert_matches_python_conversion(capsys, tiny, tmp_path):
+    out = tmp_path / "ck"
+    torch.manual_seed(0)
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", out,
+                                "--softmax-layers", "1", "--set", "window=8", "--set", "gate_init=[0.9,0.99]",
+                                "--set", "rope_window=false")
+    assert code == 0, err
+    assert str(out) in stdout and "KiB" in stdout and ADAPTER_FILE in stdout
+
+    meta = json.loads((out / META_FILE).read_text())
+    assert meta["method"] == "lizard" and meta["softmax_layers"] == [1]
+    assert meta["overrides"] == {"window": 8, "gate_init": [0.9, 0.99], "rope_window": False}
+    assert meta["config"]["window"] == 8 and meta["config"]["rope_window"] is False
+
+    loaded, tokenizer = linearize.load(out)
+    assert tokenizer is not None
+    torch.manual_seed(0)
+    reference, _ = linearize.load_teacher(tiny)
+    linearize.convert(reference, "lizard", softmax_layers=[1], window=8, gate_init=(0.9, 0.99), rope_window=False)
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_convert_default_init_is_deterministic_and_seeded_init_matches(capsys, tiny, tmp_path):
+    """lizard's default initialisation does not depend on the RNG; t2r's does, and a seed fixes it."""
+    from safetensors.torch import load_file
+
+    def convert(method, seed, name):
+        torch.manual_seed(seed)
+        assert run_cli(capsys, "convert", "--model", tiny, "--method", method, "--out", tmp_path / name)[0] == 0
+        return load_file(str(tmp_path / name / ADAPTER_FILE))
+
+    a, b = convert("lizard", 0, "a"), convert("lizard", 1, "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    c = convert("t2r", 3, "c")
+    torch.manual_seed(3)
+    reference, _ = linearize.load_teacher(tiny)
+    linearize.convert(reference, "t2r")
+    state = reference.state_dict()
+    assert all(torch.equal(c[k], state[k]) for k in c)
+
+
+def test_convert_merged(capsys, tiny, tmp_path):
+    out = tmp_path / "merged"
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lolcats", "--out", out,
+                                "--softmax-layers", "0.5", "--merged")
+    assert code == 0, err
+    assert "merged" in stdout and (out / "model.safetensors").is_file()
+    model, tokenizer = linearize.load(out)
+    assert tokenizer is not None and model.linearize_spec["softmax_layers"] == [1]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--method", "nope"], "nope"),
+    (["--method", "lizard", "--set", "bogus_key=1"], "bogus_key"),
+    (["--method", "lizard", "--set", "window=-3"], "-3"),
+    (["--method", "lizard", "--set", "gate=sideways"], "sideways"),
+    (["--method", "lizard", "--set", "window"], "KEY=VALUE"),
+    (["--method", "lizard", "--softmax-layers", "7"], "[7]"),
+    (["--method", "lizard", "--softmax-layers", "0,x"], "0,x"),
+    (["--method", "lizard", "--softmax-layers", "1.5"], "1.5"),
+])
+def test_convert_bad_input_exits_2_and_writes_nothing(capsys, tiny, tmp_path, args, named):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--out", out, *args)
+    assert code == 2
+    assert named in err and "error" in err and "Traceback" not in err
+    assert not out.exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir()), "temporary directory left behind"
+
+
+def test_convert_missing_model_dir(capsys, tmp_path):
+    missing = tmp_path / "nowhere" / "model"
+    code, _, err = run_cli(capsys, "convert", "--model", missing, "--method", "lizard", "--out", tmp_path / "out")
+    assert code == 2 and str(missing) in err and err.startswith("linearize: error:")
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli(capsys, "convert", "--model", "not-a-teacher", "--method", "lizard", "--out", tmp_path / "o")
+    assert code == 2 and "not-a-teacher" in err and "smollm2-135m" in err
+
+
+def test_convert_refuses_to_replace_a_foreign_directory(capsys, tiny, tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, _, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", out)
+    assert code == 2 and "refusing" in err and str(out) in err
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def reference_completions(model, tokenizer, prompts, n):
+    """Each prompt alone (no padding), greedy, as the CLI configures generation."""
+    from transformers import GenerationConfig
+
+    eos = model.generation_config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            seq = model.generate(**ids, generation_config=gen)
+        out.append(tokenizer.decode(seq[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return out
+
+
+def generate_json(capsys, model_dir, *extra, n=8):
+    argv = ["generate", "--model", model_dir, "--max-new-tokens", n, "--device", "cpu", "--json"]
+    for p in PROMPTS:
+        argv += ["--prompt", p]
+    code, out, err = run_cli(capsys, *argv, *extra)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    return [r["completion"] for r in rows]
+
+
+def test_generate_teacher_batched_greedy_matches_each_prompt_alone(capsys, tiny):
+    model, tokenizer = linearize.load_teacher(tiny)
+    lengths = [len(tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert lengths[0] < lengths[1], "the prompts must differ in length to exercise left padding"
+    got = generate_json(capsys, tiny)
+    assert got == reference_completions(model, tokenizer, PROMPTS, 8)
+    assert all(got), "empty completions"
+    assert generate_json(capsys, tiny) == got, "greedy generation is not deterministic"
+
+
+def test_generate_converted_checkpoint(capsys, converted):
+    model, tokenizer = linearize.load(converted)
+    got = generate_json(capsys, converted)
+    assert got == reference_completions(model, tokenizer, PROMPTS, 8)
+    # plain text output: each prompt, then its completion
+    code, out, err = run_cli(capsys, "generate", "--model", converted, "--prompt", PROMPTS[0],
+                             "--max-new-tokens", 8, "--device", "cpu")
+    assert code == 0, err
+    assert out.splitlines()[0] == f">>> {PROMPTS[0]}" and got[0] in out
+
+
+def test_generate_chat_and_sampling(capsys, tiny):
+    chat = generate_json(capsys, tiny, "--chat")
+    assert len(chat) == 2
+    a = generate_json(capsys, tiny, "--temperature", "1.0", "--top-p", "0.9", "--seed", "1", n=6)
+    b = generate_json(capsys, tiny, "--temperature", "1.0", "--top-p", "0.9", "--seed", "1", n=6)
+    c = generate_json(capsys, tiny, "--temperature", "1.0", "--top-p", "0.9", "--seed", "2", n=6)
+    assert a == b, "same seed, different samples"
+    assert a != c, "the seed has no effect"
+
+
+def test_generate_without_tokenizer_is_a_clear_error(capsys, tmp_path):
+    fixtures.llama().save_pretrained(tmp_path / "bare")
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "bare", "--prompt", "hi", "--device", "cpu")
+    assert code == 2 and "no tokenizer" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--temperature", "-1"], "-1"),
+    (["--top-p", "0"], "top-p"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_generate_bad_values(capsys, tiny, args, named):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny, "--prompt", "hi", *args)
+    assert code == 2 and named in err
+
+
+def test_generate_empty_prompt_is_named(capsys, tiny):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny, "--prompt", "hi", "--prompt", "", "--device", "cpu")
+    assert code == 2 and "--prompt 2" in err and "empty" in err
+
+
+def test_generate_missing_model(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "missing", "--prompt", "hi")
+    assert code == 2 and "missing" in err
+
+
+# ---------------------------------------------------------------------------- train settings
+
+
+def test_train_defaults_and_flag_types():
+    assert parse_train() == TrainConfig()
+    c = parse_train("--method", "lolcats", "--stage1-tokens", "100k", "--stage2-tokens", "2e3",
+                    "--lr-schedule", "plateau", "--stage2-lr", "3e-4", "--softmax-layers", "0,5,9",
+                    "--lora-targets", "q_proj,v_proj", "--block-size", "2", "--early-stop-patience", "none",
+                    "--no-progress", "--set", "window=32", "--set", "gate_init=[0.9,0.99]")
+    assert (c.method, c.stage1_tokens, c.stage2_tokens, c.lr_schedule) == ("lolcats", 100_000, 2000, "plateau")
+    assert c.stage2_lr == pytest.approx(3e-4) and c.softmax_layers == [0, 5, 9]
+    assert c.lora_targets == ["q_proj", "v_proj"] and c.block_size == 2 and c.early_stop_patience is None
+    assert c.progress is False and c.overrides == {"window": 32, "gate_init": [0.9, 0.99]}
+    assert parse_train("--softmax-layers", "0.25").softmax_layers == 0.25
+    assert parse_train("--progress").progress is True
+
+
+def test_train_config_file_yaml_then_flags(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("method: lolcats\nstage1_tokens: 1000\nstage2-lr: 1e-4\nlr_schedule: plateau\n"
+                    "softmax_layers: [0, 1]\nlora_targets: q_proj,k_proj\nprogress: false\n"
+                    "overrides: {window: 32, sinks: 2}\n")
+    c = parse_train("--config", path)
+    assert (c.method, c.stage1_tokens, c.lr_schedule, c.softmax_layers) == ("lolcats", 1000, "plateau", [0, 1])
+    assert c.stage2_lr == pytest.approx(1e-4) and isinstance(c.stage2_lr, float)  # PyYAML reads 1e-4 as text
+    assert c.lora_targets == ["q_proj", "k_proj"] and c.progress is False
+    assert c.overrides == {"window": 32, "sinks": 2}
+    # flags win over the file; --set merges over the file's overrides
+    c = parse_train("--config", path, "--stage1-tokens", "2000", "--method", "lizard", "--progress",
+                    "--set", "window=16")
+    assert (c.method, c.stage1_tokens, c.lr_schedule, c.progress) == ("lizard", 2000, "plateau", True)
+    assert c.overrides == {"window": 16, "sinks": 2}
+
+
+def test_train_config_file_json(tmp_path):
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps({"method": "hedgehog", "seq_len": 128, "stage1_lr": 0.001, "block_size": None,
+                                "softmax_layers": 0.5, "overrides": {"chunk_size": 32}}))
+    c = parse_train("--config", path, "--seq-len", "256")
+    assert (c.method, c.seq_len, c.stage1_lr, c.block_size, c.softmax_layers) == ("hedgehog", 256, 0.001, None, 0.5)
+    assert c.overrides == {"chunk_size": 32}
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("unknown.yaml", "method: lizard\nstage3_tokens: 5\n", "stage3_tokens"),
+    ("bad.yaml", "method: [lizard\n", "not valid YAML"),
+    ("bad.json", '{"method": "lizard",}', "not valid JSON"),
+    ("list.yaml", "- method\n- lizard\n", "mapping"),
+    ("value.yaml", "seq_len: many\n", "seq_len"),
+])
+def test_train_config_file_errors_name_the_file(capsys, tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        parse_train("--config", path)
+    assert str(path) in str(info.value)
+    code, out, err = run_cli(capsys, "train", "--config", path)
+    assert code == 2 and str(path) in err and message in err and "Traceback" not in err
+
+
+def test_train_missing_config_file(capsys, tmp_path):
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(FileNotFoundError, match="absent.yaml"):
+        parse_train("--config", path)
+    code, _, err = run_cli(capsys, "train", "--config", path)
+    assert code == 2 and str(path) in err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--seq-len", "0"], "seq_len"),
+    (["--val-fraction", "0.9"], "val_fraction"),
+    (["--set", "windoww=3"], "windoww"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_train_bad_values_exit_2_before_running(capsys, monkeypatch, tmp_path, args, named):
+    monkeypatch.setattr(cli, "_train_runner", lambda: pytest.fail("training ran with a bad config"))
+    code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
+    assert code == 2 and named in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--lr-schedule", "sometimes"], "sometimes"),
+    (["--stage1-tokens", "lots"], "lots"),
+    (["--block-size", "two"], "two"),
+])
+def test_train_bad_flags_are_usage_errors(capsys, args, named):
+    code, _, err = run_cli(capsys, "train", *args)
+    assert code == 2 and named in err and "usage:" in err
+
+
+def test_train_command_calls_run_and_plots(capsys, monkeypatch, tmp_path):
+    """The command's plumbing, with the training loop replaced: config in, directory out, curves beside it."""
+    calls = []
+
+    def fake_run(config, *, resume=False):
+        calls.append((config, resume))
+        out = Path(config.out)
+        out.mkdir(parents=True)
+        rows = [{"stage": "stage2", "split": "train", "step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 6)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return out
+
+    monkeypatch.setattr(cli, "_train_runner", lambda: fake_run)
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(capsys, "train", "--out", out, "--stage1-tokens", "0", "--resume")
+    assert code == 0, err
+    (config, resume), = calls
+    assert resume is True and config.stage1_tokens == 0 and config.out == str(out)
+    assert stdout.splitlines()[-1] == str(out)
+    assert (out / "stage2_loss.png").is_file()
+
+
+def test_train_resume_starts_from_the_runs_recorded_settings(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recorded = {**TrainConfig(method="hedgehog", seq_len=128, out="elsewhere", overrides={"chunk_size": 32}).to_dict(),
+                "a_setting_from_a_newer_version": 1}
+    (run_dir / "config.json").write_text(json.dumps(recorded))
+    c = parse_train("--resume", "--out", run_dir, "--no-progress", "--set", "window=16")
+    assert (c.method, c.seq_len, c.out, c.progress) == ("hedgehog", 128, str(run_dir), False)
+    assert c.overrides == {"chunk_size": 32, "window": 16}
+    assert parse_train("--out", run_dir).method == "lizard", "the recorded settings apply only with --resume"
+    (run_dir / "config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="config.json"):
+        parse_train("--resume", "--out", run_dir)
+
+
+def test_train_that_diverges_reports_without_traceback(capsys, monkeypatch, tmp_path):
+    from linearize.train.loop import NonFiniteLossError
+
+    def diverging_run(config, *, resume=False):
+        raise NonFiniteLossError("stage2: the loss was not finite for 5 steps in a row")
+
+    monkeypatch.setattr(cli, "_train_runner", lambda: diverging_run)
+    code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run")
+    assert code == 1 and "not finite for 5 steps" in err and "Traceback" not in err
+
+
+def test_demo_calls_run_demo(capsys, monkeypatch, tmp_path):
+    calls = []
+    fake = types.ModuleType("linearize.demo")
+    fake.run_demo = lambda out, device: calls.append((out, device)) or 0
+    monkeypatch.setitem(sys.modules, "linearize.demo", fake)
+    assert run_cli(capsys, "demo", "--out", tmp_path / "d", "--device", "cpu")[0] == 0
+    assert calls == [(str(tmp_path / "d"), "cpu")]
+    fake.run_demo = lambda out, device: 3
+    assert run_cli(capsys, "demo")[0] == 3
+
+
+# ---------------------------------------------------------------------------- train, end to end
+
+
+def test_train_end_to_end_on_the_tiny_model(capsys, tiny, tmp_path):
+    data = tmp_path / "corpus.txt"
+    sentences = ["The sea was calm and the sky was grey.", "A ship sailed north past the old lighthouse.",
+                 "Gulls cried over the harbour at dawn.", "The keeper wrote the weather in his log."]
+    data.write_text("\n\n".join(" ".join(sentences[(i + j) % 4] for j in range(6)) for i in range(60)))
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(capsys, "train", "--model", tiny, "--method", "lizard", "--data", data,
+                                "--out", out, "--seq-len", 64, "--batch-size", 2, "--stage1-tokens", 512,
+                                "--stage2-tokens", 512, "--eval-every", 2, "--save-every", 2, "--val-fraction", 0.1,
+                                "--val-rows", 2, "--device", "cpu", "--no-progress", "--set", "window=16")
+    assert code == 0, err
+    assert stdout.splitlines()[-1] == str(out)
+    for name in (META_FILE, ADAPTER_FILE, "metrics.jsonl"):
+        assert (out / name).is_file(), f"{name} missing from the run directory"
+    assert list(out.glob("*.png")), "no loss curves"
+    model, tokenizer = linearize.load(out)
+    assert model.linearize_spec["method"] == "lizard" and model.linearize_spec["config"]["window"] == 16

