@@ -25,11 +25,7 @@ def add_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0, dropout: f
     if getattr(model, "linearize_lora", None) is not None:
         raise ValueError("this model already has LoRA adapters (linearize_lora is set)")
     targets = list(targets or default_lora_targets(model))
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ValueError(f"lora_targets {missing} name no module of this model; "
-                         f"projections it has: {sorted(n for n in names if n.endswith('proj'))}")
+    check_lora_targets(model, targets)
     settings = {"rank": int(rank), "alpha": float(alpha), "dropout": float(dropout), "targets": targets}
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
                         target_modules=targets, bias="none")
@@ -38,6 +34,14 @@ def add_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0, dropout: f
         p.requires_grad_("lora_" in name)
     model.linearize_lora = settings
     return settings
+
+
+def check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"lora_targets {missing} name no module of this model; "
+                         f"projections it has: {sorted(n for n in names if n.endswith('proj'))}")
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -204,8 +205,10 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             loop.nonfinite += 1
             loop.nonfinite_streak += 1
             metrics.write({"event": "nonfinite", "stage": stage.name, "step": loop.step + 1})
-        if config.lr_schedule != "plateau":
-            scheduler.step()
+        if config.lr_schedule != "plateau":  # the schedule follows the step count, skipped steps included
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                scheduler.step()
         loop.step += 1
         loop.tokens += tokens
         loop.seconds += time.perf_counter() - started

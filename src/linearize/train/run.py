@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..data import load_documents, pack, split_documents
 from ..models.checkpoint import save
 from ..models.convert import convert, linearized_layers
-from ..models.lora import add_lora, lora_parameters
+from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from .config import TrainConfig
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
@@ -47,6 +47,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     model, tokenizer = load_teacher(config.model)
     if tokenizer is None:
         raise ValueError(f"model {config.model!r} has no tokenizer files; training needs one to read {config.data!r}")
+    if config.lora_targets:  # fail before anything is written, not after stage 1
+        check_lora_targets(model, config.lora_targets)
     train_rows, val_rows = _rows(config, tokenizer)
     _log(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
                  f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
@@ -88,10 +90,11 @@ def _rows(config: TrainConfig, tokenizer):
     documents = load_documents(config.data, tokenizer)
     train_docs, val_docs = split_documents(documents, config.val_fraction, config.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    train = pack(train_docs, config.seq_len, config.packing, pad_id=pad_id)
+    kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len)}
+    train = pack(train_docs, config.seq_len, config.packing, **kw)
     val = None
     if val_docs:
-        val = pack(val_docs, config.seq_len, config.packing, pad_id=pad_id)
+        val = pack(val_docs, config.seq_len, config.packing, **kw)
         val = _subset(val, range(min(len(val), config.val_rows)))
     return train, val
 

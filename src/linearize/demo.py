@@ -1,0 +1,440 @@
+"""The main job (``make demo`` = ``linearize demo``): linearize the bundled SmolLM2-135M with Lizard
+on the built-in Shakespeare text in a few CPU minutes, and show what that buys and what it does not.
+
+    1. the plan               what will run and roughly how long
+    2. training               ``linearize.train.run``: stage 1 (attention transfer), stage 2 (LoRA);
+                              re-running resumes the same run in ``out`` instead of starting over
+    3. transfer MSE           each layer's validation MSE before and after stage 1
+    4. answers                teacher and student, greedy, on a few chat prompts; validation perplexity
+    5. decode memory          bytes of the teacher's KV cache and of the student's state as the
+                              context grows (measured with ``models.cache.cache_bytes``)
+    6. closing note           what a few CPU minutes can and cannot do, and the full recipe on a GPU
+
+Every number printed is measured in this run; nothing about the results is hard-coded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a linear function is.",
+)
+
+# Learning rates, chosen by measurement (SmolLM2-135M, lizard, shakespeare, seq_len 256, batch 2,
+# 60 stage-1 steps then 20 stage-2 steps, 4 validation rows, CPU fp32, seed 0):
+#   stage 1 (sum of the 30 layers' validation transfer MSE, step 0 -> 60):
+#     lr 1e-2: STAGE1_A    lr 3e-3: STAGE1_B
+#   stage 2 (validation perplexity of the student, after stage 1 -> after 20 LoRA steps):
+#     lr 1e-3: STAGE2_A    lr 3e-4: STAGE2_B
+STAGE1_LR = 1e-2
+STAGE2_LR = 1e-3
+
+# Seconds per optimizer step measured on the 2-core CPU this demo targets (SmolLM2-135M, lizard,
+# seq_len 256, batch 2), used only for the printed estimate.
+CPU_STAGE1_STEP_S = 1.8
+CPU_STAGE2_STEP_S = 4.2
+
+# Token budgets of the papers, per stage (lizard-v2 Table: 20M tokens per stage; LoLCATs: 20M
+# tokens for attention transfer and 20M for LoRA, "40M tokens overall").
+PAPER_TOKENS_PER_STAGE = 20_000_000
+
+EXIT_USAGE = 2
+RULE = "=" * 78
+
+
+def run_demo(out: str = "runs/demo", device: str = "auto", *, model: str = "smollm2-135m",
+             seq_len: int = 256, batch_size: int = 2, stage1_steps: int = 60, stage2_steps: int = 20,
+             prompts: list[str] | None = None, max_new_tokens: int = 40,
+             contexts: tuple[int, ...] = (256, 1024, 4096)) -> int:
+    """Run the demo end to end; returns the process exit code (0 on success, 2 when ``out``
+    holds a different run)."""
+    started = time.perf_counter()
+    prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
+    contexts = tuple(contexts)
+    _check_arguments(stage1_steps, stage2_steps, prompts, max_new_tokens, contexts)
+    config = _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_steps)
+    config.validate()
+
+    problem = _existing_run_problem(Path(out), config)
+    if problem:
+        print(f"linearize demo: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+
+    show_plan(config, stage1_steps, stage2_steps, prompts, contexts)
+    train(config)
+    mse = show_transfer_mse(Path(out))
+    show_answers(Path(out), config, prompts, max_new_tokens)
+    memory = show_decode_memory(Path(out), config, contexts)
+    show_closing_note(Path(out), config, mse, memory)
+    _heading(f"Done in {_duration(time.perf_counter() - started)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- set-up
+
+
+def _check_arguments(stage1_steps, stage2_steps, prompts, max_new_tokens, contexts) -> None:
+    for name, value in (("stage1_steps", stage1_steps), ("stage2_steps", stage2_steps),
+                        ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of non-empty strings, got {prompts!r}")
+    if not contexts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty tuple of integers >= 2, got {contexts!r}")
+
+
+def _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_steps):
+    from .train.config import TrainConfig
+
+    every = max(1, round(stage1_steps / 6))  # ~6 validations in stage 1, ~2 in stage 2
+    return TrainConfig(
+        method="lizard", model=model, data="shakespeare", out=str(out), seq_len=seq_len,
+        batch_size=batch_size, stage1_tokens=stage1_steps * batch_size * seq_len,
+        stage2_tokens=stage2_steps * batch_size * seq_len, stage1_lr=STAGE1_LR, stage2_lr=STAGE2_LR,
+        warmup_steps=max(1, min(stage1_steps, stage2_steps) // 4), eval_every=every, save_every=every,
+        val_rows=4, device=device)
+
+
+def _existing_run_problem(out: Path, config) -> str | None:
+    """Why ``out`` cannot be used for this demo, or None (empty, absent, or the same run)."""
+    from .train.run import CONFIG_FILE, RESUME_IRRELEVANT
+
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} exists and is not a directory; pass another --out"
+    if not any(out.iterdir()):
+        return None
+    saved = out / CONFIG_FILE
+    if not saved.is_file():
+        return (f"{out} is not empty and holds no linearize run; remove it (rm -r {out}) "
+                f"or pass another --out")
+    try:
+        before = json.loads(saved.read_text())
+    except json.JSONDecodeError:
+        before = None
+    if not isinstance(before, dict):
+        return f"{saved} is not a valid run configuration; remove {out} or pass another --out"
+    now = config.to_dict()
+    changed = sorted(k for k in set(before) | set(now) if k not in RESUME_IRRELEVANT and before.get(k) != now.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {before.get(k)!r} there, {now.get(k)!r} here" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        return (f"{out} holds a different run (settings differ: {shown}{more}). Remove it "
+                f"(rm -r {out}) to train the demo from scratch, or pass another --out.")
+    return None
+
+
+def _heading(title: str) -> None:
+    print(f"\n{RULE}\n{title}\n{RULE}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _device(config):
+    from .train.loop import resolve_device
+
+    return resolve_device(config.device)
+
+
+# ----------------------------------------------------------------------------------- 1. plan
+
+
+def show_plan(config, stage1_steps: int, stage2_steps: int, prompts, contexts) -> None:
+    device = _device(config)
+    _heading("linearize demo: Lizard on SmolLM2-135M, in a few CPU minutes"
+             if config.model == "smollm2-135m" else f"linearize demo: Lizard on {config.model}")
+    tokens = config.batch_size * config.seq_len
+    print(f"teacher     {config.model}; each softmax attention becomes Lizard's gated linear attention "
+          f"+ a sliding window with sinks")
+    print(f"data        the built-in Shakespeare plays, rows of {config.seq_len} tokens, "
+          f"{config.val_rows} held-out rows for validation")
+    print(f"stage 1     attention transfer: {stage1_steps} steps x {tokens:,} tokens = "
+          f"{config.stage1_tokens:,} tokens, lr {config.stage1_lr:g}")
+    print(f"stage 2     LoRA (rank {config.lora_rank}): {stage2_steps} steps x {tokens:,} tokens = "
+          f"{config.stage2_tokens:,} tokens, lr {config.stage2_lr:g}")
+    print(f"then        each layer's transfer MSE; teacher vs student on {len(prompts)} prompts; "
+          f"decode memory at {', '.join(f'{c:,}' for c in contexts)} tokens of context")
+    print(f"run dir     {config.out} (device: {device})")
+    if device.type == "cpu" and config.model == "smollm2-135m":
+        scale = config.seq_len * config.batch_size / (256 * 2)
+        train_s = scale * (stage1_steps * CPU_STAGE1_STEP_S + stage2_steps * CPU_STAGE2_STEP_S)
+        print(f"time        about {_duration(train_s + 90)} on a 2-core CPU (training ~{_duration(train_s)}, "
+              f"the rest ~1.5 min), plus ~40 s the first time to unpack the bundled teacher")
+    elif device.type == "cuda":
+        print("time        a minute or two on a GPU")
+    if (Path(config.out) / "config.json").is_file():
+        print(f"resume      {config.out} already holds this run: it continues where it stopped "
+              f"(remove the directory to start over)")
+
+
+# ------------------------------------------------------------------------------- 2. training
+
+
+def train(config) -> Path:
+    from .train import run
+
+    out = Path(config.out)
+    finished = (out / "summary.json").is_file() and (out / "linearize.json").is_file()
+    if finished:
+        _heading("Training: already done")
+        print(f"{out} holds the finished run; reusing it (remove the directory to train again)")
+        return out
+    resume = (out / "config.json").is_file()
+    _heading("Training: stage 1 (attention transfer), then stage 2 (LoRA)" + (" -- resuming" if resume else ""))
+    return run(config, resume=resume)
+
+
+# -------------------------------------------------------------------------- 3. transfer MSE
+
+
+def _layer_mse(out: Path) -> dict[int, tuple[float, float]]:
+    """layer -> (validation MSE at the first stage-1 evaluation, at the last one)."""
+    from .train.plots import read_metrics
+
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for rec in read_metrics(out / "metrics.jsonl"):
+        if not str(rec.get("stage", "")).startswith("stage1") or rec.get("split") != "val" or "layer_mse" not in rec:
+            continue
+        layers = rec.get("layers") or list(range(len(rec["layer_mse"])))
+        for layer, value in zip(layers, rec["layer_mse"]):
+            first.setdefault(layer, value)
+            last[layer] = value
+    return {layer: (first[layer], last[layer]) for layer in sorted(first)}
+
+
+def show_transfer_mse(out: Path) -> dict:
+    _heading("Stage 1: each layer's attention-transfer MSE on held-out text (before -> after)")
+    mse = _layer_mse(out)
+    if not mse:
+        print("no stage-1 validation records in metrics.jsonl: nothing to show")
+        return {}
+    cells = [f"{layer:>5}  {a:>9.3g}  {b:>9.3g}  {b / a if a > 0 else math.nan:>6.3f}"
+             for layer, (a, b) in mse.items()]
+    columns = 3 if len(cells) >= 12 else 1
+    rows = math.ceil(len(cells) / columns)
+    header = f"{'layer':>5}  {'before':>9}  {'after':>9}  {'ratio':>6}"
+    print("   |   ".join([header] * min(columns, len(cells))))
+    for r in range(rows):
+        print("   |   ".join(cells[c * rows + r] for c in range(columns) if c * rows + r < len(cells)))
+    fell = sum(b < a for a, b in mse.values())
+    ratios = [b / a for a, b in mse.values() if a > 0]
+    mean_ratio = statistics.fmean(ratios) if ratios else math.nan
+    print(f"\nMSE fell in {fell} of {len(mse)} layers; after/before: mean {mean_ratio:.3f}, "
+          f"median {statistics.median(ratios) if ratios else math.nan:.3f} "
+          f"(ratio < 1: the layer imitates its softmax attention better)")
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    if pngs:
+        print(f"curves: {', '.join(str(out / p) for p in pngs)}")
+    return {"layers": len(mse), "fell": fell, "mean_ratio": mean_ratio}
+
+
+# ------------------------------------------------------------------------------- 4. answers
+
+
+def _chat_ids(tokenizer, prompt: str):
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # the template has them
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    import torch
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    ids = _chat_ids(tokenizer, prompt).to(device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                           eos_token_id=eos if eos is not None else tokenizer.eos_token_id)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines = []
+    for paragraph in (text or "(nothing)").splitlines() or [""]:
+        lines += textwrap.wrap(paragraph, width) or [""]
+    return lines
+
+
+def _side_by_side(left: str, right: str, width: int = 37) -> str:
+    a, b = _wrap(left, width), _wrap(right, width)
+    a += [""] * (len(b) - len(a))
+    b += [""] * (len(a) - len(b))
+    rows = [f"  {'teacher':<{width}} | student", f"  {'-' * width} | {'-' * width}"]
+    rows += [f"  {x:<{width}} | {y}" for x, y in zip(a, b)]
+    return "\n".join(rows)
+
+
+def show_answers(out: Path, config, prompts, max_new_tokens: int) -> None:
+    import linearize
+
+    device = _device(config)
+    _heading(f"Teacher vs student: greedy answers ({max_new_tokens} new tokens at most)")
+    teacher, tokenizer = linearize.load_teacher(config.model, device=device)
+    student, _ = linearize.load(out, device=device)
+    for i, prompt in enumerate(prompts, 1):
+        t = _generate(teacher, tokenizer, prompt, max_new_tokens)
+        s = _generate(student, tokenizer, prompt, max_new_tokens)
+        print(f"\n[{i}] {prompt}")
+        print(_side_by_side(t, s))
+    summary = _summary(out)
+    if summary.get("teacher_val_ppl") is not None:
+        after1 = _student_ppl_after_stage1(out)
+        print(f"\nvalidation perplexity (held-out Shakespeare): teacher {summary['teacher_val_ppl']:.1f}, "
+              + (f"student after stage 1 {after1:.1f}, " if after1 is not None else "")
+              + f"student after stage 2 {summary['student_val_ppl']:.1f}")
+    del teacher, student
+
+
+def _summary(out: Path) -> dict:
+    path = out / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _student_ppl_after_stage1(out: Path) -> float | None:
+    """The stage-2 validation at step 0: the student with its trained attention, before LoRA."""
+    from .train.plots import read_metrics
+
+    for rec in read_metrics(out / "metrics.jsonl"):
+        if rec.get("stage") == "stage2" and rec.get("split") == "val" and rec.get("step") == 0:
+            return rec.get("ppl", math.exp(min(rec["loss"], 50.0)))
+    return None
+
+
+# ------------------------------------------------------------------------- 5. decode memory
+
+
+def _context_tokens(tokenizer, length: int) -> list[int]:
+    """``length`` tokens of real text (Shakespeare), repeated if the plays were ever too short."""
+    from .data import load_documents
+
+    docs = load_documents("shakespeare", tokenizer, max_documents=2)
+    ids = [t for d in docs for t in d]
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+def _decode_cache_bytes(model, ids) -> int:
+    """Prefill ``ids[:-1]`` in one forward, decode ``ids[-1]`` with the cache, and return the
+    bytes the cache holds (every tensor reachable from it) with ``len(ids)`` tokens of context."""
+    import torch
+
+    from .models.cache import cache_bytes
+
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        cache = model(input_ids=x[:, :-1], use_cache=True).past_key_values
+        cache = model(input_ids=x[:, -1:], past_key_values=cache, use_cache=True).past_key_values
+    sizes = cache_bytes(cache)
+    return sizes["linear"] + sizes["softmax"]
+
+
+def show_decode_memory(out: Path, config, contexts) -> dict:
+    import linearize
+
+    device = _device(config)
+    _heading("Decode memory as the context grows (cache held by one sequence, fp32)")
+    teacher, tokenizer = linearize.load_teacher(config.model, device=device)
+    student, _ = linearize.load(out, device=device)
+    text = _context_tokens(tokenizer, max(contexts))
+    rows = []
+    for n in contexts:
+        t0 = time.perf_counter()
+        t = _decode_cache_bytes(teacher, text[:n])
+        s = _decode_cache_bytes(student, text[:n])
+        rows.append((n, t, s))
+        print(f"  measured {n:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+    del teacher, student
+
+    print(f"\n{'context':>9} | {'teacher KV cache':>16} | {'student state':>13} | {'teacher/student':>15}")
+    print(f"{'-' * 9}-+-{'-' * 16}-+-{'-' * 13}-+-{'-' * 15}")
+    for n, t, s in rows:
+        print(f"{n:>9,} | {_bytes(t):>16} | {_bytes(s):>13} | {t / s if s else math.inf:>14.2f}x")
+
+    student_flat = len({s for _, _, s in rows}) == 1
+    per_token = [t / n for n, t, _ in rows]
+    teacher_linear = max(per_token) - min(per_token) <= 1e-9 * max(per_token)
+    print()
+    if student_flat:
+        print(f"student: {_bytes(rows[0][2])} at every context length -- its state does not grow "
+              f"({rows[0][2]:,} bytes each time)")
+    else:
+        print("student: its state is NOT the same at every length: "
+              + ", ".join(f"{s:,} B at {n:,}" for n, _, s in rows))
+    if teacher_linear:
+        print(f"teacher: grows linearly with the context, {per_token[0] / 1024:.1f} KiB per token "
+              f"({_bytes(rows[-1][1])} at {rows[-1][0]:,} tokens)")
+    else:
+        print("teacher: bytes per token differ across lengths: "
+              + ", ".join(f"{t / n:,.0f} B/token at {n:,}" for n, t, _ in rows))
+    if student_flat and teacher_linear and per_token[0] > 0:
+        even = rows[0][2] / per_token[0]
+        print(f"break-even: the student's state equals the teacher's cache at ~{even:,.0f} tokens of "
+              f"context; beyond that the student needs less, and the gap widens with every token")
+    return {"rows": rows, "student_flat": student_flat, "teacher_linear": teacher_linear}
+
+
+# --------------------------------------------------------------------------- 6. closing note
+
+
+def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
+    _heading("What a few CPU minutes can and cannot do")
+    summary = _summary(out)
+    seen = {s.get("stage"): s.get("tokens") for s in summary.get("stages", [])}
+    s1 = sum(v or 0 for k, v in seen.items() if str(k).startswith("stage1"))
+    s2 = seen.get("stage2") or 0
+    paper = PAPER_TOKENS_PER_STAGE
+    print(textwrap.fill(
+        f"Tokens seen: stage 1 {s1:,}, stage 2 {s2:,}. The papers train on 20M tokens per stage "
+        f"(Lizard: 20M for stage 1 and 20M for stage 2; LoLCATs: 20M for attention transfer and 20M "
+        f"for LoRA, 40M in all), i.e. {paper / max(s1, 1):,.0f}x and {paper / max(s2, 1):,.0f}x more "
+        f"than this demo. So the student's answers are expected to be much worse than the teacher's.",
+        width=100))
+    print("\nAlready:")
+    if memory.get("student_flat"):
+        rows = memory["rows"]
+        print(f"  - constant decode memory: {_bytes(rows[0][2])} of state whether the context is "
+              f"{rows[0][0]:,} or {rows[-1][0]:,} tokens (the teacher: {_bytes(rows[0][1])} -> {_bytes(rows[-1][1])})")
+    if mse:
+        print(f"  - attention transfer works: the MSE fell in {mse['fell']} of {mse['layers']} layers, "
+              f"to {mse['mean_ratio']:.0%} of its starting value on average")
+    if summary.get("student_val_ppl") is not None:
+        print(f"  - validation perplexity {summary['student_val_ppl']:.1f} "
+              f"(teacher {summary['teacher_val_ppl']:.1f})")
+    print("Not yet:")
+    print("  - fluent, correct answers: that takes the full recipe (millions of tokens), not minutes")
+    print("\nThe full recipe on a GPU (a few million tokens per stage; the papers use 20M):")
+    print("  linearize train --method lizard --model smollm2-135m --data shakespeare --out runs/lizard \\\n"
+          "      --stage1-tokens 2M --stage2-tokens 2M --seq-len 1024 --batch-size 8 --device cuda")
+    print('  linearize generate --model runs/lizard --chat --prompt "What is the capital of France?"')
+    print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl, Alpaca records); "
+          "`linearize train --help` lists every setting.")

@@ -1,0 +1,268 @@
+"""Two-stage training: transfer lowers the per-layer MSE, LoRA lowers the validation loss, resume is
+exact, non-finite steps are skipped and counted, schedules, and clear errors with nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import linearize
+from linearize.data import pack
+from linearize.train import TrainConfig, run
+from linearize.train import loop as loop_module
+from linearize.train.loop import MetricsLog, NonFiniteLossError, Stage, fit
+from linearize.train.schedules import cosine_with_warmup, mu_at
+from linearize.train.transfer import Block, make_blocks, run_block
+
+from fixtures import tiny_model_dir
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", num_layers=3))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """Real prose in several documents (a folder of .txt files)."""
+    folder = tmp_path_factory.mktemp("text")
+    from linearize.data.sources import shakespeare_plays
+
+    for i, body in enumerate(shakespeare_plays()[:4]):
+        (folder / f"{i}.txt").write_text(body[:6000])
+    return str(folder)
+
+
+def small(tiny, text_file, out, **kw) -> TrainConfig:
+    base = dict(model=tiny, data=text_file, out=str(out), seq_len=32, batch_size=2, stage1_tokens=32 * 2 * 6,
+                stage2_tokens=32 * 2 * 6, eval_every=3, save_every=2, val_rows=4, progress=False, warmup_steps=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def val_records(out, stage):
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r for r in recs if r.get("stage") == stage and r.get("split") == "val"]
+
+
+# ----------------------------------------------------------------------------------- the stages
+
+
+def test_stage1_lowers_every_layer_and_stage2_lowers_validation_loss(tiny, text_file, tmp_path):
+    out = run(small(tiny, text_file, tmp_path / "run", stage1_lr=1e-2, stage2_lr=1e-2, softmax_layers=[1]))
+    s1 = val_records(out, "stage1")
+    assert s1[0]["layers"] == [0, 2]  # the kept softmax layer has nothing to transfer
+    assert all(after < before for before, after in zip(s1[0]["layer_mse"], s1[-1]["layer_mse"])), s1
+    s2 = val_records(out, "stage2")
+    assert s2[-1]["loss"] < s2[0]["loss"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["student_val_loss"] == pytest.approx(s2[-1]["loss"], rel=1e-6)
+    assert {p.name for p in out.glob("*.png")} == {"stage1_layer_mse.png", "stage1_loss.png", "stage2_loss.png"}
+    model, _ = linearize.load(out)
+    assert model.linearize_lora["rank"] == 8 and model.linearize_spec["softmax_layers"] == [1]
+
+
+@pytest.mark.parametrize("target", ["heads", "output"])
+def test_transfer_loss_is_zero_for_the_teachers_own_attention(tiny, target):
+    """liza with mu = 0 and a window longer than the input is exactly softmax attention, so the
+    recorded MSE is ~0: the teacher and student sides of the transfer loss line up."""
+    model, _ = linearize.load_teacher(tiny)
+    linearize.convert(model, "liza", mu=0.0, window=64)
+    ids = torch.randint(0, 1000, (2, 40))
+    losses = run_block(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, target,
+                       make_blocks(model, None)[0])
+    assert sorted(losses) == [0, 1, 2]
+    assert max(v.item() for v in losses.values()) < 1e-10
+
+
+def test_block_inputs_are_the_teachers_hidden_states(tiny):
+    """Teacher forcing: the hidden states leaving a block in transfer mode are the teacher's."""
+    model, _ = linearize.load_teacher(tiny)
+    ids = torch.randint(0, 1000, (2, 24))
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: outputs.append(o)) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    linearize.convert(model, "lizard")
+    captured = []
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        run_block(model, batch, "heads", Block(0, 2, (0, 1)), capture=captured)
+        run_block(model, batch, "heads", Block(2, 3, (2,)), block_inputs=captured[0], capture=captured)
+    torch.testing.assert_close(captured[0], outputs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(captured[1], outputs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_blockwise_transfer_lowers_every_layer(tiny, text_file, tmp_path):
+    out = run(small(tiny, text_file, tmp_path / "run", block_size=1, stage1_lr=1e-2, stage2_tokens=0))
+    for b in range(3):
+        recs = val_records(out, f"stage1-block{b}")
+        assert recs[0]["layers"] == [b]
+        assert recs[-1]["layer_mse"][0] < recs[0]["layer_mse"][0]
+    assert (out / "stage1_layer_mse.png").is_file()
+
+
+def test_methods_without_attention_parameters_skip_stage1(tiny, text_file, tmp_path):
+    out = run(small(tiny, text_file, tmp_path / "run", method="liza", mu_steps=4))
+    events = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert any(e.get("event") == "stage1_skipped" for e in events)
+    assert not val_records(out, "stage1")
+    meta = json.loads((out / "linearize.json").read_text())
+    assert meta["overrides"]["mu"] == pytest.approx(0.5)  # the ramp ended at 0.5 and the checkpoint keeps it
+    model, _ = linearize.load(out)
+    assert all(float(m.hybrid.mu) == pytest.approx(0.5) for m in linearize.models.convert.linearized_layers(model))
+
+
+def test_distillation_adds_a_kl_term(tiny, text_file, tmp_path):
+    out = run(small(tiny, text_file, tmp_path / "run", stage1_tokens=0, distill=0.5))
+    train = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    kls = [r["kl"] for r in train if r.get("stage") == "stage2" and r.get("split") == "train"]
+    assert kls and all(k > 0 for k in kls)
+
+
+# ------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("kill_at", [4, 11])  # micro-batches: inside stage 1 / inside stage 2
+def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, monkeypatch, kill_at):
+    config = dict(stage1_lr=1e-2, stage2_lr=1e-2, lr_schedule="cosine", warmup_steps=2)
+    whole = run(small(tiny, text_file, tmp_path / "whole", **config))
+
+    calls = {"n": 0}
+    real = loop_module.batch_indices
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "batch_indices", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run(small(tiny, text_file, tmp_path / "resumed", **config))
+    assert not (tmp_path / "resumed" / "linearize.json").exists()
+    monkeypatch.setattr(loop_module, "batch_indices", real)
+    resumed = run(small(tiny, text_file, tmp_path / "resumed", **config), resume=True)
+
+    a, b = load_file(str(whole / "adapter.safetensors")), load_file(str(resumed / "adapter.safetensors"))
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    steps = lambda out: [(r["stage"], r["step"]) for r in map(json.loads, open(out / "metrics.jsonl")) if "split" in r]
+    assert steps(whole) == steps(resumed)  # no duplicated records from the killed run
+
+
+def test_resume_refuses_changed_settings_and_missing_runs(tiny, text_file, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        run(small(tiny, text_file, tmp_path / "none"), resume=True)
+    out = run(small(tiny, text_file, tmp_path / "run", stage1_tokens=0, stage2_tokens=64))
+    with pytest.raises(ValueError, match=r"stage2_lr"):
+        run(small(tiny, text_file, out, stage1_tokens=0, stage2_tokens=64, stage2_lr=1e-3), resume=True)
+    with pytest.raises(ValueError, match="not empty.*--resume"):
+        run(small(tiny, text_file, out, stage1_tokens=0, stage2_tokens=64))
+
+
+# ---------------------------------------------------------------------------------- non-finite
+
+
+def _toy_stage(bad_steps: set[int], steps: int = 6):
+    layer = torch.nn.Linear(4, 1)
+    calls = {"step": 0}
+
+    def loss_fn(batch):
+        x = batch["input_ids"].float()[:, :4]
+        loss = layer(x).pow(2).mean()
+        return (loss * float("nan") if calls["step"] in bad_steps else loss), {}
+
+    def before_step(step):
+        calls["step"] = step
+
+    return layer, Stage("toy", dict(layer.named_parameters()), loss_fn, None, steps, 1e-2, before_step)
+
+
+def _toy_rows():
+    return pack([list(range(1, 40)), list(range(50, 90))], 8, "split", min_tokens=4)
+
+
+def test_a_non_finite_loss_skips_the_step_and_is_counted(tmp_path):
+    layer, stage = _toy_stage({1, 3})
+    before = {}
+
+    def snapshot(step):
+        before[step] = layer.weight.detach().clone()
+
+    inner = stage.before_step
+    stage.before_step = lambda s: (inner(s), snapshot(s))
+    summary = fit(stage, _toy_rows(), TrainConfig(progress=False, val_fraction=0.0), torch.device("cpu"),
+                  tmp_path / "toy.pt", MetricsLog(tmp_path / "m.jsonl"), resume=False)
+    assert summary["nonfinite_steps"] == 2 and summary["steps"] == 6
+    assert torch.equal(before[1], before[2]) and torch.equal(before[3], before[4])  # skipped: no update
+    assert not torch.equal(before[0], before[1])
+    events = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [e["step"] for e in events if e.get("event") == "nonfinite"] == [2, 4]
+    assert all(math.isfinite(p) for p in layer.weight.flatten().tolist())
+
+
+def test_repeated_non_finite_losses_stop_training_clearly(tmp_path):
+    _, stage = _toy_stage(set(range(100)), steps=50)
+    with pytest.raises(NonFiniteLossError, match=r"not finite for 3 steps in a row.*learning rate"):
+        fit(stage, _toy_rows(), TrainConfig(progress=False, val_fraction=0.0, max_nonfinite=3),
+            torch.device("cpu"), tmp_path / "toy.pt", MetricsLog(tmp_path / "m.jsonl"), resume=False)
+
+
+# ---------------------------------------------------------------------------------- schedules
+
+
+def test_mu_schedules():
+    assert mu_at(0, "ramp", 100) == pytest.approx(0.01) and mu_at(100, "ramp", 100) == pytest.approx(0.5)
+    assert mu_at(50, "ramp", 100) == pytest.approx(0.255) and mu_at(500, "ramp", 100) == pytest.approx(0.5)
+    assert mu_at(99, "switch", 100) == pytest.approx(0.01) and mu_at(100, "switch", 100) == pytest.approx(0.5)
+    assert mu_at(100, "cyclic", 100) == pytest.approx(0.5) and mu_at(200, "cyclic", 100) == pytest.approx(0.01)
+    assert mu_at(150, "cyclic", 100) == pytest.approx(0.255)
+    assert mu_at(7, "constant", 100, constant=0.3) == 0.3
+    with pytest.raises(ValueError, match="mu_schedule"):
+        mu_at(0, "sawtooth", 10)
+
+
+def test_cosine_warmup_shape():
+    lrs = [cosine_with_warmup(s, 100, 10) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[100] == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("method", "mamba", "method must be one of"),
+    ("packing", "greedy", "packing must be one of"),
+    ("seq_len", 0, "seq_len must be a positive integer"),
+    ("stage1_lr", -1.0, "stage1_lr must be a number > 0"),
+    ("val_fraction", 0.9, r"val_fraction must be a number in \[0.0, 0.5\]"),
+    ("distill", 2, r"distill must be a number in \[0.0, 1.0\]"),
+    ("transfer_target", "logits", "transfer_target must be one of"),
+    ("overrides", {"windw": 3}, r"unknown override\(s\) \['windw'\]"),
+    ("lora_targets", [], "lora_targets must be a non-empty list"),
+    ("device", "tpu", "device must be"),
+])
+def test_bad_settings_are_named(field, value, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        run(TrainConfig(**{field: value, "out": str(tmp_path / "run")}))
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_and_empty_data_leave_nothing_behind(tiny, text_file, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        run(small(tiny, str(tmp_path / "missing.txt"), tmp_path / "a"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="no text found"):
+        run(small(tiny, str(tmp_path / "empty.txt"), tmp_path / "b"))
+    with pytest.raises(ValueError, match="lora_targets.*gate_proj_x"):
+        run(small(tiny, text_file, tmp_path / "c", lora_targets=["gate_proj_x"]))
+    assert not any((tmp_path / d).exists() for d in "abc")
