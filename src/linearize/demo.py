@@ -72,8 +72,10 @@ def run_demo(out: str = "runs/demo", device: str = "auto", *, model: str = "smol
     show_plan(config, stage1_steps, stage2_steps, prompts, contexts)
     train(config)
     mse = show_transfer_mse(Path(out))
-    show_answers(Path(out), config, prompts, max_new_tokens)
-    memory = show_decode_memory(Path(out), config, contexts)
+    teacher, student, tokenizer = load_models(Path(out), config)
+    show_answers(Path(out), teacher, student, tokenizer, prompts, max_new_tokens)
+    memory = show_decode_memory(teacher, student, tokenizer, contexts)
+    del teacher, student
     show_closing_note(Path(out), config, mse, memory)
     _heading(f"Done in {_duration(time.perf_counter() - started)}")
     return 0
@@ -292,13 +294,18 @@ def _side_by_side(left: str, right: str, width: int = 37) -> str:
     return "\n".join(rows)
 
 
-def show_answers(out: Path, config, prompts, max_new_tokens: int) -> None:
+def load_models(out: Path, config):
+    """The teacher and the trained student (``linearize.load(out)``) on the run's device."""
     import linearize
 
     device = _device(config)
-    _heading(f"Teacher vs student: greedy answers ({max_new_tokens} new tokens at most)")
     teacher, tokenizer = linearize.load_teacher(config.model, device=device)
     student, _ = linearize.load(out, device=device)
+    return teacher, student, tokenizer
+
+
+def show_answers(out: Path, teacher, student, tokenizer, prompts, max_new_tokens: int) -> None:
+    _heading(f"Teacher vs student: greedy answers ({max_new_tokens} new tokens at most)")
     for i, prompt in enumerate(prompts, 1):
         t = _generate(teacher, tokenizer, prompt, max_new_tokens)
         s = _generate(student, tokenizer, prompt, max_new_tokens)
@@ -310,7 +317,6 @@ def show_answers(out: Path, config, prompts, max_new_tokens: int) -> None:
         print(f"\nvalidation perplexity (held-out Shakespeare): teacher {summary['teacher_val_ppl']:.1f}, "
               + (f"student after stage 1 {after1:.1f}, " if after1 is not None else "")
               + f"student after stage 2 {summary['student_val_ppl']:.1f}")
-    del teacher, student
 
 
 def _summary(out: Path) -> dict:
@@ -358,13 +364,8 @@ def _decode_cache_bytes(model, ids) -> int:
     return sizes["linear"] + sizes["softmax"]
 
 
-def show_decode_memory(out: Path, config, contexts) -> dict:
-    import linearize
-
-    device = _device(config)
+def show_decode_memory(teacher, student, tokenizer, contexts) -> dict:
     _heading("Decode memory as the context grows (cache held by one sequence, fp32)")
-    teacher, tokenizer = linearize.load_teacher(config.model, device=device)
-    student, _ = linearize.load(out, device=device)
     text = _context_tokens(tokenizer, max(contexts))
     rows = []
     for n in contexts:
@@ -373,7 +374,6 @@ def show_decode_memory(out: Path, config, contexts) -> dict:
         s = _decode_cache_bytes(student, text[:n])
         rows.append((n, t, s))
         print(f"  measured {n:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
-    del teacher, student
 
     print(f"\n{'context':>9} | {'teacher KV cache':>16} | {'student state':>13} | {'teacher/student':>15}")
     print(f"{'-' * 9}-+-{'-' * 16}-+-{'-' * 13}-+-{'-' * 15}")
@@ -431,9 +431,12 @@ def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
         print(f"  - validation perplexity {summary['student_val_ppl']:.1f} "
               f"(teacher {summary['teacher_val_ppl']:.1f})")
     print("Not yet:")
+    t_ppl, s_ppl = summary.get("teacher_val_ppl"), summary.get("student_val_ppl")
+    if t_ppl and s_ppl and s_ppl > t_ppl:
+        print(f"  - the teacher's quality: the student's validation perplexity is {s_ppl / t_ppl:.1f}x the teacher's")
     print("  - fluent, correct answers: that takes the full recipe (millions of tokens), not minutes")
     print("\nThe full recipe on a GPU (a few million tokens per stage; the papers use 20M):")
-    print("  linearize train --method lizard --model smollm2-135m --data shakespeare --out runs/lizard \\\n"
+    print(f"  linearize train --method lizard --model {config.model} --data shakespeare --out runs/lizard \\\n"
           "      --stage1-tokens 2M --stage2-tokens 2M --seq-len 1024 --batch-size 8 --device cuda")
     print('  linearize generate --model runs/lizard --chat --prompt "What is the capital of France?"')
     print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl, Alpaca records); "
