@@ -266,3 +266,32 @@ def test_missing_and_empty_data_leave_nothing_behind(tiny, text_file, tmp_path):
     with pytest.raises(ValueError, match="lora_targets.*gate_proj_x"):
         run(small(tiny, text_file, tmp_path / "c", lora_targets=["gate_proj_x"]))
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
+    rows = pack([list(range(1, 33)), list(range(40, 72)), list(range(80, 112)), list(range(120, 152))], 8, "split",
+                min_tokens=4)
+    weights = []
+    for batch_size, accum in [(2, 1), (1, 2)]:
+        torch.manual_seed(0)
+        layer, stage = _toy_stage(set(), steps=4)
+        config = TrainConfig(progress=False, val_fraction=0.0, batch_size=batch_size, grad_accum=accum, clip=0.0)
+        fit(stage, rows, config, torch.device("cpu"), tmp_path / f"{accum}.pt", MetricsLog(tmp_path / "m.jsonl"), False)
+        weights.append(layer.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-6, atol=1e-7)
+
+
+def test_early_stopping_keeps_the_best_weights(tmp_path):
+    layer, stage = _toy_stage(set(), steps=50)
+    history = []
+
+    def eval_fn():  # validation gets worse after the second evaluation
+        history.append(layer.weight.detach().clone())
+        return [3.0, 1.0, 2.0, 2.5, 2.7][min(len(history) - 1, 4)], {}
+
+    stage.eval_fn = eval_fn
+    config = TrainConfig(progress=False, eval_every=2, early_stop_patience=2, lr_schedule="constant")
+    summary = fit(stage, _toy_rows(), config, torch.device("cpu"), tmp_path / "toy.pt",
+                  MetricsLog(tmp_path / "m.jsonl"), resume=False)
+    assert summary["stopped_early"] and summary["steps"] == 6 and summary["best_val"] == 1.0
+    assert torch.equal(layer.weight, history[1])  # the weights of the best evaluation (step 2)
