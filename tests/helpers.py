@@ -61,3 +61,8 @@ def window_of(t: int, w: int, terraced: bool) -> list[int]:
     """The window keys of query t, written out by hand (an oracle independent of ops.window_attn)."""
     first = max(0, (t // w - 1) * w) if terraced else max(0, t - w + 1)
     return list(range(first, t + 1))
+
+
+def capped(x, softcap):
+    """Gemma 2's soft-cap, written out for the references."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)

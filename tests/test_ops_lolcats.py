@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps, window_of
+from helpers import TOL, assert_rel_close, assert_state_close, capped, count_chunk_steps, window_of
 from linearize.ops.lolcats_attn import (
     LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel, lolcats_attn_recurrent,
 )
@@ -15,11 +15,6 @@ B, H, T, DK, DV, F = 2, 3, 37, 8, 5, 6
 WINDOWS = {False: 5, True: 4}
 # Scores are ~N(0, 1) here, so a cap of 1.5 changes them a lot; None is the uncapped op.
 SOFTCAPS = [None, 1.5]
-
-
-def capped(x, softcap):
-    """Gemma 2's soft-cap, written out for the references."""
-    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 def inputs(dtype, seed=0, T=T, B=B):

@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps, window_of
+from helpers import TOL, assert_rel_close, assert_state_close, capped, count_chunk_steps, window_of
 from linearize.ops.window_attn import (
     WindowState, cache_len, window_attn_chunk, window_attn_parallel, window_attn_recurrent,
 )
@@ -16,11 +16,6 @@ WINDOWS = {False: 5, True: 4}
 SINKS = ["none", "logits", "kv", "both"]
 # Scores are ~N(0, 1) here, so a cap of 1.5 changes them a lot; None is the uncapped op.
 SOFTCAPS = [None, 1.5]
-
-
-def capped(x, softcap):
-    """Gemma 2's soft-cap, written out for the references."""
-    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 def inputs(dtype, seed=0, T=T, B=B):

@@ -349,23 +349,13 @@ def load_config_file(path) -> dict:
     return values
 
 
-RUN_CONFIG_FILE = "config.json"  # the settings a run records in its directory (train.run)
-
-
 def _saved_run_config(out: Path) -> dict:
     """The settings recorded in run directory ``out`` (empty if there are none), so that
     ``linearize train --resume --out DIR`` needs no other flag."""
     from .train.config import TrainConfig
+    from .train.run import read_run_config
 
-    path = out / RUN_CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"cannot resume: {path} is not valid JSON ({e})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"cannot resume: {path} does not hold a mapping of settings")
+    saved = read_run_config(out) or {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return {k: v for k, v in saved.items() if k in names}
 
@@ -432,7 +422,7 @@ def _check_model_name(name: str) -> None:
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse to replace a directory that is not a linearize checkpoint (save swaps the whole dir)."""
+    """Refuse to write into a non-empty directory that is not a linearize checkpoint."""
     from .models.checkpoint import META_FILE
 
     if out.exists():
@@ -443,7 +433,7 @@ def _check_out_dir(out: Path) -> None:
                              "refusing to replace it (choose another directory)")
 
 
-def _human_size(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -474,9 +464,9 @@ def cmd_convert(args) -> int:
     print(f"converted {args.model} with {args.method}: {n_layers} of {n_layers + len(kept)} attention layers linearized"
           + (f", softmax kept in layers {kept}" if kept else "")
           + f"; {new_params:,} new parameters (untrained)")
-    print(f"saved {'merged ' if args.merged else ''}checkpoint to {out} ({_human_size(total)}):")
+    print(f"saved {'merged ' if args.merged else ''}checkpoint to {out} ({human_size(total)}):")
     for p in files:
-        print(f"  {p.name:<24} {_human_size(p.stat().st_size):>10}")
+        print(f"  {p.name:<24} {human_size(p.stat().st_size):>10}")
     print(f"load it with linearize.load({str(out)!r}); train it with: linearize train --method {args.method} "
           f"--model {args.model} --out DIR")
     return 0
@@ -520,16 +510,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
-    return device
-
-
 def _load_for_generation(name: str, device: str):
     from .models.checkpoint import META_FILE, load
     from .models.teacher import load_teacher
@@ -552,7 +532,9 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    device = _resolve_device(args.device)
+    from .train.loop import resolve_device
+
+    device = str(resolve_device(args.device))
     model, tokenizer = _load_for_generation(args.model, device)
     if tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer (no tokenizer files in the directory); "

@@ -23,6 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from .cli import human_size
+
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -115,7 +117,7 @@ def _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_
 
 def _existing_run_problem(out: Path, config) -> str | None:
     """Why ``out`` cannot be used for this demo, or None (empty, absent, or the same run)."""
-    from .train.run import CONFIG_FILE, RESUME_IRRELEVANT
+    from .train.run import CONFIG_FILE, changed_settings, read_run_config
 
     if not out.exists():
         return None
@@ -123,17 +125,14 @@ def _existing_run_problem(out: Path, config) -> str | None:
         return f"{out} exists and is not a directory; pass another --out"
     if not any(out.iterdir()):
         return None
-    saved = out / CONFIG_FILE
-    if not saved.is_file():
+    if not (out / CONFIG_FILE).is_file():
         return f"{out} is not empty and holds no linearize run; pass another --out (an empty or new directory)"
     try:
-        before = json.loads(saved.read_text())
-    except json.JSONDecodeError:
-        before = None
-    if not isinstance(before, dict):
-        return f"{saved} is not a valid run configuration; remove {out} or pass another --out"
+        before = read_run_config(out)
+    except ValueError:
+        return f"{out / CONFIG_FILE} is not a valid run configuration; remove {out} or pass another --out"
+    changed = changed_settings(before, config)
     now = config.to_dict()
-    changed = sorted(k for k in set(before) | set(now) if k not in RESUME_IRRELEVANT and before.get(k) != now.get(k))
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} there, {now.get(k)!r} here" for k in changed[:4])
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
@@ -151,13 +150,6 @@ def _heading(title: str) -> None:
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _device(config):
@@ -390,21 +382,21 @@ def show_decode_memory(teacher, student, tokenizer, contexts) -> dict:
     print(f"\n{'context':>9} | {'teacher KV cache':>16} | {'student state':>13} | {'teacher/student':>15}")
     print(f"{'-' * 9}-+-{'-' * 16}-+-{'-' * 13}-+-{'-' * 15}")
     for n, t, s in rows:
-        print(f"{n:>9,} | {_bytes(t):>16} | {_bytes(s):>13} | {t / s if s else math.inf:>14.2f}x")
+        print(f"{n:>9,} | {human_size(t):>16} | {human_size(s):>13} | {t / s if s else math.inf:>14.2f}x")
 
     student_flat = len({s for _, _, s in rows}) == 1
     per_token = [t / n for n, t, _ in rows]
     teacher_linear = max(per_token) - min(per_token) <= 1e-9 * max(per_token)
     print()
     if student_flat:
-        print(f"student: {_bytes(rows[0][2])} at every context length -- its state does not grow "
+        print(f"student: {human_size(rows[0][2])} at every context length -- its state does not grow "
               f"({rows[0][2]:,} bytes each time)")
     else:
         print("student: its state is NOT the same at every length: "
               + ", ".join(f"{s:,} B at {n:,}" for n, _, s in rows))
     if teacher_linear:
         print(f"teacher: grows linearly with the context, {per_token[0] / 1024:.1f} KiB per token "
-              f"({_bytes(rows[-1][1])} at {rows[-1][0]:,} tokens)")
+              f"({human_size(rows[-1][1])} at {rows[-1][0]:,} tokens)")
     else:
         print("teacher: bytes per token differ across lengths: "
               + ", ".join(f"{t / n:,.0f} B/token at {n:,}" for n, t, _ in rows))
@@ -435,8 +427,8 @@ def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
     print("\nWhat it can do already:")
     if memory.get("student_flat"):
         rows = memory["rows"]
-        print(f"  - constant decode memory: {_bytes(rows[0][2])} of state whether the context is "
-              f"{rows[0][0]:,} or {rows[-1][0]:,} tokens (the teacher: {_bytes(rows[0][1])} -> {_bytes(rows[-1][1])})")
+        print(f"  - constant decode memory: {human_size(rows[0][2])} of state whether the context is "
+              f"{rows[0][0]:,} or {rows[-1][0]:,} tokens (the teacher: {human_size(rows[0][1])} -> {human_size(rows[-1][1])})")
     if mse:
         print(f"  - imitate the teacher's attention better: the transfer MSE fell in {mse['fell']} of "
               f"{mse['layers']} layers, to {mse['mean_ratio']:.0%} of its starting value on average")

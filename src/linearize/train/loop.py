@@ -98,8 +98,11 @@ def batch_indices(micro: int, batch_size: int, num_rows: int, seed: int, stage: 
 
 
 def resolve_device(name: str) -> torch.device:
+    """'auto' = CUDA when available, else the CPU; an unavailable CUDA is named, not left to fail later."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available (use --device cpu)")
     return torch.device(name)
 
 

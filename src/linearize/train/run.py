@@ -216,10 +216,11 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
                  f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
     uses_mu = model.linearize_spec["config"]["combine"] == "mu"
 
-    def set_mu(step: int) -> None:
+    def set_mu(step: int) -> float:
         mu = mu_at(step, config.mu_schedule, config.mu_steps, model.linearize_spec["config"]["mu"])
         for m in linearized_layers(model):
             m.hybrid.mu.fill_(mu)
+        return mu
 
     def loss_fn(batch):
         out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
@@ -245,8 +246,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
     model.eval()
     if uses_mu:  # the checkpoint keeps the mu the model ended with
-        final_mu = mu_at(max(steps - 1, 0), config.mu_schedule, config.mu_steps, model.linearize_spec["config"]["mu"])
-        set_mu(max(steps - 1, 0))
+        final_mu = set_mu(max(steps - 1, 0))
         model.linearize_spec["overrides"]["mu"] = final_mu
         model.linearize_spec["config"]["mu"] = final_mu
     for p in model.parameters():
@@ -290,18 +290,33 @@ def _named(model, params) -> dict:
     return {n: p for n, p in model.named_parameters() if id(p) in ids}
 
 
+def read_run_config(out: Path) -> dict | None:
+    """The settings a run recorded in ``out`` (None if it holds no run); a broken file is named."""
+    saved = Path(out) / CONFIG_FILE
+    if not saved.is_file():
+        return None
+    try:
+        values = json.loads(saved.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cannot resume: {saved} is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"cannot resume: {saved} does not hold a mapping of settings")
+    return values
+
+
+def changed_settings(saved: dict, config: TrainConfig) -> list[str]:
+    """The settings that differ between a recorded run and ``config`` (those a resume may change excepted)."""
+    now = config.to_dict()
+    return sorted(k for k in set(saved) | set(now) if k not in RESUME_IRRELEVANT and saved.get(k) != now.get(k))
+
+
 def _check_out_dir(out: Path, config: TrainConfig, resume: bool) -> None:
     saved = out / CONFIG_FILE
     if resume:
-        if not saved.is_file():
+        before = read_run_config(out)
+        if before is None:
             raise FileNotFoundError(f"nothing to resume: {saved} does not exist (start the run without --resume)")
-        try:
-            before = json.loads(saved.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cannot resume: {saved} is not valid JSON ({e})") from None
-        now = config.to_dict()
-        changed = sorted(k for k in set(before) | set(now)
-                         if k not in RESUME_IRRELEVANT and before.get(k) != now.get(k))
+        changed = changed_settings(before, config)
         if changed:
             raise ValueError(f"cannot resume {out}: settings {changed} differ from the run's {saved}")
     elif out.exists() and any(out.iterdir()):

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..models.adapters import adapter_for
-from ..models.attention import LinearizedAttention
 from ..models.convert import linearized_layers
 
 
@@ -143,10 +142,5 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
     return recorder.losses
 
 
-def has_stage1_parameters(model: nn.Module) -> bool:
-    return any(p.numel() for m in linearized_layers(model) if m.hybrid.config.trainable
-               for p in m.hybrid.parameters())
-
-
-__all__ = ["Block", "LinearizedAttention", "TransferRecorder", "freeze_all_but", "has_stage1_parameters",
-           "make_blocks", "run_block", "trainable_attention_parameters", "transfer_mode"]
+__all__ = ["Block", "TransferRecorder", "freeze_all_but", "make_blocks", "run_block",
+           "trainable_attention_parameters", "transfer_mode"]
