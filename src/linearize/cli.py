@@ -4,6 +4,8 @@
     linearize convert ...                  swap a model's attention, save the untrained conversion
     linearize train ...                    two-stage training (attention transfer, then LoRA)
     linearize generate ...                 complete prompts with a teacher or a linearized checkpoint
+    linearize eval passkey|ppl|lm-eval|report|embed   evaluations (see cli_eval)
+    linearize bench kernels|generate       GPU benchmarks
     linearize demo                         the main job on the bundled teacher
 
 Errors from the library (bad values, missing files) are printed as ``linearize: error: ...`` on
@@ -405,22 +407,6 @@ def cmd_methods(args) -> int:
     return 0
 
 
-def _check_model_name(name: str) -> None:
-    """Fail fast, before any loading, on a model that is neither bundled nor an existing path
-    but clearly meant as a local path (absolute, ./, ~, or nested deeper than a hub id)."""
-    from .models.teacher import BUNDLED_TEACHERS
-
-    if name in BUNDLED_TEACHERS or Path(name).exists():
-        return
-    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-    if looks_local:
-        raise FileNotFoundError(f"model directory {name} does not exist "
-                                f"(bundled teachers: {', '.join(BUNDLED_TEACHERS)})")
-    if "/" not in name:
-        raise ValueError(f"unknown model {name!r}: use a bundled teacher ({', '.join(BUNDLED_TEACHERS)}), "
-                         "a local model directory, or a Hugging Face hub id (org/name)")
-
-
 def _check_out_dir(out: Path) -> None:
     """Refuse to write into a non-empty directory that is not a linearize checkpoint."""
     from .models.checkpoint import META_FILE
@@ -451,7 +437,9 @@ def cmd_convert(args) -> int:
     method_config(args.method, **overrides)  # bad method or override: fail before loading anything
     out = Path(args.out)
     _check_out_dir(out)
-    _check_model_name(args.model)
+    from .models.loading import check_model_name
+
+    check_model_name(args.model)
     model, tokenizer = load_teacher(args.model)
     convert(model, args.method, softmax_layers=args.softmax_layers, **overrides)
     save(model, out, merged=args.merged, tokenizer=tokenizer)
@@ -510,16 +498,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _load_for_generation(name: str, device: str):
-    from .models.checkpoint import META_FILE, load
-    from .models.teacher import load_teacher
-
-    if (Path(name) / META_FILE).is_file():
-        return load(name, device=device)
-    _check_model_name(name)
-    return load_teacher(name, device=device)
-
-
 def cmd_generate(args) -> int:
     import torch
     from transformers import GenerationConfig
@@ -535,7 +513,9 @@ def cmd_generate(args) -> int:
     from .train.loop import resolve_device
 
     device = str(resolve_device(args.device))
-    model, tokenizer = _load_for_generation(args.model, device)
+    from .models.loading import load_model
+
+    model, tokenizer = load_model(args.model, device=device)
     if tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer (no tokenizer files in the directory); "
                          "generate needs one: save the tokenizer next to the weights")
@@ -725,6 +705,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=_argtype(parse_device), default="auto", metavar="DEVICE", help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help='print one JSON line {"prompt", "completion"} per prompt')
     p.set_defaults(func=cmd_generate)
+
+    from .cli_eval import add_bench_parser, add_eval_parser
+
+    add_eval_parser(sub)
+    add_bench_parser(sub)
 
     p = _sub(sub, "demo", "the main job: linearize the bundled SmolLM2-135M with Lizard and compare",
              "Linearize the bundled SmolLM2-135M-Instruct with Lizard on the built-in text, show each layer's "

@@ -96,13 +96,17 @@ def _sentences(filler: str) -> list[str]:
 
 
 def make_passkey_example(rng: random.Random, tokenizer, length: int, *, num_keys: int = 5,
-                         words_per_key: tuple[int, int] = (5, 8), filler: str | None = None) -> PasskeyExample:
+                         words_per_key: tuple[int, int] = (5, 8), filler: str | None = None,
+                         asked_depth: float | None = None) -> PasskeyExample:
     """A Lizard-style example: ``num_keys`` word passkeys in ~``length`` tokens, one of them asked.
 
     ``keys`` are listed in the order they appear in the prompt (the "first" passkey comes first);
-    ``depths`` are sorted. ``filler`` defaults to Shakespeare from a random line.
+    ``depths`` are sorted. ``filler`` defaults to Shakespeare from a random line. ``asked_depth``
+    places the asked key at that depth (an evaluation grid by depth); the others stay random.
     """
     _check_length(length)
+    if asked_depth is not None and not 0.0 <= asked_depth <= 1.0:
+        raise ValueError(f"asked_depth must be in [0, 1], got {asked_depth!r}")
     if not isinstance(num_keys, int) or num_keys < 1:
         raise ValueError(f"num_keys must be a positive integer, got {num_keys!r}")
     lo, hi = words_per_key
@@ -118,6 +122,10 @@ def make_passkey_example(rng: random.Random, tokenizer, length: int, *, num_keys
             keys.append(key)
     depths = sorted(rng.random() for _ in range(num_keys))
     asked = rng.randrange(num_keys)
+    if asked_depth is not None:
+        others = depths[:asked] + depths[asked + 1:]
+        depths = sorted(others + [float(asked_depth)])
+        asked = bisect_left(depths, float(asked_depth))
 
     if filler is None:
         lines = _shakespeare_lines()

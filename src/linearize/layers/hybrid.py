@@ -185,7 +185,7 @@ class HybridAttention(nn.Module):
         else:
             if "local" not in state:
                 zeros, pos = self._fresh_window_state(lk, valid)
-                state["local"] = WindowState(zeros, zeros.clone(), pos)
+                state["local"] = WindowState(zeros, zeros.new_zeros(*zeros.shape[:3], v.shape[-1]), pos)
             fn = window_attn_recurrent if step else window_attn_chunk
             y_w, state["local"] = fn(lq, lk, v, state=state["local"], **self._window_kwargs(),
                                      **({} if step else chunk))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from torch import nn
 
 from .adapters import adapter_for
@@ -59,3 +61,18 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if "lora_" in name]
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """Run ``model`` with its LoRA adapters switched off: the teacher's own projections."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    try:
+        for m in layers:
+            m.enable_adapters(False)
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)

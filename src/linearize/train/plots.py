@@ -85,12 +85,12 @@ def plot_metrics(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) ->
     if not mse:
         mse, split = _layer_points(stage1, "train"), "train"
     if mse:
-        written.append(_save(_layer_mse_figure(mse, split, stage1), out_dir / LAYER_MSE_PNG))
+        written.append(save_png(_layer_mse_figure(mse, split, stage1), out_dir / LAYER_MSE_PNG))
     if any(_has_loss(seg.train) or _has_loss(seg.val) for seg in stage1):
-        written.append(_save(_loss_figure(stage1, "Stage 1: attention transfer", "attention-transfer loss (MSE)",
+        written.append(save_png(_loss_figure(stage1, "Stage 1: attention transfer", "attention-transfer loss (MSE)",
                                           log=True), out_dir / STAGE1_LOSS_PNG))
     if any(_has_loss(seg.train) or _has_loss(seg.val) for seg in stage2):
-        written.append(_save(_loss_figure(stage2, "Stage 2: LoRA", "loss", log=False), out_dir / STAGE2_LOSS_PNG))
+        written.append(save_png(_loss_figure(stage2, "Stage 2: LoRA", "loss", log=False), out_dir / STAGE2_LOSS_PNG))
     return written
 
 
@@ -165,11 +165,13 @@ def _use_log(ax, values: list[float]) -> None:
         ax.set_yscale("log")
 
 
-def _figure():
+def new_figure(figsize: tuple[float, float] = (7.5, 4.5), nrows: int = 1, ncols: int = 1):
+    """A figure without pyplot (no global state, no GUI backend): ``(fig, axes)``; ``nrows=0``
+    gives no axes, for a caller that lays out its own grid."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 4.5), dpi=100, layout="constrained")
-    return fig, fig.add_subplot()
+    fig = Figure(figsize=figsize, dpi=100, layout="constrained")
+    return fig, (fig.subplots(nrows, ncols, squeeze=True) if nrows else None)
 
 
 def _mark_blocks(ax, segments: list[_Segment]) -> str:
@@ -186,7 +188,7 @@ def _layer_mse_figure(points: dict[int, list[tuple[float, float]]], split: str, 
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    fig, ax = _figure()
+    fig, ax = new_figure()
     n_layers = max(points) + 1
     cmap = colormaps["viridis"]
     norm = Normalize(vmin=0, vmax=max(n_layers - 1, 1))
@@ -209,7 +211,7 @@ def _layer_mse_figure(points: dict[int, list[tuple[float, float]]], split: str, 
 
 
 def _loss_figure(segments: list[_Segment], title: str, ylabel: str, log: bool):
-    fig, ax = _figure()
+    fig, ax = new_figure()
     values, labelled = [], set()
     for seg in segments:
         tx, ty = _series(seg.train, "loss", seg.offset)
@@ -234,7 +236,8 @@ def _loss_figure(segments: list[_Segment], title: str, ylabel: str, log: bool):
     return fig
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
+    """Write atomically: a reader never sees half a PNG."""
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
     try:
         fig.savefig(tmp, format="png")
