@@ -127,7 +127,7 @@ def run_passkey(models: Sequence[str], out_dir: str | Path, *, fmt: str = "class
         start = time.perf_counter()
         with tqdm(total=total, desc=f"passkey {fmt} {name}", unit="ex") as bar:
             scores = evaluate_model(model, tokenizer, fmt, lengths, grid, samples, seed, max_new_tokens, bar)
-        results.append({"model": name, "label": model_label(name), "linearized": is_linearized(model),
+        results.append({"model": name, "label": model_label(name, model), "linearized": is_linearized(model),
                         "context_length": context_length(model), "seconds": time.perf_counter() - start,
                         **scores})
         del model

@@ -137,7 +137,7 @@ def run_ppl(models: Sequence[str], data: str, out_dir: str | Path, *, max_tokens
         start = time.perf_counter()
         with tqdm(total=ids.shape[1], desc=f"ppl {name}", unit="tok") as bar:
             r = model_nll(model, ids, window, stride, piece, bar)
-        results.append({"model": name, "label": model_label(name), "linearized": is_linearized(model),
+        results.append({"model": name, "label": model_label(name, model), "linearized": is_linearized(model),
                         "context_length": context_length(model), "seconds": time.perf_counter() - start, **r})
         del model
     data_out = {"data": data, "tokens": int(stream_ids.shape[1]), "models": results, "environment": environment(device)}

@@ -43,17 +43,23 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
     return load_teacher(name, dtype=dtype, device=device)
 
 
-def model_label(name: str) -> str:
-    """A short name for tables: the method for a checkpoint (``lizard: runs/x``), else the name."""
+def model_label(name: str, model=None) -> str:
+    """A short name for tables: the method for a checkpoint (``lizard (x)``), else the name. A
+    checkpoint that kept every layer as softmax (``--softmax-layers 1.0``: a fine-tuned teacher
+    baseline) is labelled ``softmax (x)``."""
     if is_checkpoint(name):
         from .checkpoint import read_meta
 
-        return f"{read_meta(name)['method']} ({Path(name).name})"
+        method = read_meta(name)["method"] if model is None or is_linearized(model) else "softmax"
+        return f"{method} ({Path(name).name})"
     return name
 
 
 def is_linearized(model) -> bool:
-    return getattr(model, "linearize_spec", None) is not None
+    """Whether any attention layer of ``model`` is a linearized one (state instead of a KV cache)."""
+    from .attention import LinearizedAttention
+
+    return any(isinstance(m, LinearizedAttention) for m in model.modules())
 
 
 def context_length(model) -> int | None:
