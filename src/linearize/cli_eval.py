@@ -178,11 +178,13 @@ def add_eval_parser(sub) -> None:
                linearize eval lm-eval --model smollm2-135m --model runs/lizard --data-dir ../shared/data/evaldev \\
                    --tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande,mmlu --limit 100""")
     _common(p, "runs/eval")
-    p.add_argument("--tasks", type=_argtype(parse_list), required=True, metavar="T,T,...",
-                   help="piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu (comma-separated)")
-    p.add_argument("--data-dir", required=True, metavar="DIR", help="the folder holding the task files")
+    p.add_argument("--tasks", type=_argtype(parse_list), default=None, metavar="T,T,...",
+                   help="piqa, arc_easy, arc_challenge, hellaswag, winogrande, mmlu, comma-separated, or all "
+                        "(default: all)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="the folder holding the task files (default: $LINEARIZE_EVAL_DATA)")
     p.add_argument("--limit", type=_argtype(parse_int), default=None, metavar="N",
-                   help="at most N examples per task (default: all)")
+                   help="at most N examples per task, per subject for MMLU (default: all)")
     p.add_argument("--num-fewshot", type=_argtype(parse_int), default=None, metavar="N",
                    help="override the tasks' shots (default: 0, MMLU 5)")
     p.add_argument("--batch-size", type=_argtype(parse_int), default=8, metavar="N", help="(default: %(default)s)")
