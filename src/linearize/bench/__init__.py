@@ -1,0 +1,1 @@
+"""Benchmarks: decode throughput and memory (``generate``), kernels (``kernels``)."""

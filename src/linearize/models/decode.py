@@ -1,0 +1,1198 @@
+"""Fast decoding: static state buffers, one fused step per layer, and CUDA-graph replay.
+
+``model.generate`` decodes a converted model through HF's machinery: a Python-side cache object,
+fresh state tensors every step, a mask built every step and dozens of tiny kernels per layer. That
+is right but slow. ``fast_generate`` keeps the meaning and changes the mechanics:
+
+1. **Prefill** runs the model's own forward (the chunk forms), optionally in pieces.
+2. The state each layer ended with is moved into **static buffers** that the decode step updates
+   in place: the recurrent state ``S, z`` (fp32) and, for a sliding window, a **ring buffer** of the
+   last ``w`` keys/values, kept per KV head in the model's dtype (lossless: the window op's fp32
+   cache holds values that came from that dtype, expanded over the query heads of each group).
+   Slot ``p mod w`` holds the key of position ``p``; the visibility rule is the window op's.
+3. Each **decode step** runs the HF model forward for one token with every linearized attention
+   swapped (for that call only) for a step module that reads and writes those buffers. The
+   position is a device tensor, the mask a constant, the next token is chosen on the device and
+   written into the input buffer: nothing in the step reads a value back to the host.
+4. On CUDA the step is **captured once in a CUDA graph** and replayed.
+
+Step modules, from fast to general:
+  ``fused``   Lizard-family layers (gated or plain linear global branch with Hedgehog features,
+              standard window or none, sink logits or none, no soft-cap) run two Triton kernels per
+              layer on CUDA: a "prep" kernel per (row, head) for RoPE, features, the sigmoid gate,
+              ``z``, the ring write and the sink-softmax over the window; a "state" kernel per
+              (row, head, block of value channels) for ``S = g S + k v^T`` and the readout, which
+              reads the state once and writes it once, and the ``y_g + alpha * y_w`` combine.
+              Elsewhere (CPU, no Triton) the same math runs as torch ops (``torch``).
+  ``torch``   the same layout and math as torch ops (any feature map, gate, sink kind, soft-cap).
+  ``generic`` every other method: ``HybridAttention``'s own recurrent step on the static state,
+              with the new state copied into the static buffers inside the step.
+Models with kept softmax layers decode through HF's cache (eager, no graph). On CUDA, both
+decoders also run HF's Llama-style RMSNorms as one Triton kernel each (eight kernels in HF).
+
+``TeacherDecoder`` is the matching baseline for an unconverted model (used by ``bench generate``):
+a preallocated static KV cache, each step writes its key/value at a device-side slot index and
+attends with SDPA over the whole buffer under a validity mask, the query heads of each KV group
+laid out as query rows (no repeated K/V is ever materialised), captured in a CUDA graph the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.gates import SigmoidGate
+from ..ops.window_attn import soft_cap
+from .adapters import adapter_for
+from .cache import StateLayer, iter_tensors
+
+GRAPH_MODES = (True, False, "auto")
+KERNELS = ("auto", "triton", "torch")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _layers(model: nn.Module):
+    adapter = adapter_for(model)
+    return adapter, adapter.layers(model)
+
+
+_LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+_NORM_ATTRS = ("input_layernorm", "post_attention_layernorm")
+
+
+def _norm_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every Llama-style RMSNorm around the decoder layers (and the final one)."""
+    adapter, layers = _layers(model)
+    slots = [(layer, name) for layer in layers for name in _NORM_ATTRS
+             if type(getattr(layer, name, None)).__name__ in _LLAMA_NORMS]
+    parent = model
+    for part in adapter.layers_path.split(".")[:-1]:
+        parent = getattr(parent, part)
+    if type(getattr(parent, "norm", None)).__name__ in _LLAMA_NORMS:
+        slots.append((parent, "norm"))
+    return slots
+
+
+@contextlib.contextmanager
+def _swapped_attention(model: nn.Module, modules: dict[int, nn.Module], fuse_norms: bool = False):
+    """Replace layer i's attention module with ``modules[i]`` (and, with ``fuse_norms``, each
+    Llama-style RMSNorm with the one-kernel version) for the duration of the block."""
+    adapter, layers = _layers(model)
+    originals = []
+    try:
+        for i, module in modules.items():
+            originals.append((layers[i], adapter.attention_attr, getattr(layers[i], adapter.attention_attr)))
+            setattr(layers[i], adapter.attention_attr, module)
+        if fuse_norms:
+            for parent, name in _norm_slots(model):
+                norm = getattr(parent, name)
+                originals.append((parent, name, norm))
+                setattr(parent, name, _FusedRMSNorm(norm))
+        yield
+    finally:
+        for parent, name, module in reversed(originals):
+            setattr(parent, name, module)
+
+
+class _FusedRMSNorm(nn.Module):
+    """HF's Llama RMSNorm (eight kernels) as one Triton kernel, same rounding steps."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "norm", norm)
+
+    def forward(self, x):
+        return _launch_rmsnorm(x, self.norm.weight, self.norm.variance_epsilon)
+
+
+def _check_graph_mode(use_cuda_graph) -> None:
+    if not (use_cuda_graph is True or use_cuda_graph is False or use_cuda_graph == "auto"):
+        raise ValueError(f"use_cuda_graph must be True, False or 'auto', got {use_cuda_graph!r}")
+
+
+def _eos_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return [eos]
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    try:
+        out = [int(e) for e in eos]
+    except (TypeError, ValueError):
+        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}") from None
+    return out
+
+
+_STREAMS: dict = {}
+
+
+def _capture_stream(device: torch.device):
+    """One side stream per device for every capture: each new stream would get (and keep) its own
+    cuBLAS workspace, so capturing on fresh streams leaks memory capture after capture."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]
+
+
+def _is_capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _sdpa(q, k, v, mask, scale, enable_gqa=False):
+    """SDPA restricted to the fused kernels on CUDA (the math backend would upcast and materialise);
+    all backends where none of those can run."""
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        except RuntimeError as e:
+            if "no available kernel" not in str(e).lower():
+                raise
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------------------------- Triton kernel
+
+try:  # optional: the fused decode kernel (module level, so Triton can resolve the helper)
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no Triton, or one that fails to import: torch ops only
+    triton = None
+
+
+def _triton_launcher():
+    """The fused Lizard step kernel's launcher, or None without a usable Triton."""
+    return _launch_lizard_step if triton is not None else None
+
+
+def _fused_norms_ok(device: torch.device) -> bool:
+    return (triton is not None and device.type == "cuda"
+            and os.environ.get("LINEARIZE_DECODE_NORM", "1") != "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr):
+        """Round an fp32 value to the model's dtype and back (what a torch op in that dtype stores)."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _rope(x_ptr, row, cos_ptr, sin_ptr, b, offs_d, md, D: tl.constexpr, DT: tl.constexpr):
+        """HF's x * cos + rotate_half(x) * sin for one head row, each product and the sum rounded to DT."""
+        x = tl.load(x_ptr + row * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        rot = tl.load(x_ptr + row * D + (offs_d + D // 2) % D, mask=md, other=0.0).to(tl.float32)
+        rot = tl.where(offs_d < D // 2, -rot, rot)
+        c = tl.load(cos_ptr + b * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        return _rnd(_rnd(x * c, DT) + _rnd(rot * s, DT), DT)
+
+    @triton.jit
+    def _hedgehog(x, w, mf, DT: tl.constexpr, LOG_SPACE: tl.constexpr):
+        """phi(x) = softmax(xW) ++ softmax(-xW), as the two halves; rounded like the torch module."""
+        xw = _rnd(tl.sum(x[:, None] * w, axis=0), DT)
+        xp = tl.where(mf, xw, float("-inf"))
+        xn = tl.where(mf, -xw, float("-inf"))
+        mp = tl.max(xp, axis=0)
+        mn = tl.max(xn, axis=0)
+        lp = xp - mp - tl.log(tl.sum(tl.exp(xp - mp), axis=0))
+        ln = xn - mn - tl.log(tl.sum(tl.exp(xn - mn), axis=0))
+        fp = tl.exp(_rnd(lp, DT))
+        fn = tl.exp(_rnd(ln, DT))
+        if not LOG_SPACE:  # the plain feature map exponentiates in the model's dtype
+            fp = _rnd(fp, DT)
+            fn = _rnd(fn, DT)
+        return tl.where(mf, fp, 0.0), tl.where(mf, fn, 0.0)
+
+    @triton.jit
+    def _lizard_prep_kernel(
+        q_ptr, k_ptr, qr_ptr, kr_ptr, cos_ptr, sin_ptr, v_ptr, x_ptr, gw_ptr, gb_ptr, logg_ptr, wq_ptr, wk_ptr,
+        z_ptr, ringk_ptr, ringv_ptr, pos_ptr, sink_ptr, alpha_ptr,
+        fq_ptr, fk_ptr, g_ptr, den_ptr, yw_ptr,
+        scale, eps, H, G,
+        D: tl.constexpr, F2: tl.constexpr, W: tl.constexpr, M: tl.constexpr, HID: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_F2: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_HID: tl.constexpr,
+        GATE: tl.constexpr, LOG_SPACE: tl.constexpr, FUSE_ROPE: tl.constexpr,
+        ROPE_GLOBAL: tl.constexpr, ROPE_WINDOW: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ):
+        """Part 1 of a Lizard-family decode step, one program per (row b, head h): RoPE, features,
+        gate, z and the normaliser, the window branch (ring write included). Writes the features,
+        gates and normaliser for part 2 and the window output already scaled by alpha.
+
+        GATE: 0 none (plain linear attention), 1 a scalar log-gate per head from ``logg_ptr``,
+        2 per-channel log-gates from ``logg_ptr``, 3 the sigmoid gate logsigmoid(x . w_h + c_h) here."""
+        pid = tl.program_id(0)  # = b * H + h
+        b = pid // H
+        h = pid % H
+        kv = b * (H // G) + h // G  # row of the KV head this query head reads
+        DT = q_ptr.dtype.element_ty
+        offs_d = tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        offs_f = tl.arange(0, BLOCK_F2)
+        mf = offs_f < F2
+        wmask = md[:, None] & mf[None, :]
+        woffs = h * D * F2 + offs_d[:, None] * F2 + offs_f[None, :]
+
+        # ---- queries and keys of both branches (RoPE here, or taken precomputed)
+        q = tl.load(q_ptr + pid * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + kv * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        if ROPE_GLOBAL or ROPE_WINDOW:
+            if FUSE_ROPE:
+                q_r = _rope(q_ptr, pid, cos_ptr, sin_ptr, b, offs_d, md, D, DT)
+                k_r = _rope(k_ptr, kv, cos_ptr, sin_ptr, b, offs_d, md, D, DT)
+            else:
+                q_r = tl.load(qr_ptr + pid * D + offs_d, mask=md, other=0.0).to(tl.float32)
+                k_r = tl.load(kr_ptr + kv * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        if ROPE_GLOBAL:
+            gq, gk = q_r, k_r
+        else:
+            gq, gk = q, k
+
+        # ---- global branch: features, gate, z and the normaliser
+        fqp, fqn = _hedgehog(gq, tl.load(wq_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT, LOG_SPACE)
+        fkp, fkn = _hedgehog(gk, tl.load(wk_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT, LOG_SPACE)
+        if GATE == 3:
+            acc = tl.zeros([BLOCK_HID], dtype=tl.float32)
+            for i0 in range(0, HID, BLOCK_HID):
+                offs_x = i0 + tl.arange(0, BLOCK_HID)
+                mx = offs_x < HID
+                xv = tl.load(x_ptr + b * HID + offs_x, mask=mx, other=0.0).to(tl.float32)
+                wv = tl.load(gw_ptr + h * HID + offs_x, mask=mx, other=0.0).to(tl.float32)
+                acc += xv * wv
+            logit = _rnd(_rnd(tl.sum(acc, axis=0), DT) + tl.load(gb_ptr + h).to(tl.float32), DT)
+            lg = tl.minimum(logit, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(logit)))  # logsigmoid
+            gp = tl.zeros([BLOCK_F2], dtype=tl.float32) + tl.exp(lg)
+            gn = gp
+        elif GATE == 2:
+            gp = tl.exp(tl.load(logg_ptr + pid * 2 * F2 + offs_f, mask=mf, other=0.0))
+            gn = tl.exp(tl.load(logg_ptr + pid * 2 * F2 + F2 + offs_f, mask=mf, other=0.0))
+        elif GATE == 1:
+            gp = tl.zeros([BLOCK_F2], dtype=tl.float32) + tl.exp(tl.load(logg_ptr + pid))
+            gn = gp
+        else:
+            gp = tl.zeros([BLOCK_F2], dtype=tl.float32) + 1.0
+            gn = gp
+        zb = z_ptr + pid * 2 * F2
+        zp = tl.load(zb + offs_f, mask=mf, other=0.0)
+        zn = tl.load(zb + F2 + offs_f, mask=mf, other=0.0)
+        if GATE != 0:
+            zp = gp * zp + fkp
+            zn = gn * zn + fkn
+        else:
+            zp = zp + fkp
+            zn = zn + fkn
+        tl.store(zb + offs_f, zp, mask=mf)
+        tl.store(zb + F2 + offs_f, zn, mask=mf)
+        tl.store(den_ptr + pid, tl.sum(fqp * zp, axis=0) + tl.sum(fqn * zn, axis=0) + eps)
+        fb = pid * 2 * F2
+        tl.store(fq_ptr + fb + offs_f, fqp, mask=mf)
+        tl.store(fq_ptr + fb + F2 + offs_f, fqn, mask=mf)
+        tl.store(fk_ptr + fb + offs_f, fkp, mask=mf)
+        tl.store(fk_ptr + fb + F2 + offs_f, fkn, mask=mf)
+        tl.store(g_ptr + fb + offs_f, gp, mask=mf)
+        tl.store(g_ptr + fb + F2 + offs_f, gn, mask=mf)
+
+        # ---- window branch: scores against the ring (minus the slot this token replaces) + itself
+        if HAS_WINDOW:
+            if ROPE_WINDOW:
+                lq, lk = q_r, k_r
+            else:
+                lq, lk = q, k
+            pos = tl.load(pos_ptr + b)
+            slot = ((pos % W) + W) % W
+            offs_w = tl.arange(0, BLOCK_W)
+            rel = (((pos - offs_w) % W) + W) % W
+            vis = (offs_w < W) & (pos - rel >= 0) & (offs_w != slot)
+            tile = kv * W * D + offs_w[:, None] * D + offs_d[None, :]
+            tmask = (offs_w < W)[:, None] & md[None, :]
+            rk = tl.load(ringk_ptr + tile, mask=tmask, other=0.0).to(tl.float32)
+            s = tl.sum(rk * lq[None, :], axis=1) * scale
+            s = tl.where(vis, s, float("-inf"))
+            s_cur = tl.sum(lq * lk, axis=0) * scale
+            c = tl.maximum(tl.max(s, axis=0), s_cur)
+            if HAS_SINKS:
+                offs_m = tl.arange(0, BLOCK_M)
+                sinks = tl.load(sink_ptr + h * M + offs_m, mask=offs_m < M, other=float("-inf")).to(tl.float32)
+                c = tl.maximum(c, tl.max(sinks, axis=0))
+            p = tl.where(vis, tl.exp(s - c), 0.0)
+            p_cur = tl.exp(s_cur - c)
+            den_w = tl.sum(p, axis=0) + p_cur
+            if HAS_SINKS:
+                den_w += tl.sum(tl.exp(sinks - c), axis=0)
+            vv = tl.load(v_ptr + kv * D + offs_d, mask=md, other=0.0)
+            rv = tl.load(ringv_ptr + tile, mask=tmask, other=0.0).to(tl.float32)
+            yw = (tl.sum(p[:, None] * rv, axis=0) + p_cur * vv.to(tl.float32)) / den_w
+            alpha = tl.load(alpha_ptr + h).to(tl.float32)
+            tl.store(yw_ptr + pid * D + offs_d, _rnd(alpha * _rnd(yw, DT), DT), mask=md)
+            # one program per KV head writes the new key/value; the others mask that slot out
+            writer = (h % G) == 0
+            tl.store(ringk_ptr + kv * W * D + slot * D + offs_d, lk.to(DT), mask=md & writer)
+            tl.store(ringv_ptr + kv * W * D + slot * D + offs_d, vv, mask=md & writer)
+
+    @triton.jit
+    def _lizard_state_kernel(
+        S_ptr, v_ptr, fq_ptr, fk_ptr, g_ptr, den_ptr, yw_ptr, y_ptr, H, G,
+        D: tl.constexpr, F: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ):
+        """Part 2, one program per (row, head, block of value channels): S = g * S + fk v^T in place,
+        y = round(fq^T S / den) + the window part; S is read once and written once."""
+        pid = tl.program_id(0)  # = b * H + h
+        j0 = tl.program_id(1) * BLOCK_DV
+        b = pid // H
+        h = pid % H
+        kv = b * (H // G) + h // G
+        DT = y_ptr.dtype.element_ty
+        offs_f = tl.arange(0, BLOCK_F)
+        mf = offs_f < F
+        offs_j = j0 + tl.arange(0, BLOCK_DV)
+        mj = offs_j < D
+        m2 = mf[:, None] & mj[None, :]
+        ptrs = S_ptr + pid * F * D + offs_f[:, None] * D + offs_j[None, :]
+        S = tl.load(ptrs, mask=m2, other=0.0)
+        fq = tl.load(fq_ptr + pid * F + offs_f, mask=mf, other=0.0)
+        fk = tl.load(fk_ptr + pid * F + offs_f, mask=mf, other=0.0)
+        g = tl.load(g_ptr + pid * F + offs_f, mask=mf, other=0.0)
+        vj = tl.load(v_ptr + kv * D + offs_j, mask=mj, other=0.0).to(tl.float32)
+        S = g[:, None] * S + fk[:, None] * vj[None, :]
+        tl.store(ptrs, S, mask=m2)
+        num = tl.sum(fq[:, None] * S, axis=0)
+        y = _rnd(num / tl.load(den_ptr + pid), DT)
+        if HAS_WINDOW:
+            y += tl.load(yw_ptr + pid * D + offs_j, mask=mj, other=0.0)
+        tl.store(y_ptr + pid * D + offs_j, y.to(DT), mask=mj)
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+        """HF's Llama RMSNorm of one row: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        DT = y_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / N
+        xn = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * N + offs, (w * xn).to(DT), mask=m)
+
+
+def _launch_lizard_step(q, k, q_rope, k_rope, cos, sin, v, x, gate_w, gate_b, log_g, wq, wk, S, z, ring_k, ring_v,
+                        pos, sinks, alpha, y, *, scale, eps, H, G, D, F2, W, M, HID, gate, log_space, fuse_rope,
+                        rope_global, rope_window, has_window, has_sinks):
+    """Two launches: per (row, head) the prep kernel, per (row, head, value block) the state kernel.
+    All tensors contiguous; S, z updated and the ring written in place; y (B, H, D) written."""
+    B = y.shape[0]
+    F = 2 * F2
+    fq = torch.empty(B, H, F, dtype=torch.float32, device=y.device)
+    fk, g = torch.empty_like(fq), torch.empty_like(fq)
+    den = torch.empty(B, H, dtype=torch.float32, device=y.device)
+    yw = torch.empty(B, H, D, dtype=torch.float32, device=y.device) if has_window else den
+    block_d = triton.next_power_of_2(D)
+    block_w = triton.next_power_of_2(max(W, 1))
+    _lizard_prep_kernel[(B * H,)](
+        q, k, q_rope, k_rope, cos, sin, v, x, gate_w, gate_b, log_g, wq, wk, z, ring_k, ring_v, pos, sinks, alpha,
+        fq, fk, g, den, yw, float(scale), float(eps), H, G,
+        D=D, F2=F2, W=max(W, 1), M=max(M, 1), HID=max(HID, 1),
+        BLOCK_D=block_d, BLOCK_F2=triton.next_power_of_2(F2), BLOCK_W=block_w,
+        BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_HID=min(1024, triton.next_power_of_2(max(HID, 1))),
+        GATE=gate, LOG_SPACE=log_space, FUSE_ROPE=fuse_rope, ROPE_GLOBAL=rope_global, ROPE_WINDOW=rope_window,
+        HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
+        num_warps=8 if block_w * block_d >= 8192 else 4,
+    )
+    block_dv = min(32, block_d)
+    _lizard_state_kernel[(B * H, triton.cdiv(D, block_dv))](
+        S, v, fq, fk, g, den, yw, y, H, G, D=D, F=F, BLOCK_F=triton.next_power_of_2(F), BLOCK_DV=block_dv,
+        HAS_WINDOW=has_window, num_warps=4,
+    )
+
+
+def _launch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N).contiguous()
+    y = torch.empty_like(x2)
+    block = triton.next_power_of_2(N)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, float(eps), N=N, BLOCK=block,
+                                    num_warps=8 if block >= 4096 else 4)
+    return y.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------- step modules
+
+
+def _fast_kind(hybrid) -> str | None:
+    """'torch' when the ring-buffer step applies to this layer's config (else None)."""
+    c = hybrid.config
+    if c.global_rule not in ("gated", "linear") or c.feature_map not in ("hedgehog", "t2r"):
+        return None
+    if c.local_rule == "none":
+        return "torch"
+    if c.local_rule == "window" and c.combine == "sum":
+        return "torch"
+    return None
+
+
+_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in
+                      ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"))
+
+
+def _standard_rope(attn) -> bool:
+    """HF's ``q * cos + rotate_half(q) * sin`` (fused into the kernel when cos covers the whole head)."""
+    fn = attn.rotary
+    return (attn.adapter.rotary is None and getattr(fn, "__name__", "") == "apply_rotary_pos_emb"
+            and getattr(fn, "__module__", "") in _ROPE_MODULES)
+
+
+def _triton_ok(hybrid, device: torch.device, dtype: torch.dtype) -> bool:
+    c = hybrid.config
+    sinks = getattr(hybrid, "sinks", None)
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and c.feature_map == "hedgehog" and hybrid.softcap is None
+            and (sinks is None or sinks.kind == "logits"))
+
+
+class _Static(nn.Module):
+    """Base for the step modules: holds the wrapped attention without registering it."""
+
+    def __init__(self, attn: nn.Module, decoder):
+        super().__init__()
+        object.__setattr__(self, "attn", attn)
+        object.__setattr__(self, "decoder", decoder)
+
+
+class _FastStudentAttention(_Static):
+    """One linearized layer's decode step on static buffers (ring-buffer window)."""
+
+    def __init__(self, attn, decoder, state: dict, use_triton: bool):
+        super().__init__(attn, decoder)
+        object.__setattr__(self, "state", state)
+        self.use_triton = use_triton
+        self.fuse_rope = _standard_rope(attn)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        attn = self.attn
+        x = hidden_states
+        q, k, v = attn.adapter.project(attn, x, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        cos, sin = position_embeddings
+        y = None
+        if self.use_triton:
+            try:
+                y = self._triton(x, q, k, v, cos, sin)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot build here: torch ops in "auto"
+                if self.decoder.kernel_request != "auto" or _is_capturing(x):
+                    raise
+                warnings.warn(f"the fused Triton decode step failed ({type(e).__name__}: {e}); using torch ops")
+                self.decoder._drop_triton()
+        if y is None:
+            q_rope, k_rope = attn.rotary(q, k, cos, sin)
+            y = self._torch(x, q, k, v, q_rope, k_rope)
+        return attn._output(y, x.dtype), None
+
+    # -- the reference-equivalent torch ops
+    def _torch(self, x, q, k, v, q_rope, k_rope):
+        attn, hy, st = self.attn, self.attn.hybrid, self.state
+        c = hy.config
+        B, H, _, d = q.shape
+        G = H // k.shape[1]
+        k_e = _repeat_kv(k, G)
+        gq, gk = (q_rope, _repeat_kv(k_rope, G)) if c.rope_global else (q, k_e)
+        fq, fk, log_space = hy._global_features(gq, gk, x, None)
+        S, z = st["S"], st["z"]
+        dt = S.dtype
+        qt, kt = fq[:, :, 0].to(dt), fk[:, :, 0].to(dt)
+        if log_space:
+            qt, kt = qt.exp(), kt.exp()
+        vt = _repeat_kv(v, G)[:, :, 0].to(dt)
+        if c.global_rule == "gated":
+            log_g = hy._log_gates(k_e, x, None)
+            gt = log_g.to(dt).exp()[:, :, 0]  # (B, H) or (B, H, F)
+            if gt.dim() == 2:
+                gt = gt.unsqueeze(-1)
+            S.mul_(gt.unsqueeze(-1)).add_(kt.unsqueeze(-1) * vt.unsqueeze(-2))
+            z.mul_(gt).add_(kt)
+        else:
+            S.add_(kt.unsqueeze(-1) * vt.unsqueeze(-2))
+            z.add_(kt)
+        num = (qt.unsqueeze(-2) @ S).squeeze(-2)
+        den = (qt * z).sum(-1, keepdim=True)
+        y_g = (num / (den + 1e-6)).to(v.dtype).unsqueeze(2)  # (B, H, 1, d)
+        if c.local_rule == "none":
+            return y_g
+        lq, lk = (q_rope, k_rope) if c.rope_window else (q, k)
+        y_w = self._ring_attend(lq, lk, v, dt)
+        return (y_g + hy.alpha[:, None, None].to(y_g.dtype) * y_w).to(v.dtype)
+
+    def _ring_attend(self, lq, lk, v, dt):
+        """The window op's sink softmax over the ring, query heads grouped by KV head."""
+        hy, st = self.attn.hybrid, self.state
+        ring_k, ring_v, pos = st["ring_k"], st["ring_v"], self.decoder.pos
+        B, H, _, d = lq.shape
+        Hkv, w = ring_k.shape[1], ring_k.shape[2]
+        G = H // Hkv
+        slot = (pos % w).view(B, 1, 1, 1).expand(B, Hkv, 1, d)
+        ring_k.scatter_(2, slot, lk.to(ring_k.dtype))
+        ring_v.scatter_(2, slot, v.to(ring_v.dtype))
+        j = torch.arange(w, device=pos.device)
+        slot_pos = pos[:, None] - torch.remainder(pos[:, None] - j, w)  # (B, w)
+        mask = (slot_pos >= 0)[:, None, None, :]  # (B, 1, 1, w)
+        scale = hy.scale if hy.scale is not None else d ** -0.5
+        qg = lq.reshape(B, Hkv, G, d).to(dt)
+        scores = soft_cap(qg @ ring_k.to(dt).transpose(-1, -2) * scale, hy.softcap).masked_fill(~mask, -math.inf)
+        cmax = scores.amax(-1, keepdim=True)
+        sinks = getattr(hy, "sinks", None)
+        if sinks is not None and sinks.kind == "kv":
+            sk = sinks.keys.to(dt).reshape(Hkv, G, -1, d)
+            sink_scores = soft_cap((qg.unsqueeze(-2) @ sk.transpose(-1, -2)).squeeze(-2) * scale, hy.softcap)
+            cmax = torch.maximum(cmax, sink_scores.amax(-1, keepdim=True))
+        elif sinks is not None:
+            logits = sinks.logits.to(dt).reshape(1, Hkv, G, -1)
+            cmax = torch.maximum(cmax, logits.amax(-1, keepdim=True))
+        cmax = torch.where(torch.isfinite(cmax), cmax, torch.zeros_like(cmax))
+        p = torch.exp(scores - cmax)
+        num, den = p @ ring_v.to(dt), p.sum(-1, keepdim=True)
+        if sinks is not None and sinks.kind == "kv":
+            ps = torch.exp(sink_scores - cmax)
+            num = num + (ps.unsqueeze(-2) @ sinks.values.to(dt).reshape(Hkv, G, -1, d)).squeeze(-2)
+            den = den + ps.sum(-1, keepdim=True)
+        elif sinks is not None:
+            den = den + torch.exp(logits - cmax).sum(-1, keepdim=True)
+        y = num / torch.where(den > 0, den, torch.ones_like(den))
+        return y.reshape(B, H, 1, d).to(v.dtype)
+
+    # -- one fused kernel on CUDA
+    def _triton(self, x, q, k, v, cos, sin):
+        attn, hy, st = self.attn, self.attn.hybrid, self.state
+        c = hy.config
+        B, H, _, d = q.shape
+        Hkv = k.shape[1]
+        G = H // Hkv
+        fuse_rope = self.fuse_rope and cos.shape[-1] == d
+        if fuse_rope:
+            q_rope = k_rope = q
+            cos2, sin2 = cos.reshape(B, d).contiguous(), sin.reshape(B, d).contiguous()
+        else:
+            q_rope, k_rope = attn.rotary(q, k, cos, sin)
+            q_rope, k_rope = q_rope.reshape(B, H, d).contiguous(), k_rope.reshape(B, Hkv, d).contiguous()
+            cos2 = sin2 = q_rope
+        y = torch.empty(B, H, d, dtype=v.dtype, device=v.device)
+        x2 = x.reshape(B, -1).contiguous()
+        gate_w = gate_b = log_g = y
+        if c.global_rule != "gated":
+            gate = 0
+        elif isinstance(hy.gate, SigmoidGate):
+            gate, gate_w, gate_b = 3, hy.gate.weight, hy.gate.bias
+        else:
+            log_g = hy._log_gates(_repeat_kv(k, G) if c.gate == "pool" else k, x, None)
+            gate = 2 if log_g.dim() == 4 else 1
+            log_g = log_g.reshape(B, H, -1).float().contiguous()
+        has_window = c.local_rule == "window"
+        sinks = getattr(hy, "sinks", None)
+        ring_k, ring_v = st.get("ring_k", y), st.get("ring_v", y)
+        _triton_launcher()(
+            q.reshape(B, H, d).contiguous(), k.reshape(B, Hkv, d).contiguous(), q_rope, k_rope, cos2, sin2,
+            v.reshape(B, Hkv, d).contiguous(), x2, gate_w, gate_b, log_g,
+            hy.phi_q.weight, hy.phi_k.weight, st["S"], st["z"], ring_k, ring_v, self.decoder.pos,
+            sinks.logits if sinks is not None else y, hy.alpha if has_window else y, y,
+            scale=hy.scale if hy.scale is not None else d ** -0.5, eps=1e-6, H=H, G=G, D=d,
+            F2=hy.phi_q.weight.shape[-1], W=ring_k.shape[2] if has_window else 1,
+            M=sinks.logits.shape[1] if sinks is not None else 0, HID=x2.shape[1], gate=gate,
+            log_space=c.global_rule == "gated", fuse_rope=fuse_rope,  # Hedgehog: log-space features iff gated
+            rope_global=c.rope_global, rope_window=c.rope_window, has_window=has_window, has_sinks=sinks is not None)
+        return y.unsqueeze(2)
+
+
+class _GenericStudentAttention(_Static):
+    """``HybridAttention``'s own recurrent step on a static state, copied back in place."""
+
+    def __init__(self, attn, decoder, state: dict):
+        super().__init__(attn, decoder)
+        object.__setattr__(self, "state", state)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        attn = self.attn
+        q, k, v, q_rope, k_rope = attn.heads(hidden_states, position_embeddings)
+        y, new = attn.hybrid(q, k, v, q_rope, k_rope, hidden_states, self.state, None)
+        old_flat, new_flat = list(iter_tensors(self.state)), list(iter_tensors(new))
+        if len(old_flat) != len(new_flat):
+            raise RuntimeError("the layer's state changed structure during decoding")
+        for dst, src in zip(old_flat, new_flat):
+            if src is dst:
+                continue
+            if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+                src = src.clone()  # a view of the buffer itself: copy out first
+            dst.copy_(src)
+        return attn._output(y, hidden_states.dtype), None
+
+
+class _TeacherAttention(_Static):
+    """Softmax attention over a preallocated KV cache: write at the slot index, attend under a mask."""
+
+    def __init__(self, attn, decoder, k_cache: torch.Tensor, v_cache: torch.Tensor, config):
+        super().__init__(attn, decoder)
+        object.__setattr__(self, "k_cache", k_cache)
+        object.__setattr__(self, "v_cache", v_cache)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = k_cache.shape[-1]
+        object.__setattr__(self, "rotary", decoder.adapter.rotary_fn(attn))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        attn, dec = self.attn, self.decoder
+        B = hidden_states.shape[0]
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = dec.adapter.project(attn, hidden_states, H, Hkv, d)
+        cos, sin = position_embeddings
+        q, k = self.rotary(q, k, cos, sin)
+        self.k_cache.index_copy_(2, dec.slot, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, dec.slot, v.to(self.v_cache.dtype))
+        if dec.attention == "sliced":  # eager only: the filled slots, no mask (flash), GQA in the kernel
+            n = dec.host_slot + 1
+            y = _sdpa(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n], None, attn.scaling, enable_gqa=H != Hkv)
+        else:
+            G = H // Hkv
+            qg = q.reshape(B, Hkv, G, d)  # the G query heads of a KV head as G query rows
+            y = _sdpa(qg, self.k_cache, self.v_cache, dec.valid[:, None, None, :], attn.scaling)
+        y = y.reshape(B, 1, H * d)
+        return attn.o_proj(y), None
+
+
+# ---------------------------------------------------------------------------------- decoders
+
+
+class _StaticDecoder:
+    """Static token/position buffers and the step that feeds the model one token per sequence."""
+
+    def __init__(self, model: nn.Module, batch_size: int, max_steps: int, *, temperature: float = 0.0,
+                 eos_token_id=None, pad_token_id: int | None = 0, device=None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0:
+            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        self.model = model
+        self.adapter = adapter_for(model)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.batch_size, self.max_steps, self.temperature = batch_size, max_steps, float(temperature)
+        eos = _eos_list(eos_token_id)
+        if eos and pad_token_id is None:
+            pad_token_id = eos[0]
+        self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
+        dev, B = self.device, batch_size
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)  # position of the token in self.ids
+        self.mask4d = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev)  # a constant: layers here ignore it
+        self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        self.unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(B, max_steps, dtype=torch.long, device=dev)
+        self.n_out = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph = None
+        self.mode = "eager"
+        self.steps_done = 0  # host-side count of tokens written into self.out
+        # one-kernel RMSNorms on CUDA (both decoders alike, so timings compare the attention)
+        self.fuse_norms = _fused_norms_ok(self.device) and bool(_norm_slots(model))
+
+    # -- subclasses
+    def _modules(self) -> dict[int, nn.Module]:
+        raise NotImplementedError
+
+    def _advance(self) -> None:
+        """Device-side bookkeeping after a step (beyond ids/pos)."""
+
+    # -- the step
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        # sampling by the exponential race: argmax p_i / E_i ~ Categorical(p), no host sync
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+    def _push(self, nxt: torch.Tensor) -> None:
+        """Record a chosen token (B,), finishing rows that hit EOS, and feed it as the next input."""
+        if self.eos is not None:
+            nxt = torch.where(self.unfinished, nxt, torch.full_like(nxt, self.pad_token_id))
+            self.unfinished &= ~(nxt[:, None] == self.eos[None, :]).any(-1)
+        self.out.index_copy_(1, self.n_out, nxt[:, None])
+        self.n_out.add_(1)
+        self.ids.copy_(nxt[:, None])
+
+    def _step_body(self) -> None:
+        with _swapped_attention(self.model, self._modules(), self.fuse_norms):
+            out = self.model(input_ids=self.ids, position_ids=self.pos[:, None], attention_mask=self.mask4d,
+                             use_cache=False)
+        self._push(self._select(out.logits[:, -1]))
+        self.pos.add_(1)
+        self._advance()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One decode step: feed ``ids`` at ``pos``, choose the next token (graph replay when captured)."""
+        if self.steps_done >= self.max_steps:
+            raise RuntimeError(f"the decoder's token buffer is full ({self.max_steps} tokens)")
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step_body()
+        self.steps_done += 1
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Run one real step eagerly on a side stream (warm-up: kernel compilation, library
+        handles), then capture the next step in a CUDA graph; later ``step`` calls replay it."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this decoder is on {self.device}")
+        if self.graph is not None:
+            return
+        stream = _capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self._step_body()
+        self.graph, self.mode = graph, "cuda_graph"
+
+    def release(self) -> None:
+        self.graph = None
+
+    def tokens(self) -> torch.Tensor:
+        """The tokens chosen so far, (B, n)."""
+        return self.out[:, :self.steps_done]
+
+    def all_finished(self) -> bool:
+        return self.eos is not None and not bool(self.unfinished.any())
+
+    def start(self, first: torch.Tensor, pos: torch.Tensor) -> None:
+        """Seed the step: ``first`` (B,) the token chosen from the prefill, ``pos`` (B,) its position."""
+        self._push(first.to(self.device).long())
+        self.pos.copy_(pos)
+        self.steps_done += 1
+
+
+class StudentDecoder(_StaticDecoder):
+    """Decode a converted model (every attention layer linearized) from static state buffers.
+
+    ``kernel``: "auto" (the fused Triton step where the layer config and device allow it, else
+    torch ops), "triton" (required; an error where it cannot run) or "torch".
+    """
+
+    def __init__(self, model, batch_size: int, max_steps: int, *, kernel: str = "auto", **kwargs):
+        super().__init__(model, batch_size, max_steps, **kwargs)
+        if getattr(model, "linearize_spec", None) is None:
+            raise ValueError("StudentDecoder needs a converted model (linearize.convert); got an unconverted one")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        from .attention import LinearizedAttention
+
+        adapter, layers = _layers(model)
+        attns = [getattr(layer, adapter.attention_attr) for layer in layers]
+        kept = [i for i, a in enumerate(attns) if not isinstance(a, LinearizedAttention)]
+        if kept:
+            raise ValueError(f"layers {kept} are kept softmax attention; StudentDecoder needs every layer "
+                             "linearized (fast_generate decodes such models through HF's cache)")
+        self.attns = attns
+        self.kernel_request = kernel
+        self.kinds = []
+        for a in attns:
+            kind = _fast_kind(a.hybrid) or "generic"
+            if (kind == "torch" and kernel != "torch" and _triton_ok(a.hybrid, self.device, self.dtype)
+                    and (kernel == "triton" or os.environ.get("LINEARIZE_DECODE_KERNEL", "auto") != "torch")
+                    and _triton_launcher() is not None):
+                kind = "fused"
+            if kernel == "triton" and kind != "fused":
+                raise ValueError(f"kernel='triton': layer {a.layer_idx} cannot use the fused Triton step "
+                                 f"(device {self.device}, method config {a.hybrid.config}); use kernel='auto'")
+            self.kinds.append(kind)
+        self.states: list[dict] | None = None
+        self._mods: dict[int, nn.Module] | None = None
+
+    def _drop_triton(self) -> None:
+        self.kinds = ["torch" if k == "fused" else k for k in self.kinds]
+        for m in (self._mods or {}).values():
+            if isinstance(m, _FastStudentAttention):
+                m.use_triton = False
+
+    @property
+    def kernel(self) -> str:
+        kinds = sorted(set(self.kinds))
+        return kinds[0] if len(kinds) == 1 else "+".join(kinds)
+
+    def _modules(self):
+        if self._mods is None:
+            if self.states is None:
+                raise RuntimeError("no state loaded: call prefill() or load_synthetic() first")
+            mods = {}
+            for i, (a, kind, st) in enumerate(zip(self.attns, self.kinds, self.states)):
+                if kind == "generic":
+                    mods[i] = _GenericStudentAttention(a, self, st)
+                else:
+                    mods[i] = _FastStudentAttention(a, self, st, use_triton=kind == "fused")
+            self._mods = mods
+        return self._mods
+
+    # -- state
+    def _fast_state_from(self, attn, state: dict) -> dict:
+        c = attn.hybrid.config
+        S, z = state["global"]
+        out = {"S": S.clone().contiguous(), "z": z.clone().contiguous()}
+        if c.local_rule == "window":
+            k, v, pos = state["local"]
+            B, H, L, d = k.shape
+            G = H // attn.num_kv_heads
+            w = c.window
+            ring_k = torch.zeros(B, attn.num_kv_heads, w, d, dtype=self.dtype, device=k.device)
+            ring_v = torch.zeros_like(ring_k)
+            if L:
+                idx = torch.remainder(pos[:, None] - L + torch.arange(L, device=k.device), w)
+                idx = idx[:, None, :, None].expand(B, attn.num_kv_heads, L, d)
+                ring_k.scatter_(2, idx, k[:, ::G].to(self.dtype))
+                ring_v.scatter_(2, idx, v[:, ::G].to(self.dtype))
+            out["ring_k"], out["ring_v"] = ring_k, ring_v
+        return out
+
+    def load_states(self, states: list[dict], pos: torch.Tensor) -> None:
+        """Take the layers' op states after a prefill (``StateLayer.state`` of each layer)."""
+        loaded = []
+        for a, kind, st in zip(self.attns, self.kinds, states):
+            if kind == "generic":
+                loaded.append(_clone_state(st))
+            else:
+                loaded.append(self._fast_state_from(a, st))
+        self.states, self._mods, self.graph, self.mode = loaded, None, None, "eager"
+        self.pos.copy_(pos)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> torch.Tensor:
+        """Run the prompt through the model's chunk forms; load the state; returns the last logits (B, V)."""
+        logits, cache, pos = _prefill(self.model, input_ids, attention_mask, chunk_size)
+        states = []
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, StateLayer):
+                raise ValueError(f"layer {i} left a key/value cache: not a fully linearized model")
+            states.append(layer.state)
+        self.load_states(states, pos)
+        return logits
+
+    @torch.no_grad()
+    def load_synthetic(self, context: int, seed: int = 0) -> None:
+        """Random state of a model that has seen ``context`` tokens (for timing: decode cost does
+        not depend on the values, only on the sizes, which are those a real prefill leaves)."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        B, states = self.batch_size, []
+        for a, kind in zip(self.attns, self.kinds):
+            hy = a.hybrid
+            c = hy.config
+            if kind == "generic":
+                raise ValueError(f"load_synthetic supports the ring-buffer step only; layer {a.layer_idx} "
+                                 f"({c.global_rule}/{c.local_rule}/{c.combine}) uses the generic step")
+            Fd = c.feature_dim or a.head_dim
+            sdt = torch.float64 if self.dtype == torch.float64 else torch.float32
+            st = {"S": torch.rand(B, a.num_heads, Fd, a.head_dim, generator=gen, device=self.device, dtype=sdt) * 1e-2,
+                  "z": torch.rand(B, a.num_heads, Fd, generator=gen, device=self.device, dtype=sdt) + 1.0}
+            if c.local_rule == "window":
+                shape = (B, a.num_kv_heads, c.window, a.head_dim)
+                st["ring_k"] = torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+                st["ring_v"] = torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+            states.append(st)
+        self.states, self._mods, self.graph, self.mode = states, None, None, "eager"
+        self.pos.fill_(int(context))
+        self.ids.random_(0, int(self.model.config.vocab_size), generator=gen)
+
+    def state_bytes(self) -> int:
+        return _nbytes(t for st in (self.states or []) for t in iter_tensors(st)) + _nbytes([self.pos])
+
+    def step_bytes(self) -> int:
+        """Bytes of state one step must move at least: S and z read and written, the ring read."""
+        total = 0
+        for st in self.states or []:
+            total += 2 * _nbytes([st["S"], st["z"]]) if "S" in st else 2 * _nbytes(iter_tensors(st))
+            total += _nbytes([st[k] for k in ("ring_k", "ring_v") if k in st])
+        return total
+
+
+class TeacherDecoder(_StaticDecoder):
+    """Decode an unconverted model from a preallocated KV cache of ``max_len`` slots per layer.
+
+    All rows share one slot index (the number of tokens fed so far); left padding is kept out by
+    a per-row validity mask; RoPE positions are per row. Full-attention models only (no sliding
+    window, no soft-capping, no kept state layers).
+
+    ``attention``: "masked" (SDPA over the whole buffer under the validity mask, the query heads
+    of a KV group as query rows; capturable in a CUDA graph) or "sliced" (SDPA over the filled
+    slots only, no mask, so flash attention with GQA can run; the length is a host-side count, so
+    eager only, and every row must be unpadded).
+    """
+
+    def __init__(self, model, batch_size: int, max_steps: int, max_len: int, *, attention: str = "masked",
+                 **kwargs):
+        super().__init__(model, batch_size, max_steps, **kwargs)
+        self.attention = attention
+        if attention not in ("masked", "sliced"):
+            raise ValueError(f"attention must be 'masked' or 'sliced', got {attention!r}")
+        if getattr(model, "linearize_spec", None) is not None:
+            raise ValueError("TeacherDecoder decodes an unconverted model; this one is converted")
+        cfg = model.config
+        if getattr(cfg, "sliding_window", None) is not None or getattr(cfg, "attn_logit_softcapping", None):
+            raise ValueError("TeacherDecoder supports full causal attention only (no sliding window, no soft-cap)")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        _, layers = _layers(model)
+        attn0 = getattr(layers[0], self.adapter.attention_attr)
+        H = cfg.num_attention_heads
+        Hkv = getattr(cfg, "num_key_value_heads", None) or H
+        d = getattr(attn0, "head_dim", cfg.hidden_size // H)
+        self.max_len = max_len = -(-max_len // 16) * 16  # SDPA kernels like aligned mask rows
+        shape = (batch_size, Hkv, max_len, d)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=self.device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.host_slot = 0  # the same count on the host, for "sliced" attention
+        self.padded = False
+        self._mods = {i: _TeacherAttention(getattr(layer, self.adapter.attention_attr), self, kc, vc, cfg)
+                      for i, (layer, kc, vc) in enumerate(zip(layers, self.k_cache, self.v_cache))}
+
+    def _modules(self):
+        return self._mods
+
+    def _advance(self) -> None:
+        self.slot.add_(1)
+        self.host_slot += 1
+
+    def _step_body(self) -> None:
+        if self.attention == "sliced" and self.padded:
+            raise ValueError("attention='sliced' needs unpadded rows (it attends to every filled slot)")
+        self.valid.index_fill_(1, self.slot, True)  # the token fed now is visible to itself
+        _StaticDecoder._step_body(self)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        if self.attention != "masked":
+            raise ValueError("only attention='masked' can be captured in a CUDA graph (sliced shapes change every step)")
+        super().capture()
+
+    @torch.no_grad()
+    def prefill(self, input_ids, attention_mask=None, chunk_size=None) -> torch.Tensor:
+        logits, cache, pos = _prefill(self.model, input_ids, attention_mask, chunk_size)
+        T = input_ids.shape[1]
+        if T + self.max_steps > self.max_len:
+            raise ValueError(f"prompt ({T}) + steps ({self.max_steps}) exceed the cache ({self.max_len} slots)")
+        for layer, kc, vc in zip(cache.layers, self.k_cache, self.v_cache):
+            kc[:, :, :T].copy_(layer.keys)
+            vc[:, :, :T].copy_(layer.values)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.valid.zero_()
+        self.valid[:, :T] = mask.to(self.device)
+        self.padded = not bool(mask.all())
+        self.slot.fill_(T)
+        self.host_slot = T
+        self.pos.copy_(pos)
+        self.graph, self.mode = None, "eager"
+        return logits
+
+    @torch.no_grad()
+    def load_synthetic(self, context: int, seed: int = 0) -> None:
+        """Random keys/values for ``context`` tokens in every row (timing only)."""
+        if context + self.max_steps > self.max_len:
+            raise ValueError(f"context ({context}) + steps ({self.max_steps}) exceed the cache ({self.max_len} slots)")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc.normal_(generator=gen)
+            vc.normal_(generator=gen)
+        self.valid.zero_()
+        self.valid[:, :context] = True
+        self.padded = False
+        self.slot.fill_(int(context))
+        self.host_slot = int(context)
+        self.pos.fill_(int(context))
+        self.ids.random_(0, int(self.model.config.vocab_size), generator=gen)
+        self.graph, self.mode = None, "eager"
+
+    def cache_bytes(self) -> int:
+        return _nbytes(self.k_cache) + _nbytes(self.v_cache) + _nbytes([self.valid])
+
+    def context_cache_bytes(self, context: int) -> int:
+        """Bytes of keys and values for ``context`` tokens (what a cache of exactly that length holds)."""
+        per_slot = sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache) // self.max_len
+        return per_slot * int(context)
+
+
+def _clone_state(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone_state(v) for k, v in state.items()}
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_clone_state(v) for v in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_clone_state(v) for v in state)
+    return state
+
+
+def _prefill(model, input_ids, attention_mask, chunk_size):
+    """The model's own forward over the prompt (in pieces of ``chunk_size``): (last logits, cache, next positions)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a 2-D LongTensor (B, T), got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape {tuple(getattr(input_ids, 'shape', ()))}")
+    B, T = input_ids.shape
+    if T == 0:
+        raise ValueError("input_ids has no tokens; give at least one prompt token")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must have the shape of input_ids {(B, T)}, got {tuple(attention_mask.shape)}")
+        empty = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"rows {empty} of attention_mask have no tokens")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    position_ids = mask.cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(mask == 0, 1)  # as HF generate does
+    step = chunk_size or T
+    cache, logits = None, None
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        out = model(input_ids=input_ids[:, s:e], attention_mask=mask[:, :e] if attention_mask is not None else None,
+                    position_ids=position_ids[:, s:e], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+    return logits, cache, mask.sum(-1)
+
+
+# ---------------------------------------------------------------------------------- fast_generate
+
+
+def _all_linearized(model) -> bool:
+    from .attention import LinearizedAttention
+
+    adapter, layers = _layers(model)
+    return all(isinstance(getattr(layer, adapter.attention_attr), LinearizedAttention) for layer in layers)
+
+
+@torch.no_grad()
+def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id=None,
+                  pad_token_id: int | None = None, use_cuda_graph="auto", kernel: str = "auto",
+                  prefill_chunk_size: int | None = None) -> torch.LongTensor:
+    """Generate from a converted model: ``(B, T + n)`` tokens, prompt included, like ``model.generate``.
+
+    Greedy when ``temperature == 0`` (the default): token for token what
+    ``model.generate(input_ids, attention_mask=..., do_sample=False, max_new_tokens=...)`` returns
+    (no logits processors: no repetition penalty, no min length). ``temperature > 0`` samples from
+    softmax(logits / temperature) (no top-k/top-p). ``eos_token_id`` None means the model's
+    ``generation_config.eos_token_id``; pass ``[]`` to never stop. Rows that finished get
+    ``pad_token_id`` (default: the generation config's, else the first EOS id), and generation
+    stops once every row has finished. ``attention_mask`` marks left padding.
+
+    ``use_cuda_graph``: "auto" captures the decode step in a CUDA graph on CUDA when every layer is
+    linearized (falling back to eager steps, with a warning, if capture fails); True requires it;
+    False never. ``kernel``: see ``StudentDecoder``. ``prefill_chunk_size`` prefills in pieces
+    (bounded activation memory for long prompts; same result).
+    """
+    if getattr(model, "linearize_spec", None) is None:
+        raise ValueError("fast_generate needs a converted model (linearize.convert or a linearize checkpoint)")
+    _check_graph_mode(use_cuda_graph)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    gen = getattr(model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(gen, "eos_token_id", None)
+    eos = _eos_list(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = getattr(gen, "pad_token_id", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a 2-D LongTensor (B, T), got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape {tuple(getattr(input_ids, 'shape', ()))}")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    B = input_ids.shape[0]
+
+    if not _all_linearized(model):
+        if use_cuda_graph is True:
+            raise ValueError("use_cuda_graph=True needs every layer linearized; this model keeps softmax layers")
+        return _hf_loop(model, input_ids, attention_mask, max_new_tokens, temperature, eos, pad_token_id,
+                        prefill_chunk_size)
+
+    dec = StudentDecoder(model, B, max_new_tokens, kernel=kernel, temperature=temperature,
+                         eos_token_id=eos, pad_token_id=pad_token_id, device=device)
+    logits = dec.prefill(input_ids, attention_mask, prefill_chunk_size)
+    dec.start(dec._select(logits), dec.pos)
+    want_graph = use_cuda_graph is True or (use_cuda_graph == "auto" and device.type == "cuda")
+    if use_cuda_graph is True and device.type != "cuda":
+        raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {device}")
+    check_every = 16
+    while dec.steps_done < max_new_tokens:
+        if eos and dec.steps_done % check_every == 0 and dec.all_finished():
+            break
+        if want_graph and dec.graph is None and dec.steps_done + 1 < max_new_tokens:
+            try:
+                dec.capture()  # runs one real step eagerly, then captures
+                continue
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+                if use_cuda_graph is True:
+                    raise
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly")
+                want_graph = False
+                dec.graph = None
+                if dec.steps_done >= max_new_tokens:
+                    break
+        dec.step()
+    new = dec.tokens()
+    return torch.cat([input_ids, _cut_after_all_finished(new, eos)], dim=1)
+
+
+def _cut_after_all_finished(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """HF stops once every row has produced EOS: keep the tokens up to that step."""
+    if not eos or new.shape[1] == 0:
+        return new
+    hit = torch.zeros_like(new, dtype=torch.bool)
+    for e in eos:
+        hit |= new == e
+    if not bool(hit.any(-1).all()):
+        return new
+    first = hit.float().argmax(-1)  # first EOS per row
+    return new[:, :int(first.max()) + 1]
+
+
+def _hf_loop(model, input_ids, attention_mask, max_new_tokens, temperature, eos, pad_token_id, chunk_size):
+    """Models with kept softmax layers: HF's cache, one eager step at a time."""
+    B = input_ids.shape[0]
+    dec = _StaticDecoder(model, B, max_new_tokens, temperature=temperature, eos_token_id=eos,
+                         pad_token_id=pad_token_id, device=input_ids.device)
+    logits, cache, pos = _prefill(model, input_ids, attention_mask, chunk_size)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    dec.start(dec._select(logits), pos)
+    while dec.steps_done < max_new_tokens and not dec.all_finished():
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        out = model(input_ids=dec.ids, attention_mask=mask, position_ids=dec.pos[:, None],
+                    past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        dec._push(dec._select(out.logits[:, -1]))
+        dec.pos.add_(1)
+        dec.steps_done += 1
+    return torch.cat([input_ids, _cut_after_all_finished(dec.tokens(), eos)], dim=1)
