@@ -8,9 +8,10 @@
 set -euo pipefail
 RUNS=${1:-/tmp/runs}
 TRAIN_LEN=${2:-1024}
-STAGE1=${STAGE1_TOKENS:-300000}
-STAGE2=${STAGE2_TOKENS:-600000}
+STAGE1=${STAGE1_TOKENS:-200000}
+STAGE2=${STAGE2_TOKENS:-400000}
 LENGTHS=${LENGTHS:-1K,2K,4K,8K,16K}
+PHASE=${PHASE:-all}  # train | eval | all
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 train() {  # NAME METHOD [extra flags]
@@ -20,11 +21,14 @@ train() {  # NAME METHOD [extra flags]
         --stage1-tokens "$STAGE1" --stage2-tokens "$STAGE2" --stage1-lr 1e-2 --stage2-lr 1e-3 \
         --eval-every 50 --save-every 100 --val-rows 16 --device cuda --no-progress "$@"
 }
-[ -f "$RUNS/lizard/summary.json" ] || train lizard lizard
-[ -f "$RUNS/lolcats/summary.json" ] || train lolcats lolcats
-[ -f "$RUNS/teacher/summary.json" ] || train teacher lizard --softmax-layers 1.0
+if [ "$PHASE" != eval ]; then
+    [ -f "$RUNS/lizard/summary.json" ] || train lizard lizard
+    [ -f "$RUNS/lolcats/summary.json" ] || train lolcats lolcats
+    [ -f "$RUNS/teacher/summary.json" ] || train teacher lizard --softmax-layers 1.0
+fi
+[ "$PHASE" = train ] && exit 0
 python3 -m linearize.cli eval passkey --format lizard --train-length "$TRAIN_LEN" --lengths "$LENGTHS" \
-    --depths 5 --samples 4 --model "$RUNS/teacher" --model "$RUNS/lizard" --model "$RUNS/lolcats" \
+    --depths 5 --samples 2 --model "$RUNS/teacher" --model "$RUNS/lizard" --model "$RUNS/lolcats" \
     --out "$RUNS/eval-lizard-format"
-python3 -m linearize.cli eval passkey --format classic --lengths "$LENGTHS,32K" --depths 5 --samples 4 \
+python3 -m linearize.cli eval passkey --format classic --lengths "$LENGTHS,32K" --depths 5 --samples 2 \
     --model smollm2-135m --model "$RUNS/lizard" --model "$RUNS/lolcats" --out "$RUNS/eval-classic"
