@@ -474,3 +474,18 @@ def test_configs_read_the_real_dev_splits():
     assert tasks["linearize_arc_challenge"].doc_to_text(doc).startswith("Question: ")
     assert tasks["linearize_arc_challenge"].doc_to_text(doc).endswith("\nAnswer:")
     assert not math.isnan(float(doc["gold"]))
+
+
+def test_linearize_eval_lm_eval_command(tiny, hf_model, data, tmp_path, capsys):
+    from linearize.cli import main
+
+    assert main(["eval", "lm-eval", "--model", tiny, "--tasks", "piqa,winogrande", "--data-dir", str(data),
+                 "--limit", "2", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    saved = json.loads((tmp_path / "lm_eval.json").read_text())
+    model, tokenizer = hf_model
+    assert saved["models"][0]["results"]["piqa"]["value"] == mean(
+        expected_scores(model, tokenizer, "linearize_piqa", 2)["acc"])
+    assert "| task | metric |" in capsys.readouterr().out
+    assert main(["eval", "lm-eval", "--model", tiny, "--tasks", "squad", "--data-dir", str(data),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "unknown task 'squad'" in capsys.readouterr().err
