@@ -549,7 +549,14 @@ def cmd_generate(args) -> int:
         gen.temperature, gen.top_p, gen.top_k = args.temperature, args.top_p, args.top_k
     torch.manual_seed(args.seed)
     with torch.no_grad():
-        out = model.generate(**batch, generation_config=gen)
+        if device.startswith("cuda") and getattr(model, "linearize_spec", None) is not None \
+                and (not sample or (args.top_p == 1.0 and args.top_k == 0)):
+            from .models.decode import fast_generate  # static state buffers + a CUDA graph per step
+
+            out = fast_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, eos_token_id=eos, pad_token_id=pad_id)
+        else:
+            out = model.generate(**batch, generation_config=gen)
     new = out[:, batch["input_ids"].shape[1]:].cpu()
     completions = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
 

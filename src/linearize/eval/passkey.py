@@ -70,8 +70,14 @@ def make_example(fmt: str, tokenizer, length: int, depth: float, rng: random.Ran
 def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
+    if device.type == "cuda" and is_linearized(model):
+        from ..models.decode import fast_generate  # the same greedy tokens, decoded through a CUDA graph
+
+        out = fast_generate(model, ids, max_new_tokens=max_new_tokens, pad_token_id=pad)
+    else:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
