@@ -18,17 +18,20 @@ full-softmax local branch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..methods import AttentionConfig
 from ..ops.delta import delta_product_chunk, delta_product_recurrent
-from ..ops.gla import gla_chunk, gla_recurrent
+from ..ops.gla import gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
 from ..ops.window_attn import (
-    WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent,
+    WindowState, cache_len, check_softcap, soft_cap, window_attn_recurrent,
 )
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from .gates import GLAGate, Mamba2Gate, PoolGate, SigmoidGate
@@ -169,7 +172,8 @@ class HybridAttention(nn.Module):
             fq, fk, log_space = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
                 log_g = self._log_gates(k, x, valid)
-                fn = gla_recurrent if step else gla_chunk
+                # kernels.gla_chunk: the Triton kernels on CUDA where they apply, else ops.gla.gla_chunk
+                fn = gla_recurrent if step else kernels.gla_chunk
                 y_g, state["global"] = fn(fq, fk, v_lin, log_g, log_space_features=log_space,
                                           state=state.get("global"), **({} if step else chunk))
             else:
@@ -183,10 +187,19 @@ class HybridAttention(nn.Module):
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
         else:
-            if "local" not in state:
+            fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
+            if fresh:
                 zeros, pos = self._fresh_window_state(lk, valid)
                 state["local"] = WindowState(zeros, zeros.new_zeros(*zeros.shape[:3], v.shape[-1]), pos)
-            fn = window_attn_recurrent if step else window_attn_chunk
+            if not step and c.combine == "sum":  # Lizard: the Triton window kernel with the combine fused
+                fused = kernels.window_attn_sum(lq, lk, v, y_g, self.alpha, state=state["local"],
+                                                fresh_state=fresh, **self._window_kwargs(), **chunk)
+                if fused is not None:
+                    y, state["local"] = fused
+                    if valid is not None:  # padding queries get no window part, as below
+                        y = torch.where(valid[:, None, :, None], y, y_g.to(y.dtype))
+                    return y.to(v.dtype), state
+            fn = window_attn_recurrent if step else functools.partial(kernels.window_attn_chunk, fresh_state=fresh)
             y_w, state["local"] = fn(lq, lk, v, state=state["local"], **self._window_kwargs(),
                                      **({} if step else chunk))
             if valid is not None:  # padding queries see no keys; give them zeros, not NaN

@@ -1,0 +1,517 @@
+"""``bench kernels``: attention kernels side by side on one GPU, in one run.
+
+For each shape (B, T) at H heads of width D (bf16 by default), forward and forward+backward of
+
+  sdpa causal          torch SDPA, causal softmax (FlashAttention on the GPU): the teacher's cost
+  fla simple_gla       fla.ops.simple_gla.chunk_simple_gla (scalar gates), where fla imports
+  fla gla              fla.ops.gla.chunk_gla (per-channel gates), where fla imports
+  torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
+                       (positive features, scalar log-gates, unnormalised)
+  triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs
+  torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog log-features
+                       + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
+  triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention)
+
+Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
+median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
+gated backward on Hopper, say) is recorded with its error. The triton/torch pairs are also
+checked against each other (relative RMS of the outputs) so a fast wrong kernel cannot pass.
+
+Writes ``kernels.json`` (everything), ``kernels.md`` (a table with the GPU, versions and the
+command) and ``kernels.png`` (grouped bars, log scale) into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
+           "torch lizard (ours)", "triton lizard (ours)")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def _check_args(shapes, dtype, reps, heads, head_dim, feature_dim, window, sinks) -> list[tuple[int, int]]:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    for name, value in (("reps", reps), ("heads", heads), ("head_dim", head_dim), ("feature_dim", feature_dim),
+                        ("window", window), ("sinks", sinks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    out = []
+    for shape in shapes:
+        if (not isinstance(shape, (tuple, list)) or len(shape) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)):
+            raise ValueError(f"each shape must be a pair (B, T) of positive ints, got {shape!r}")
+        out.append((int(shape[0]), int(shape[1])))
+    if not out:
+        raise ValueError("shapes must not be empty")
+    return out
+
+
+def _time(fn: Callable[[], object], reps: int, grad_to_none=None) -> dict:
+    """median and mean ms over at least ``reps`` timed calls (do_bench, L2 flushed), peak extra MiB."""
+    from triton.testing import do_bench
+
+    fn()  # compile / autotune / warm up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    times = do_bench(fn, warmup=max(25, int(3 * estimate)), rep=max(100, int(math.ceil(reps * estimate))),
+                     grad_to_none=grad_to_none, return_mode="all")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "runs": len(times),
+            "peak_extra_mib": round(peak, 1)}
+
+
+def _cell(fn: Callable[[], object], reps: int, grad_to_none=None) -> dict:
+    try:
+        return _time(fn, reps, grad_to_none)
+    except Exception as e:  # recorded, not raised: one refusing method must not stop the others
+        torch.cuda.synchronize()
+        msg = f"{type(e).__name__}: {e}".strip().splitlines()
+        return {"error": msg[0][:300] if msg else type(e).__name__}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _fwd_bwd(forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+    def run():
+        forward().backward(grad)
+    return run
+
+
+def _with_kernels(flag: str, fn: Callable):
+    def run(*args, **kwargs):
+        before = os.environ.get("LINEARIZE_KERNELS")
+        os.environ["LINEARIZE_KERNELS"] = flag
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop("LINEARIZE_KERNELS", None)
+            else:
+                os.environ["LINEARIZE_KERNELS"] = before
+    return run
+
+
+def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch.dtype, dev: torch.device,
+                  seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * scale
+
+    x = {
+        # the teacher's heads (SDPA) and the window's RoPE'd queries/keys
+        "q": rnd(B, H, T, D).to(dt), "k": rnd(B, H, T, D).to(dt), "v": rnd(B, H, T, D).to(dt),
+        # fla simple_gla's inputs: feature-mapped (positive) q, k with Fd features, scalar log-gates
+        "fq": F.softmax(rnd(B, H, T, Fd), -1).to(dt), "fk": F.softmax(rnd(B, H, T, Fd), -1).to(dt),
+        "log_g": F.logsigmoid(rnd(B, H, T) + 4.0),
+        # Lizard: Hedgehog log-features (two log-softmax halves) for the gated branch
+        "lq": torch.cat([F.log_softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
+        "lk": torch.cat([F.log_softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
+        "alpha": torch.ones(H, device=dev) + rnd(H, scale=0.1), "sinks": rnd(H, sinks),
+        "dy": rnd(B, H, T, D).to(dt),
+    }
+    return x
+
+
+def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
+    """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
+    from ..kernels.gla import gla_chunk_triton
+    from ..kernels.lizard import lizard_attention
+    from ..ops.gla import gla_chunk
+
+    def leaves(*names):
+        return [x[n].detach().requires_grad_() for n in names]
+
+    out: dict = {}
+    sq, sk, sv = leaves("q", "k", "v")
+    dy = x["dy"]
+    out["sdpa causal"] = (lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True), [sq, sk, sv], dy)
+    if fla is not None:
+        tq, tk, tv = (x[n].transpose(1, 2).contiguous().detach().requires_grad_() for n in ("fq", "fk", "v"))
+        tg = x["log_g"].transpose(1, 2).contiguous().requires_grad_()
+        tgv = x["log_g"].transpose(1, 2).unsqueeze(-1).expand(*tq.shape).contiguous().div(16).requires_grad_()
+        dy_t = dy.transpose(1, 2).contiguous()  # fla's layout: (B, T, H, D)
+        out["fla simple_gla"] = (lambda: fla["chunk_simple_gla"](tq, tk, tv, g=tg, scale=1.0)[0],
+                                 [tq, tk, tv, tg], dy_t)
+        out["fla gla"] = (lambda: fla["chunk_gla"](tq, tk, tv, tgv, scale=1.0)[0], [tq, tk, tv, tgv], dy_t)
+    gq, gk, gv = leaves("fq", "fk", "v")
+    gg = x["log_g"].detach().requires_grad_()
+    kw = dict(normalize=False, log_space_features=False)
+    out["torch gla (ours)"] = (lambda: gla_chunk(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
+    out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
+    lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
+    lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
+
+    def lizard():
+        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls)[0]
+
+    args = [lq, lk, lv, lg, wq, wk, la, ls]
+    out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
+    out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
+    return out
+
+
+def _env(command: str) -> dict:
+    import triton
+
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "command": command,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import fla
+
+        env["fla"] = getattr(fla, "__version__", "unknown")
+    except Exception as e:
+        env["fla"] = f"not importable ({type(e).__name__})"
+    return env
+
+
+def run_kernel_bench(
+    out_dir: str | os.PathLike, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, dtype: str = "bf16",
+    reps: int = 20, *, heads: int = 32, head_dim: int = 128, feature_dim: int = 128, window: int = 128,
+    sinks: int = 4, methods: Optional[Sequence[str]] = None, seed: int = 0,
+) -> dict:
+    """Time every method of ``METHODS`` (or ``methods``) over ``shapes`` (B, T) and write
+    kernels.json / kernels.md / kernels.png into ``out_dir``; returns the json content.
+
+    ``reps``: the least number of timed calls per cell (do_bench times at least 100 ms).
+    Needs a CUDA device.
+    """
+    shapes = _check_args(shapes, dtype, reps, heads, head_dim, feature_dim, window, sinks)
+    chosen = list(METHODS if methods is None else methods)
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; allowed: {list(METHODS)}")
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels needs a CUDA device; none is available (device: cpu)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dt, dev = DTYPES[dtype], torch.device("cuda")
+    try:
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        fla = {"chunk_gla": chunk_gla, "chunk_simple_gla": chunk_simple_gla}
+    except Exception:
+        fla = None
+    prog = Path(sys.argv[0]).name if sys.argv else ""
+    prog = "python -m linearize.bench.kernels" if prog == "kernels.py" else prog
+    command = " ".join([prog] + sys.argv[1:]) if prog else "run_kernel_bench"
+    from ..kernels import gla as kgla
+    from ..kernels import window as kwin
+
+    result = {"env": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
+              "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
+              "feature_dim": feature_dim, "window": window, "sinks": sinks, "reps": reps, "shapes": []}
+    for B, T in shapes:
+        x = _shape_inputs(B, T, heads, head_dim, feature_dim, sinks, dt, dev, seed)
+        cells: dict = {}
+        table = _methods(x, window, fla)
+        for name in chosen:
+            if name not in table:
+                cells[name] = {p: {"error": "fla is not importable"} for p in PASSES}
+                continue
+            forward, leaves, grad = table[name]
+            with torch.no_grad():
+                cells[name] = {"fwd": _cell(forward, reps)}
+            cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves)
+        checks = {}
+        for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)")):
+            if a in table and b in table and a in chosen:
+                try:
+                    with torch.no_grad():
+                        ya, yb = table[a][0]().float(), table[b][0]().float()
+                    checks[f"{a} vs {b}"] = ((ya - yb).norm() / yb.norm()).item()
+                except Exception as e:
+                    checks[f"{a} vs {b}"] = f"{type(e).__name__}: {e}"[:300]
+        result["shapes"].append({"B": B, "T": T, "tokens": B * T, "cells": cells, "rel_rms_vs_torch": checks})
+        del x, table
+        torch.cuda.empty_cache()
+    (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "kernels.md").write_text(render_markdown(result))
+    try:
+        plot_kernel_bench(result, out_dir / "kernels.png")
+    except ImportError as e:  # matplotlib missing on the GPU box: plot later from kernels.json
+        result["plot"] = f"not drawn ({e}); run linearize.bench.kernels.plot_kernel_bench on kernels.json"
+        (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _fmt(cell: dict) -> str:
+    if "error" in cell:
+        return "error"
+    return f"{cell['median_ms']:.3f} / {cell['mean_ms']:.3f}"
+
+
+def render_markdown(result: dict) -> str:
+    env = result["env"]
+    shapes = result["shapes"]
+    head = [f"B{s['B']} T{s['T']}" for s in shapes]
+    lines = [
+        "# Attention kernels: forward and forward+backward",
+        "",
+        f"{env['gpu']}, {result['dtype']}, {result['heads']} heads, head_dim {result['head_dim']}, "
+        f"{result['feature_dim']} features, window {result['window']}, {result['sinks']} sink logits. "
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, fla {env['fla']}, "
+        f"python {env['python']}; {env['date']}.",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+        f"Launch configs: GLA `{result.get('gla_config')}`, window `{result.get('window_config')}`.",
+        "",
+        f"Cells: median / mean ms over >= {result['reps']} timed calls (triton.testing.do_bench, L2 flushed "
+        "between calls).",
+        "",
+        "| method | pass | " + " | ".join(head) + " |",
+        "|---|---|" + "---|" * len(head),
+    ]
+    errors = {}
+    for name in shapes[0]["cells"]:
+        for p in PASSES:
+            row = []
+            for s in shapes:
+                cell = s["cells"][name][p]
+                row.append(_fmt(cell))
+                if "error" in cell:
+                    errors.setdefault((name, p), cell["error"])
+            lines.append(f"| {name} | {p} | " + " | ".join(row) + " |")
+    lines += ["", "Peak extra memory of one call (MiB):", "",
+              "| method | pass | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for name in shapes[0]["cells"]:
+        for p in PASSES:
+            row = [str(s["cells"][name][p].get("peak_extra_mib", "-")) for s in shapes]
+            lines.append(f"| {name} | {p} | " + " | ".join(row) + " |")
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {n}, {p}: `{e}`" for (n, p), e in errors.items()]
+    lines += ["", "Kernel output vs our torch path (relative RMS, same inputs):", ""]
+    for s in shapes:
+        for key, val in s["rel_rms_vs_torch"].items():
+            lines.append(f"- B{s['B']} T{s['T']}, {key}: " + (f"{val:.2e}" if isinstance(val, float) else str(val)))
+    return "\n".join(lines) + "\n"
+
+
+def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLike) -> None:
+    """Grouped bars (one group per shape, one bar per method), log-scale ms, fwd and fwd+bwd panels;
+    ``result`` is the dict ``run_kernel_bench`` returns or the path of its kernels.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not isinstance(result, dict):
+        result = json.loads(Path(result).read_text())
+    shapes = result["shapes"]
+    names = list(shapes[0]["cells"])
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    width = 0.8 / len(names)
+    for ax, p in zip(axes, PASSES):
+        for i, name in enumerate(names):
+            vals = [s["cells"][name][p].get("median_ms", float("nan")) for s in shapes]
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
+            bars = ax.bar(xs, [v if v == v else 0 for v in vals], width, label=name)
+            for xb, v in zip(xs, vals):
+                if v != v:  # not run / refused: marked at the bottom of the axis
+                    ax.text(xb, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=7,
+                            transform=ax.get_xaxis_transform())
+            del bars
+        ax.set_xticks(range(len(shapes)), [f"B{s['B']} T{s['T']}" for s in shapes])
+        ax.set_yscale("log")
+        ax.set_title(f"{p} (median ms, lower is better)")
+        ax.grid(axis="y", which="both", alpha=0.3)
+    axes[0].set_ylabel("ms")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    env = result["env"]
+    fig.suptitle(f"{env['gpu']}, {result['dtype']}, H={result['heads']}, d={result['head_dim']}, "
+                 f"window {result['window']} + {result['sinks']} sinks; torch {env['torch']}, triton {env['triton']}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- launch-config sweep
+
+GLA_FWD_CANDIDATES = (
+    dict(fwd_warps=4, fwd_stages=2, den_warps=4),
+    dict(fwd_warps=4, fwd_stages=3, den_warps=4),
+    dict(fwd_warps=4, fwd_stages=2, den_warps=8),
+)
+GLA_BWD_CANDIDATES = (
+    dict(par_warps=4, par_stages=1, dstate_warps=8),
+    dict(par_warps=8, par_stages=1, dstate_warps=8),
+    dict(par_warps=8, par_stages=2, dstate_warps=4),
+)
+WINDOW_CANDIDATES = (
+    dict(bm=64, bn=64, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3),
+    dict(bm=128, bn=32, fwd_warps=8, bwd_warps=8, fwd_stages=2, bwd_stages=2),
+)
+
+
+def _tune_jobs(shapes) -> list[tuple[str, str, tuple[int, int], dict]]:
+    jobs = []
+    B, T = shapes[0]
+    for mode in ("plain", "lizard"):
+        for c in GLA_FWD_CANDIDATES:
+            jobs.append(("gla fwd", mode, (B, T), c))
+        for c in GLA_BWD_CANDIDATES:
+            jobs.append(("gla bwd", mode, (B, T), c))
+    for c in WINDOW_CANDIDATES:
+        jobs.append(("window", "fused", (B, T), c))
+    for shape in shapes[1:]:
+        for fill in (1, 2, 4):
+            jobs.append(("gla seg", "lizard", shape, dict(fill=fill)))
+    return jobs
+
+
+def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+                        part: int = 0, parts: int = 1, compile_only: bool = False, reps: int = 20) -> dict:
+    """Time the candidate launch configs (``*_CANDIDATES``) of the kernels at ``shapes[0]`` and the
+    sequence-split fill at the other shapes; ``compile_only`` runs each job of partition ``part``
+    of ``parts`` once (to fill Triton's cache from several processes before timing in one)."""
+    import dataclasses
+
+    from ..kernels import gla as kgla
+    from ..kernels import window as kwin
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    jobs = _tune_jobs([tuple(s) for s in shapes])[part::parts]
+    rows = []
+    inputs: dict = {}
+    for kind, mode, (B, T), cand in jobs:
+        if (B, T) not in inputs:
+            inputs.clear()
+            torch.cuda.empty_cache()
+            inputs[(B, T)] = _shape_inputs(B, T, 32, 128, 128, 4, dt, dev, 0)
+        x = inputs[(B, T)]
+        if kind.startswith("gla"):
+            cfg = dataclasses.replace(kgla.CONFIG, **cand)
+            names = ("fq", "fk", "v", "log_g") if mode == "plain" else ("lq", "lk", "v", "log_g")
+            kw = dict(normalize=mode != "plain", log_space_features=mode != "plain", config=cfg)
+            leaves = [x[n].detach().requires_grad_() for n in names]
+
+            def fwd(leaves=leaves, kw=kw):
+                return kgla.gla_chunk_triton(*leaves, **kw)[0]
+        else:
+            cfg = dataclasses.replace(kwin.CONFIG, **cand)
+            leaves = [x[n].detach().requires_grad_() for n in ("q", "k", "v", "dy", "alpha", "sinks")]
+
+            def fwd(leaves=leaves, cfg=cfg):
+                q, k, v, yg, alpha, sinks = leaves
+                return kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, y_global=yg, alpha=alpha,
+                                               config=cfg)[0]
+        if compile_only:
+            try:
+                fwd().backward(x["dy"])
+                torch.cuda.synchronize()
+            except Exception as e:
+                print(f"compile {kind} {mode} {cand}: {type(e).__name__}: {e}", flush=True)
+            continue
+        with torch.no_grad():
+            f = _cell(fwd, reps)
+        fb = _cell(_fwd_bwd(fwd, x["dy"]), reps, grad_to_none=leaves)
+        row = {"kind": kind, "mode": mode, "B": B, "T": T, "config": cand, "fwd": f, "fwd+bwd": fb}
+        rows.append(row)
+        print(f"{kind:8s} {mode:7s} B{B} T{T} {json.dumps(cand):75s} fwd {_fmt(f):>16s}  fwd+bwd {_fmt(fb):>16s}",
+              flush=True)
+    if not compile_only:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "tune.json").write_text(json.dumps(rows, indent=1))
+    return {"rows": rows}
+
+
+def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
+    """Set the kernels' module configs to the fastest candidates of a ``tune`` run (its rows or
+    tune.json): GLA forward by the Lizard-mode forward, GLA backward by the Lizard-mode
+    backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by B1-shape fwd+bwd.
+    Returns the chosen settings."""
+    from ..kernels import gla as kgla
+    from ..kernels import window as kwin
+
+    if not isinstance(rows, (list, tuple)):
+        rows = json.loads(Path(rows).read_text())
+
+    def best(kind, key):
+        cands = [r for r in rows if r["kind"] == kind and r["mode"] in ("lizard", "fused")
+                 and all("median_ms" in r[p] for p in PASSES)]
+        if kind == "gla seg" and cands:  # the split matters for the fewest sequences: the last shape
+            last = max(r["T"] for r in cands)
+            cands = [r for r in cands if r["T"] == last]
+        return min(cands, key=key)["config"] if cands else {}
+
+    chosen = {
+        "gla_fwd": best("gla fwd", lambda r: r["fwd"]["median_ms"]),
+        "gla_bwd": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"]),
+        "window": best("window", lambda r: r["fwd+bwd"]["median_ms"]),
+        "gla_seg": best("gla seg", lambda r: r["fwd+bwd"]["median_ms"]),
+    }
+    kgla.set_config(**chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
+    kwin.set_config(**chosen["window"])
+    chosen["gla_config"] = dataclasses_asdict(kgla.CONFIG)
+    chosen["window_config"] = dataclasses_asdict(kwin.CONFIG)
+    return chosen
+
+
+def dataclasses_asdict(x) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(x)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m linearize.bench.kernels",
+                                description="kernel benchmark (bench) or launch-config sweep (tune)")
+    p.add_argument("what", choices=["bench", "tune"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default="16x2048,4x8192,1x32768", help="BxT,... (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--methods", default=None, help="comma-separated subset of: " + ", ".join(METHODS))
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--part", type=int, default=0)
+    p.add_argument("--parts", type=int, default=1)
+    p.add_argument("--tuned", default=None, help="bench: first apply the fastest configs of this tune.json")
+    a = p.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shapes must look like 16x2048,4x8192, got {a.shapes!r}")
+    if a.what == "tune":
+        tune_kernel_configs(a.out, shapes, a.part, a.parts, a.compile_only, a.reps)
+    else:
+        if a.tuned:
+            print("tuned configs:", json.dumps(apply_tuned(a.tuned)), flush=True)
+        res = run_kernel_bench(a.out, shapes, reps=a.reps, methods=a.methods.split(",") if a.methods else None)
+        print(render_markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,104 @@
+"""When the Triton kernels run instead of the torch ops.
+
+The kernels run when all of these hold: the environment variable ``LINEARIZE_KERNELS`` is not
+``"0"`` (read at every call, so it can be flipped at run time), Triton imports, and the tensors
+are on a CUDA device; or, for tests only, ``TRITON_INTERPRET=1`` was set before Triton was
+imported and the tensors are on the CPU (the Triton interpreter). Everything else takes the
+torch path, which always exists and means the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV_SWITCH = "LINEARIZE_KERNELS"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton imports (cached: importing it is slow)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def kernels_enabled() -> bool:
+    """False when ``LINEARIZE_KERNELS=0`` (or ``false``/``off``/``no``), or Triton is missing."""
+    flag = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    return flag not in ("0", "false", "off", "no") and triton_available()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_kernel_device(*tensors: torch.Tensor) -> bool:
+    """All tensors on one CUDA device, or all on the CPU under the Triton interpreter."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        return False
+    dev = next(iter(devices))
+    return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Multiprocessors of the CUDA device (4 under the interpreter): sizes sequence splits."""
+    if device_index is None or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(x: torch.Tensor) -> int:
+    """Multiprocessors of the device ``x`` lives on (4 off CUDA)."""
+    if not x.is_cuda:
+        return num_sms(None)
+    return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def patch_interpreter() -> None:
+    """Work around two bugs of Triton 3.6's CPU interpreter (only under ``TRITON_INTERPRET=1``).
+
+    1. It holds scalars as 1-element arrays and converts them with ``int(array)``, which numpy
+       >= 2.3 refuses for arrays of one dimension, so every ``range(0, n)`` over a kernel
+       argument fails: ``__index__`` is re-registered to read the single element.
+    2. It stores bf16 as raw uint16 and ``tl.dot`` multiplies those raw bits: bf16 operands are
+       widened to fp32 first (exact, as the GPU's bf16 products are).
+    """
+    if not interpreting() or not triton_available():
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_linearize_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._linearize_patched = True
+    interpreter._patch_lang_tensor = patched
+
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(x):
+            if x.dtype.scalar == tl.bfloat16:
+                data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interpreter.TensorHandle(data.reshape(x.data.shape), tl.float32)
+            return x
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot

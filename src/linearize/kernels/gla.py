@@ -1,0 +1,781 @@
+"""Triton kernels for chunked gated linear attention with scalar (per-head) log-gates.
+
+Same meaning and layout as ``ops.gla.gla_chunk``: q, k (B, H, T, Dk) features (or log-features
+with ``log_space_features``), v (B, H, T, Dv), log_g (B, H, T), o (B, H, T, Dv), GLAState
+(S (B, H, Dk, Dv), z (B, H, Dk)) in fp32. Dk, Dv <= 128; q, k, v of one dtype among
+bf16/fp16/fp32 (fp32 uses exact fp32 dot products, for tests); state and accumulation in fp32.
+
+Math (per head, chunks of BT tokens, b = cumulative log-gate counted from the chunk start,
+b_end its last value; DESIGN.md "Chunked gated form and Lizard's factorisation"):
+
+    Q~_t = phi(q_t) e^{b_t}          (log-features: exp(q_t + b_t), one exp)
+    K~_s = phi(k_s) e^{b_end - b_s}  (log-features: exp(k_s + b_end - b_s))
+    A_ts = (phi(q_t) . phi(k_s)) e^{b_t - b_s}, masked to s <= t with -inf BEFORE the exp
+    num  = Q~ S + A v,   den = Q~ z + rowsum(A),   o = num / (den + eps)  (or num)
+    S   <- e^{b_end} S + K~^T v,   z <- e^{b_end} z + colsum(K~)
+
+Every exponent is <= 0, so nothing overflows for log-gates anywhere in [-20, 0].
+
+Backward, with dn = do / (den + eps) and dd = -(do . o) / (den + eps) (dn = do, dd = 0 when
+unnormalised) and M = (dn v^T + dd) * mask(e^{b_t - b_s}), per chunk with S (z) the state
+entering it and dS (dz) the state gradient leaving it:
+
+    dphi(q) = M phi(k) + e^{b_t} (dn S^T + dd z^T)
+    dphi(k) = M^T phi(q) + e^{b_end - b_s} (v dS^T + dz^T)
+    dv      = A^T dn + K~ dS,      dS_in = e^{b_end} dS + Q~^T dn,   dz_in = e^{b_end} dz + Q~^T dd
+    dq = phi(q) * dphi(q) for log-features, else dphi(q) (same for k).
+
+Gate gradient. Every b enters through weights e^{b_t - b_s}; collecting, for each token j, the
+terms where j is the query side (+) and the key side (-) gives
+
+    d b_j = phi(q_j) . dphi(q_j) - phi(k_j) . dphi(k_j)   (+ <dS_T, S_T> + <dz_T, z_T> at j = T-1)
+
+(phi . dphi is q . dq for plain features and sum(dq) for log-features), and since
+b_j = sum_{i<=j} log_g_i, d log_g_i = sum_{j>=i} d b_j. The part of that sum after a chunk is the
+derivative by a scale of the state leaving the chunk, <dS, S> + <dz, z>, so the cumulative sum
+only ever runs inside one chunk (in bf16 a sum over the whole sequence of these large, mostly
+cancelling terms loses digits as T grows).
+
+Passes. Forward: [den kernel: the normaliser, carrying z alone] -> main kernel, one program per
+(batch*head, V-block) walking its chunks with the fp32 (Dk, BV) state in registers; when a
+gradient is needed it also stores the state entering each chunk (input dtype). Backward: one
+reverse pass carrying dS (one small product per chunk) stores dS per chunk and dd, then one
+program per chunk computes dq, dk, dv and d log_g with no loop (fully parallel).
+When batch*heads is too small to fill the GPU, the sequence is cut into segments: a pre-pass
+computes each segment's own state, a scan turns them into the state entering each segment, and
+the segments run in parallel (the backward does the same for dS from the end).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops import common
+from ..ops.gla.naive import GLAState
+from .dispatch import device_sms, patch_interpreter
+
+patch_interpreter()
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_rows(ptr, rows, cols, mrow, mcol, stride_t, other):
+    """A (rows x cols) tile of a (T, D) slab with row stride ``stride_t`` and unit column stride."""
+    offs = rows[:, None].to(tl.int64) * stride_t + cols[None, :]
+    return tl.load(ptr + offs, mask=mrow[:, None] & mcol[None, :], other=other)
+
+
+@triton.jit
+def _chunk_gates(G, rows, mrow, sgt):
+    """One chunk's log-gates (padding rows add 0): b = cumsum from the chunk start, b_end = the
+    total, and r = b_end - b summed directly from the end (an exclusive suffix sum), which keeps
+    the decays that matter (keys near the chunk end) exact where b_end - b would cancel."""
+    g = tl.load(G + rows.to(tl.int64) * sgt, mask=mrow, other=0.0).to(tl.float32)
+    return tl.cumsum(g, 0), tl.sum(g, 0), tl.cumsum(g, 0, reverse=True) - g
+
+
+@triton.jit
+def _feature(x, log_decay, LOG: tl.constexpr):
+    """(phi(x), phi(x) e^{log_decay}) in the dtype of x (the dot dtype); log_decay (BT,) <= 0.
+    For log-features both are one exp each, the decay joining the exponent (Lizard)."""
+    if LOG:
+        xf = x.to(tl.float32)
+        return tl.exp(xf).to(x.dtype), tl.exp(xf + log_decay[:, None]).to(x.dtype)
+    return x, (x.to(tl.float32) * tl.exp(log_decay)[:, None]).to(x.dtype)
+
+
+@triton.jit
+def _intra_decay(b, ot):
+    """e^{b_t - b_s} for s <= t, else 0; masked before the exp."""
+    return tl.exp(tl.where(ot[:, None] >= ot[None, :], b[:, None] - b[None, :], float("-inf")))
+
+
+@triton.jit
+def _grad_out(DO, O, DEN, rows, ov, mt, mv, DV: tl.constexpr, eps, NORM: tl.constexpr, BT: tl.constexpr):
+    """dn = do / (den + eps) and dd = -(do . o) / (den + eps) (fp32); do itself and 0 when unnormalised."""
+    offs = rows[:, None].to(tl.int64) * DV + ov[None, :]
+    m2 = mt[:, None] & mv[None, :]
+    do = tl.load(DO + offs, mask=m2, other=0.0).to(tl.float32)
+    if NORM:
+        o = tl.load(O + offs, mask=m2, other=0.0).to(tl.float32)
+        r = 1.0 / (tl.load(DEN + rows, mask=mt, other=0.0) + eps)
+        dd = -tl.sum(do * o, 1) * r
+        dn = do * r[:, None]
+    else:
+        dd = tl.zeros([BT], dtype=tl.float32)
+        dn = do
+    return dn, dd
+
+
+@triton.jit
+def _gla_fwd_state_kernel(
+    K, V, G, S_SEG, Z_SEG, G_SEG,
+    skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
+    T, H, SEG_LEN, NSEG,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (V-blocks, NSEG - 1, B*H): the state each segment builds from zero, and its total log-decay."""
+    i_v = tl.program_id(0)
+    i_seg = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = V.dtype.element_ty
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    mv = ov < DV
+    neg = float("-inf") if LOG else 0.0
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    t_start = i_seg * SEG_LEN
+    t_stop = tl.minimum(t_start + SEG_LEN, T)
+    for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
+        rows = t_start + c * BT + ot
+        mt = rows < t_stop
+        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+        v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
+        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        k_ph, k_tl = _feature(k, r_end, LOG)
+        decay = tl.exp(b_end)
+        S = S * decay + tl.dot(tl.trans(k_tl), v, input_precision=PREC)
+        if NORM:
+            z = z * decay + tl.sum(k_tl.to(tl.float32), 0)
+        g_total += b_end
+    st = (i_bh * NSEG + i_seg).to(tl.int64)
+    tl.store(S_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=mk[:, None] & mv[None, :])
+    tl.store(Z_SEG + st * DK + ok, z, mask=mk & (i_v == 0))
+    tl.store(G_SEG + st, g_total, mask=i_v == 0)
+
+
+@triton.jit
+def _gla_scan_kernel(
+    S_SEG, Z_SEG, G_SEG, S_INIT, Z_INIT, NSEG,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Grid (V-blocks, B*H). In place: slot j of S_SEG holds a segment's own (d)state on entry
+    and the (d)state at its start (forward) or its end (REVERSE) on exit.
+
+    forward: S = S_init; for j = 0..NSEG-2: slot_j <- S, S = e^{G_j} S + own_j; slot_{NSEG-1} <- S
+    reverse: dS = dS_T; for j = NSEG-1..1: slot_j <- dS, dS = e^{G_j} dS + own_j; slot_0 <- dS
+    """
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    m2 = (ok < DK)[:, None] & (ov < DV)[None, :]
+    mz = (ok < DK) & (i_v == 0)
+    offs = ok[:, None] * DV + ov[None, :]
+    if HAS_INIT:
+        S = tl.load(S_INIT + i_bh.to(tl.int64) * DK * DV + offs, mask=m2, other=0.0)
+        z = tl.load(Z_INIT + i_bh.to(tl.int64) * DK + ok, mask=mz, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        z = tl.zeros([BK], dtype=tl.float32)
+    for i in range(0, NSEG - 1):
+        if REVERSE:
+            j = NSEG - 1 - i
+        else:
+            j = i
+        st = (i_bh * NSEG + j).to(tl.int64)
+        own = tl.load(S_SEG + st * DK * DV + offs, mask=m2, other=0.0)
+        own_z = tl.load(Z_SEG + st * DK + ok, mask=mz, other=0.0)
+        decay = tl.exp(tl.load(G_SEG + st))
+        tl.store(S_SEG + st * DK * DV + offs, S, mask=m2)
+        tl.store(Z_SEG + st * DK + ok, z, mask=mz)
+        S = S * decay + own
+        z = z * decay + own_z
+    if REVERSE:
+        st = (i_bh * NSEG).to(tl.int64)
+    else:
+        st = (i_bh * NSEG + NSEG - 1).to(tl.int64)
+    tl.store(S_SEG + st * DK * DV + offs, S, mask=m2)
+    tl.store(Z_SEG + st * DK + ok, z, mask=mz)
+
+
+@triton.jit
+def _gla_bwd_state_kernel(
+    Q, G, DO, O, DEN, DS_SEG, DZ_SEG, G_SEG,
+    sqb, sqh, sqt, sgb, sgh, sgt,
+    T, H, SEG_LEN, NSEG, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NSEG - 1, B*H) for segments 1..NSEG-1: the dS each segment sends to its start,
+    sum_t e^{b_t - b_start} phi(q_t) dn_t^T (and dz), and its total log-decay."""
+    i_seg = tl.program_id(0) + 1
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = DO.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    DO += i_bh.to(tl.int64) * T * DV
+    O += i_bh.to(tl.int64) * T * DV
+    DEN += i_bh.to(tl.int64) * T
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    mv = ov < DV
+    neg = float("-inf") if LOG else 0.0
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    dz = tl.zeros([BK], dtype=tl.float32)
+    g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    t_start = i_seg * SEG_LEN
+    t_stop = tl.minimum(t_start + SEG_LEN, T)
+    n = SEG_LEN // BT  # a fixed trip count: chunks past T are fully masked no-ops
+    for i in range(0, n):
+        rows = t_start + (n - 1 - i) * BT + ot
+        mt = rows < t_stop
+        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
+        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT)
+        q_ph, q_tl = _feature(q, b, LOG)
+        decay = tl.exp(b_end)
+        dS = dS * decay + tl.dot(tl.trans(q_tl), dn.to(dt), input_precision=PREC)
+        if NORM:
+            dz = dz * decay + tl.sum(q_tl.to(tl.float32) * dd[:, None], 0)
+        g_total += b_end
+    st = (i_bh * NSEG + i_seg).to(tl.int64)
+    tl.store(DS_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=mk[:, None] & mv[None, :])
+    tl.store(DZ_SEG + st * DK + ok, dz, mask=mk)
+    tl.store(G_SEG + st, g_total)
+
+
+@triton.jit
+def _gla_fwd_kernel(
+    Q, K, V, G, O, DEN, S_IN, S_OUT, SC,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
+    T, H, SEG_LEN, NSEG, NC, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Grid (V-blocks, segments, B*H): o (divided by den + eps, den from ``_gla_den_kernel``, when
+    NORM) and the final state; with STORE_CHUNKS also the state entering every chunk and the
+    final state, SC (B*H, NC + 1, Dk, Dv) in the input dtype, for the backward."""
+    i_v = tl.program_id(0)
+    i_seg = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = O.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    O += i_bh.to(tl.int64) * T * DV
+    DEN += i_bh.to(tl.int64) * T
+
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    neg = float("-inf") if LOG else 0.0
+    if HAS_INIT:
+        st = (i_bh * NSEG + i_seg).to(tl.int64)
+        S = tl.load(S_IN + st * DK * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    t_start = i_seg * SEG_LEN
+    t_stop = tl.minimum(t_start + SEG_LEN, T)
+    for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
+        rows = t_start + c * BT + ot
+        mt = rows < t_stop
+        if STORE_CHUNKS:
+            ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
+            tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK * DV + ok[:, None] * DV + ov[None, :], S.to(dt),
+                     mask=m2 & (ci < NC))
+        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
+        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+        v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
+        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        q_ph, q_tl = _feature(q, b, LOG)
+        k_ph, k_tl = _feature(k, r_end, LOG)
+        a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
+        num = tl.dot(q_tl, S.to(dt), input_precision=PREC)
+        num += tl.dot(a, v, input_precision=PREC)
+        if NORM:
+            num = num / (tl.load(DEN + rows, mask=mt, other=1.0) + eps)[:, None]
+        tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
+        S = S * tl.exp(b_end) + tl.dot(tl.trans(k_tl), v, input_precision=PREC)
+
+    last = i_seg == NSEG - 1
+    tl.store(S_OUT + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=m2 & last)
+    if STORE_CHUNKS:  # slot NC: the final state
+        tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + NC) * DK * DV + ok[:, None] * DV + ov[None, :], S.to(dt),
+                 mask=m2 & last)
+
+
+@triton.jit
+def _gla_den_kernel(
+    Q, K, G, DEN, Z_IN, Z_OUT, ZC,
+    sqb, sqh, sqt, skb, skh, skt, sgb, sgh, sgt,
+    T, H, SEG_LEN, NSEG, NC,
+    DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (segments, B*H): the normaliser den_t = Q~_t . z + rowsum(A)_t (fp32, (B*H, T)),
+    i.e. the same recurrence with values 1, carrying z (Dk) alone; also the final z and, with
+    STORE_CHUNKS, the z entering every chunk and the final z, ZC (B*H, NC + 1, Dk) fp32. Kept out of the main
+    forward kernel, whose registers the (Dk, Dv) state and the tiles already fill."""
+    i_seg = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    DEN += i_bh.to(tl.int64) * T
+    ok = tl.arange(0, BK)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    neg = float("-inf") if LOG else 0.0
+    if HAS_INIT:
+        z = tl.load(Z_IN + (i_bh * NSEG + i_seg).to(tl.int64) * DK + ok, mask=mk, other=0.0)
+    else:
+        z = tl.zeros([BK], dtype=tl.float32)
+    t_start = i_seg * SEG_LEN
+    t_stop = tl.minimum(t_start + SEG_LEN, T)
+    for c in range(0, SEG_LEN // BT):
+        rows = t_start + c * BT + ot
+        mt = rows < t_stop
+        if STORE_CHUNKS:
+            ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
+            tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK + ok, z, mask=mk & (ci < NC))
+        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
+        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        q_ph, q_tl = _feature(q, b, LOG)
+        k_ph, k_tl = _feature(k, r_end, LOG)
+        # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
+        a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
+        den = tl.sum(q_tl.to(tl.float32) * z[None, :], 1) + tl.sum(a.to(tl.float32), 1)
+        tl.store(DEN + rows, den, mask=mt)
+        z = z * tl.exp(b_end) + tl.sum(k_tl.to(tl.float32), 0)
+    tl.store(Z_OUT + i_bh.to(tl.int64) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
+    if STORE_CHUNKS:
+        tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + NC) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
+
+
+@triton.jit
+def _gla_bwd_dstate_kernel(
+    Q, G, DO, O, DEN, SC, ZC, DS_IN, DZ_IN, DSC, DZC, DDEN, YC, DS0, DZ0,
+    sqb, sqh, sqt, sgb, sgh, sgt,
+    T, H, SEG_LEN, NSEG, NC, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, NORM: tl.constexpr, HAS_DS: tl.constexpr, STORE_DS0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Grid (segments, B*H), reverse over chunks carrying dS (Dk, Dv) and dz: stores the state
+    gradient leaving every chunk, DSC (B*H, NC, Dk, Dv) in the input dtype and DZC fp32; dd per
+    token (fp32); and YC (B*H, NC) = <dS_out, S_out> + <dz_out, z_out> with S_out the state
+    leaving the chunk: the gate gradient that every token of the chunk gets from everything after
+    it (see ``_gla_bwd_chunk_kernel``). The segment-0 programs write the initial state's gradient."""
+    i_seg = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = DO.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    DO += i_bh.to(tl.int64) * T * DV
+    O += i_bh.to(tl.int64) * T * DV
+    DEN += i_bh.to(tl.int64) * T
+    DDEN += i_bh.to(tl.int64) * T
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    neg = float("-inf") if LOG else 0.0
+    if HAS_DS:
+        st = (i_bh * NSEG + i_seg).to(tl.int64)
+        dS = tl.load(DS_IN + st * DK * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
+        dz = tl.load(DZ_IN + st * DK + ok, mask=mk, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+        dz = tl.zeros([BK], dtype=tl.float32)
+    t_start = i_seg * SEG_LEN
+    t_stop = tl.minimum(t_start + SEG_LEN, T)
+    n = SEG_LEN // BT  # a fixed trip count: chunks past T are fully masked no-ops
+    for i in range(0, n):
+        c = n - 1 - i
+        rows = t_start + c * BT + ot
+        mt = rows < t_stop
+        ci = (i_seg * n + c).to(tl.int64)
+        mc = ci < NC
+        sc = (i_bh.to(tl.int64) * NC + ci) * DK
+        tl.store(DSC + sc * DV + ok[:, None] * DV + ov[None, :], dS.to(dt), mask=m2 & mc)
+        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        nxt = (i_bh.to(tl.int64) * (NC + 1) + ci + 1) * DK  # the state leaving the chunk
+        s_out = tl.load(SC + nxt * DV + ok[:, None] * DV + ov[None, :], mask=m2 & mc, other=0.0).to(tl.float32)
+        y = tl.sum(tl.sum(s_out * dS, 1), 0)
+        if NORM:
+            tl.store(DZC + sc + ok, dz, mask=mk & mc)
+            y += tl.sum(tl.load(ZC + nxt + ok, mask=mk & mc, other=0.0) * dz, 0)
+        tl.store(YC + i_bh.to(tl.int64) * NC + ci, y, mask=mc)
+        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
+        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT)
+        q_ph, q_tl = _feature(q, b, LOG)
+        decay = tl.exp(b_end)
+        dS = dS * decay + tl.dot(tl.trans(q_tl), dn.to(dt), input_precision=PREC)
+        if NORM:
+            tl.store(DDEN + rows, dd, mask=mt)
+            dz = dz * decay + tl.sum(q_tl.to(tl.float32) * dd[:, None], 0)
+    if STORE_DS0:
+        first = i_seg == 0
+        tl.store(DS0 + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=m2 & first)
+        tl.store(DZ0 + i_bh.to(tl.int64) * DK + ok, dz, mask=mk & first)
+
+
+@triton.jit
+def _gla_bwd_chunk_kernel(
+    Q, K, V, G, DO, DEN, DDEN, SC, ZC, DSC, DZC, YC, DQ, DK_, DV_, DG,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
+    T, H, NC, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NC, B*H), one chunk each, no loop: dq, dk, dv and d log_g from the state S (and z)
+    entering the chunk and the state gradient dS (and dz) leaving it.
+
+    Gate gradient: with db_j = phi(q_j).dphi(q_j) - phi(k_j).dphi(k_j), d log_g_i = sum_{j >= i}
+    db_j (+ the final state's term). Split at the chunk end: the part after the chunk is the
+    derivative of the loss by a scale of the state leaving the chunk, YC = <dS_out, S_out> +
+    <dz_out, z_out> (one number per chunk, from the dS pass), so the cumulative sum runs over
+    at most one chunk: its rounding does not grow with T (over the whole sequence in bf16 the
+    large terms of db cancel and the error grows like sqrt(T))."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = DO.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    ot = tl.arange(0, BT)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    neg = float("-inf") if LOG else 0.0
+    rows = i_c * BT + ot
+    mt = rows < T
+    sc_in = (i_bh.to(tl.int64) * (NC + 1) + i_c) * DK
+    sc_out = (i_bh.to(tl.int64) * NC + i_c) * DK
+    S = tl.load(SC + sc_in * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
+    dS = tl.load(DSC + sc_out * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
+    q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
+    k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+    v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
+    b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+    tok = i_bh.to(tl.int64) * T + rows
+    do = tl.load(DO + tok[:, None] * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        r = 1.0 / (tl.load(DEN + tok, mask=mt, other=0.0) + eps)
+        dn_c = (do * r[:, None]).to(dt)
+        dd = tl.load(DDEN + tok, mask=mt, other=0.0)
+    else:
+        dn_c = do.to(dt)
+        dd = tl.zeros([BT], dtype=tl.float32)
+    q_ph, q_tl = _feature(q, b, LOG)
+    k_ph, k_tl = _feature(k, r_end, LOG)
+    p = _intra_decay(b, ot)
+    # values: dv = A^T dn + K~ dS
+    a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * p).to(dt)
+    dv = tl.dot(tl.trans(a), dn_c, input_precision=PREC) + tl.dot(k_tl, dS, input_precision=PREC)
+    tl.store(DV_ + tok[:, None] * DV + ov[None, :], dv.to(DV_.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+    m = ((tl.dot(dn_c, tl.trans(v), input_precision=PREC) + dd[:, None]) * p).to(dt)
+    # queries: dphi(q) = M phi(k) + e^b (dn S^T + dd z^T)
+    inter = tl.dot(dn_c, tl.trans(S), input_precision=PREC)
+    if NORM:
+        inter += dd[:, None] * tl.load(ZC + sc_in + ok, mask=mk, other=0.0)[None, :]
+    dphi = tl.dot(m, k_ph, input_precision=PREC) + tl.exp(b)[:, None] * inter
+    if LOG:
+        dq = tl.exp(q.to(tl.float32)) * dphi
+        db = tl.sum(dq, 1)
+    else:
+        dq = dphi
+        db = tl.sum(q.to(tl.float32) * dq, 1)
+    tl.store(DQ + tok[:, None] * DK + ok[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    # keys: dphi(k) = M^T phi(q) + e^{b_end - b} (v dS^T + dz^T)
+    inter = tl.dot(v, tl.trans(dS), input_precision=PREC)
+    if NORM:
+        inter += tl.load(DZC + sc_out + ok, mask=mk, other=0.0)[None, :]
+    dphi = tl.dot(tl.trans(m), q_ph, input_precision=PREC) + tl.exp(r_end)[:, None] * inter
+    if LOG:
+        dk = tl.exp(k.to(tl.float32)) * dphi
+        db -= tl.sum(dk, 1)
+    else:
+        dk = dphi
+        db -= tl.sum(k.to(tl.float32) * dk, 1)
+    tl.store(DK_ + tok[:, None] * DK + ok[None, :], dk.to(DK_.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    dlg = tl.cumsum(db, 0, reverse=True) + tl.load(YC + i_bh.to(tl.int64) * NC + i_c)
+    tl.store(DG + tok, dlg, mask=mt)
+
+
+# ----------------------------------------------------------------------------- launch settings
+
+
+@dataclass(frozen=True)
+class GLAKernelConfig:
+    """Block sizes and launch settings.
+
+    ``chunk``: the token chunk of every pass (a power of two >= 16; fp32 inputs use at most 32,
+    for shared memory); ``fwd_bv``: the forward's V-block (the backward keeps all of V);
+    ``fill``: programs per multiprocessor that a split of the sequence into segments aims at;
+    ``seg_chunks``: forces the segment length in chunks (tests)."""
+
+    # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
+    # (docs/results/kernels-h200.md)
+    chunk: int = 64
+    fwd_bv: int = 64
+    fwd_warps: int = 4
+    fwd_stages: int = 2
+    den_warps: int = 4
+    dstate_warps: int = 8
+    dstate_stages: int = 2
+    par_warps: int = 8
+    par_stages: int = 1
+    fill: int = 1
+    seg_chunks: Optional[int] = None
+
+
+CONFIG = GLAKernelConfig()
+MAX_DIM = 128
+
+
+def set_config(**changes) -> GLAKernelConfig:
+    """Replace fields of the module-wide kernel config (benchmarks, tests); returns the old one."""
+    global CONFIG
+    old = CONFIG
+    CONFIG = replace(CONFIG, **changes)
+    return old
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(1, n) - 1).bit_length())
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    """(batch, head, time) strides; the last axis must be contiguous (checked by the caller)."""
+    return tuple(x.stride()[:3])
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
+    return min(cfg.chunk, 32) if dtype == torch.float32 else cfg.chunk
+
+
+def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig) -> tuple[int, int]:
+    """(number of segments, segment length in tokens, a whole number of chunks) for T tokens."""
+    n_chunks = max(1, math.ceil(T / BT))
+    if cfg.seg_chunks is not None:
+        seg_chunks = cfg.seg_chunks
+    else:
+        want = math.ceil(cfg.fill * sms / max(1, programs))
+        nseg = max(1, min(want, n_chunks // 8))  # keep segments at least 8 chunks long
+        seg_chunks = math.ceil(n_chunks / nseg)
+    return math.ceil(n_chunks / seg_chunks), seg_chunks * BT
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor) -> bool:
+    """Whether these (already validated) inputs fit the kernels: scalar gates, one dtype among
+    bf16/fp16/fp32 for q, k, v, feature and value widths <= 128."""
+    return (log_g.dim() == 3 and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and log_g.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM and q.shape[2] > 0)
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+         store_chunks: bool):
+    """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
+    B, H, T, DK = q.shape
+    DV = v.shape[-1]
+    BT, BK = _chunk(cfg, q.dtype), _pow2(DK)
+    BV = min(_pow2(cfg.fwd_bv), _pow2(DV))
+    NV = math.ceil(DV / BV)
+    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
+    NC = math.ceil(T / BT)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev)
+    den = torch.empty(B * H, T, **f32) if normalize else None
+    S_T = torch.empty(B, H, DK, DV, **f32)
+    z_T = torch.empty(B, H, DK, **f32) if normalize else (
+        z0.float().clone() if z0 is not None else torch.zeros(B, H, DK, **f32))
+    sc = torch.empty(B * H, NC + 1, DK, DV, dtype=q.dtype, device=dev) if store_chunks else None
+    zc = torch.empty(B * H, NC + 1, DK, **f32) if store_chunks and normalize else None
+    sq, sk, sv, sg = _strides(q), _strides(k), _strides(v), _strides(log_g)
+    common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space, PREC=prec)
+    has_init = S0 is not None or nseg > 1
+    s_in = z_in = None
+    if nseg > 1:  # the state entering every segment: each segment's own state, then a scan
+        s_in = torch.empty(B * H, nseg, DK, DV, **f32)
+        z_in = torch.zeros(B * H, nseg, DK, **f32)
+        g_seg = torch.empty(B * H, nseg, **f32)
+        _gla_fwd_state_kernel[(NV, nseg - 1, B * H)](
+            k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, NORM=normalize,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+        if S0 is not None:
+            S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
+        BVS = min(32, _pow2(DV))
+        _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
+            s_in, z_in, g_seg, S0c if S0 is not None else s_in, z0c if S0 is not None else z_in, nseg,
+            DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, num_warps=4)
+    elif S0 is not None:
+        s_in, z_in = S0.float().contiguous(), z0.float().contiguous()
+    if normalize:
+        _gla_den_kernel[(nseg, B * H)](
+            q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
+            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks,
+            num_warps=cfg.den_warps, num_stages=2, **common_kw)
+    _gla_fwd_kernel[(NV, nseg, B * H)](
+        q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
+        *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
+        STORE_CHUNKS=store_chunks, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+    return o, den, S_T, z_T, (nseg, seg_len), sc, zc
+
+
+def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
+         eps: float, segs: tuple[int, int], cfg: GLAKernelConfig):
+    """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
+    B, H, T, DK = q.shape
+    DV = v.shape[-1]
+    BT, BK, BV = _chunk(cfg, q.dtype), _pow2(DK), _pow2(DV)
+    nseg, seg_len = segs
+    NC = sc.shape[1] - 1
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    do = do.to(v.dtype).contiguous()
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
+    dlog_g = torch.empty(B * H, T, **f32)
+    dden = torch.empty(B * H, T, **f32) if normalize else dlog_g
+    if normalize and dz_T is None and dS_T is not None:
+        dz_T = torch.zeros(B, H, DK, **f32)
+    if dS_T is None and normalize and dz_T is not None:
+        dS_T = torch.zeros(B, H, DK, DV, **f32)
+    common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
+    sq, sk, sv, sg = _strides(q), _strides(k), _strides(v), _strides(log_g)
+    o_ = o if normalize else do
+    den_ = den if normalize else dlog_g
+    # the state gradient leaving every segment: dS_T for the last, a reverse scan for the others
+    ds_in = dz_in = None
+    if dS_T is not None:
+        ds_in = dS_T.float().contiguous()
+        dz_in = dz_T.float().contiguous() if normalize else torch.zeros(B, H, DK, **f32)
+    if nseg > 1:
+        ds_buf = torch.empty(B * H, nseg, DK, DV, **f32)
+        dz_buf = torch.empty(B * H, nseg, DK, **f32)
+        g_seg = torch.empty(B * H, nseg, **f32)
+        _gla_bwd_state_kernel[(nseg - 1, B * H)](
+            q, log_g, do, o_, den_, ds_buf, dz_buf, g_seg, *sq, *sg, T, H, seg_len, nseg, eps,
+            num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+        BVS = min(32, BV)
+        _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
+            ds_buf, dz_buf, g_seg, ds_in if ds_in is not None else ds_buf, dz_in if ds_in is not None else dz_buf,
+            nseg, DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=ds_in is not None, REVERSE=True, num_warps=4)
+        ds_in, dz_in = ds_buf, dz_buf
+    dS0 = torch.empty(B, H, DK, DV, **f32) if need_dstate else None
+    dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
+    dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
+    dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
+    yc = torch.empty(B * H, NC, **f32)
+    zc_ = zc if zc is not None else dlog_g
+    _gla_bwd_dstate_kernel[(nseg, B * H)](
+        q, log_g, do, o_, den_, sc, zc_, ds_in if ds_in is not None else dlog_g,
+        dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
+        dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
+        *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
+        num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+    _gla_bwd_chunk_kernel[(NC, B * H)](
+        q, k, v, log_g, do, den_, dden, sc, zc_, dsc, dzc, yc, dq, dk, dv, dlog_g,
+        *sq, *sk, *sv, *sg, T, H, NC, eps, num_warps=cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+    if need_dstate and not normalize:
+        dz0 = dz_T.float() if dz_T is not None else torch.zeros(B, H, DK, **f32)
+    return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
+
+
+class _GLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg):
+        training = any(ctx.needs_input_grad[:6])
+        o, den, S_T, z_T, segs, sc, zc = _fwd(q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg, training)
+        ctx.save_for_backward(q, k, v, log_g, o if normalize else None, den, sc, zc)
+        ctx.args = (normalize, log_space, eps, segs, cfg, S0 is not None)
+        ctx.set_materialize_grads(False)
+        return o, S_T, z_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T, dz_T):
+        q, k, v, log_g, o, den, sc, zc = ctx.saved_tensors
+        normalize, log_space, eps, segs, cfg, has_state = ctx.args
+        if do is None:
+            do = torch.zeros_like(v)
+        need_dstate = has_state and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
+        dq, dk, dv, dlog_g, dS0, dz0 = _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate,
+                                            normalize, log_space, eps, segs, cfg)
+        return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None
+
+
+def gla_chunk_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
+    log_space_features: bool = False, state: Optional[GLAState] = None, eps: float = 1e-6,
+    config: Optional[GLAKernelConfig] = None,
+) -> tuple[torch.Tensor, GLAState]:
+    """``ops.gla.gla_chunk`` on the Triton kernels (forward and backward, initial state included).
+
+    Inputs must satisfy ``supports``; the final state comes back in fp32. Differentiable in q, k,
+    v, log_g and the initial state. When a gradient is needed the forward keeps the state
+    entering every chunk (Dk * Dv values of the input dtype per chunk and head) for the backward.
+    """
+    B, H, T, DK, DV = common.check_qkv(q, k, v)
+    common.check_per_token("log_g", log_g, B, H, T, DK)
+    if not supports(q, k, v, log_g):
+        raise ValueError(
+            f"the GLA kernels need scalar log_g (B, H, T), q/k/v of one dtype among bf16/fp16/fp32 and "
+            f"Dk, Dv <= {MAX_DIM}, T > 0; got log_g {tuple(log_g.shape)} {log_g.dtype}, q {q.dtype}, "
+            f"k {k.dtype}, v {v.dtype}, Dk={DK}, Dv={DV}, T={T}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    S0 = z0 = None
+    if state is not None:
+        common.check_state_tensor("S", state.S, (B, H, DK, DV))
+        common.check_state_tensor("z", state.z, (B, H, DK))
+        S0, z0 = state.S, state.z
+    q, k, v = (_unit_last(x) for x in (q, k, v))
+    o, S, z = _GLAFunction.apply(q, k, v, log_g, S0, z0, bool(normalize), bool(log_space_features),
+                                 float(eps), config or CONFIG)
+    return o, GLAState(S, z)

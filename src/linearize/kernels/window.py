@@ -1,0 +1,455 @@
+"""Triton kernels for sliding-window softmax with v2 sink logits, and the Lizard combine.
+
+Same meaning as ``ops.window_attn.window_attn_chunk`` for a standard (not terraced) window,
+no soft-cap, no v1 key/value sinks and a state whose cache is never visible (``pos <= 0``):
+
+    o_t = sum_{s visible} e^{q_t.k_s*scale} v_s / [sum_{s visible} e^{q_t.k_s*scale} + sum_j e^{t_j}]
+
+with s visible iff t - w < s <= t and s >= kmin (kmin = left padding of the row, 0 without).
+Shapes: q, k (B, H, T, D), v (B, H, T, Dv), sink_logits (H, m), o (B, H, T, Dv). D, Dv <= 256.
+
+The softmax is FlashAttention's online form in base 2, started from the sinks: m = max_j t_j,
+l = sum_j e^{t_j - m}, acc = 0 (sink values are zero). Each query block of BM rows visits only
+the key blocks that intersect its window (w + BM - 1 keys). The row's log-sum-exp (base 2,
++inf for a row that sees nothing) is kept for the backward:
+
+    p_ts = exp2(s_ts - lse_t),  D_t = do_t . o_t,  ds = p (do v^T - D),
+    dq = ds k * scale,  dk = ds^T q * scale,  dv = p^T do,  d t_j = -sum_t e^{t_j - lse_t} D_t.
+
+Lizard's combine ``y = y_g + alpha_h * y_w`` is fused into the forward's epilogue (read y_g,
+write y, and y_w only when a backward will need it) and into the backward's prologue
+(do_w = alpha_h * dy, d alpha_h = sum dy . y_w, dy_g = dy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops import common
+from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
+from .dispatch import patch_interpreter
+
+patch_interpreter()
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _visible(rows, cols, kmin, W: tl.constexpr):
+    """(BM, BN) bool: key col visible to query row (window w, left padding kmin)."""
+    return (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - W) & (cols[None, :] >= kmin)
+
+
+@triton.jit
+def _win_fwd_kernel(
+    Q, K, V, SINK, KMIN, O, LSE, YG, ALPHA, Y,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+    T, H, NSINK, qk_scale,
+    W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, NKB: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_KMIN: tl.constexpr, FUSE: tl.constexpr, STORE_O: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Grid (query blocks, B*H): o (or y = y_g + alpha * o, and o when STORE_O) and lse (fp32, base 2)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    rows = i_m * BM + tl.arange(0, BM)
+    mrow = rows < T
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    md = od < D
+    mdv = odv < DV
+    q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
+    if HAS_KMIN:
+        kmin = tl.load(KMIN + i_b)
+    else:
+        kmin = 0
+    if HAS_SINK:
+        osk = tl.arange(0, BS)
+        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
+        sl = sl * 1.4426950408889634  # base 2, like the scores
+        ms = tl.max(sl, 0)
+        m_i = tl.zeros([BM], dtype=tl.float32) + ms
+        l_i = tl.zeros([BM], dtype=tl.float32) + tl.sum(tl.exp2(sl - ms), 0)
+    else:
+        m_i = tl.zeros([BM], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    # key blocks from the one holding key (block start - w + 1) up to the diagonal block
+    start = tl.maximum(i_m * BM - W + 1, 0) // BN * BN
+    for j in range(0, NKB):
+        cols = start + j * BN + tl.arange(0, BN)
+        mcol = (cols >= 0) & (cols < T)
+        k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
+        v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = tl.where(_visible(rows, cols, kmin, W), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        corr = tl.exp2(m_i - m_new)
+        l_i = l_i * corr + tl.sum(p, 1)
+        acc = acc * corr[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+        m_i = m_new
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(LSE + i_bh.to(tl.int64) * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")),
+             mask=mrow)
+    offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+    m2 = mrow[:, None] & mdv[None, :]
+    if FUSE:
+        yg = tl.load(YG + offs, mask=m2, other=0.0).to(tl.float32)
+        alpha = tl.load(ALPHA + i_h).to(tl.float32)
+        tl.store(Y + offs, (yg + alpha * o).to(Y.dtype.element_ty), mask=m2)
+        if STORE_O:
+            tl.store(O + offs, o.to(O.dtype.element_ty), mask=m2)
+    else:
+        tl.store(O + offs, o.to(O.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _win_bwd_dq_kernel(
+    Q, K, V, SINK, KMIN, O, DY, LSE, ALPHA, DQ, DELTA, DSINK, DALPHA,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+    T, H, NSINK, NMB, qk_scale, sm_scale,
+    W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, NKB: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_KMIN: tl.constexpr, HAS_ALPHA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (query blocks, B*H): dq; D = do . o (fp32, for the dk/dv pass); per-block partial
+    sums of the sink-logit gradient (B*H, NMB, BS) and of d alpha (B*H, NMB)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    rows = i_m * BM + tl.arange(0, BM)
+    mrow = rows < T
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    md = od < D
+    mdv = odv < DV
+    q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
+    offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+    m2 = mrow[:, None] & mdv[None, :]
+    dy = tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+    o = tl.load(O + offs, mask=m2, other=0.0).to(tl.float32)
+    dyo = tl.sum(dy * o, 1)
+    if HAS_ALPHA:
+        alpha = tl.load(ALPHA + i_h).to(tl.float32)
+        do = dy * alpha
+        delta = dyo * alpha
+        tl.store(DALPHA + i_bh * NMB + i_m, tl.sum(dyo, 0))
+    else:
+        do = dy
+        delta = dyo
+    tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
+    lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
+    if HAS_KMIN:
+        kmin = tl.load(KMIN + i_b)
+    else:
+        kmin = 0
+    do_c = do.to(dt)
+    dq = tl.zeros([BM, BD], dtype=tl.float32)
+    start = tl.maximum(i_m * BM - W + 1, 0) // BN * BN
+    for j in range(0, NKB):
+        cols = start + j * BN + tl.arange(0, BN)
+        mcol = (cols >= 0) & (cols < T)
+        k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
+        v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.where(_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do_c, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(dt), k, input_precision=PREC)
+    tl.store(DQ + i_bh.to(tl.int64) * T * D + rows[:, None].to(tl.int64) * D + od[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
+    if HAS_SINK:
+        osk = tl.arange(0, BS)
+        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
+        sl = sl * 1.4426950408889634  # base 2, like the scores
+        ps = tl.exp2(sl[None, :] - lse[:, None])  # (BM, BS) sink probabilities
+        tl.store(DSINK + (i_bh * NMB + i_m).to(tl.int64) * BS + osk, -tl.sum(ps * delta[:, None], 0))
+
+
+@triton.jit
+def _win_bwd_dkdv_kernel(
+    Q, K, V, KMIN, DY, LSE, ALPHA, DELTA, DK, DV_,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+    T, H, qk_scale, sm_scale,
+    W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NQB: tl.constexpr,
+    HAS_KMIN: tl.constexpr, HAS_ALPHA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (key blocks, B*H): dk, dv over the query blocks whose window holds these keys."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
+    K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
+    V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
+    cols = i_n * BN + tl.arange(0, BN)
+    mcol = cols < T
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    md = od < D
+    mdv = odv < DV
+    k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
+    v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
+    if HAS_KMIN:
+        kmin = tl.load(KMIN + i_b)
+    else:
+        kmin = 0
+    if HAS_ALPHA:
+        alpha = tl.load(ALPHA + i_h).to(tl.float32)
+    else:
+        alpha = 1.0
+    dk = tl.zeros([BN, BD], dtype=tl.float32)
+    dv = tl.zeros([BN, BDV], dtype=tl.float32)
+    start = i_n * BN // BM * BM
+    for j in range(0, NQB):
+        rows = start + j * BM + tl.arange(0, BM)
+        mrow = rows < T
+        q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
+        offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+        do = (tl.load(DY + offs, mask=mrow[:, None] & mdv[None, :], other=0.0).to(tl.float32) * alpha).to(dt)
+        lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
+        delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=mrow, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.where(_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(dt)), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(dt)), q, input_precision=PREC)
+    tl.store(DK + i_bh.to(tl.int64) * T * D + cols[:, None].to(tl.int64) * D + od[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=mcol[:, None] & md[None, :])
+    tl.store(DV_ + i_bh.to(tl.int64) * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :],
+             dv.to(DV_.dtype.element_ty), mask=mcol[:, None] & mdv[None, :])
+
+
+# ----------------------------------------------------------------------------- launch settings
+
+
+@dataclass(frozen=True)
+class WindowKernelConfig:
+    """Query block BM, key block BN (powers of two >= 16) and launch settings per pass."""
+
+    # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
+    bm: int = 64
+    bn: int = 32
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    bwd_warps: int = 4
+    bwd_stages: int = 3
+
+
+CONFIG = WindowKernelConfig()
+MAX_DIM = 256
+
+
+def set_config(**changes) -> WindowKernelConfig:
+    """Replace fields of the module-wide kernel config (benchmarks, tests); returns the old one."""
+    global CONFIG
+    old = CONFIG
+    CONFIG = replace(CONFIG, **changes)
+    return old
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(1, n) - 1).bit_length())
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.stride()[:3])
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: bool = False,
+             softcap: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
+             sink_k: Optional[torch.Tensor] = None) -> bool:
+    """Whether these (already validated) inputs fit the kernels: standard window, no soft-cap,
+    no v1 sinks, q/k/v of one dtype among bf16/fp16/fp32, head dims <= 256, T > 0."""
+    return (not terraced and softcap is None and sink_k is None
+            and q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (sink_logits is None or sink_logits.dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM and q.shape[2] > 0)
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def _geometry(window: int, T: int, cfg: WindowKernelConfig):
+    """(BM, BN, key blocks a query block visits, query blocks a key block visits): the most
+    over all block positions (the pattern repeats every BM * BN tokens)."""
+    BM, BN = cfg.bm, cfg.bn
+    nkb = max((m0 + BM - 1) // BN - max(m0 - window + 1, 0) // BN + 1 for m0 in range(0, BM * (BN + 1) + window, BM))
+    nqb = max((n0 + BN + window - 2) // BM - n0 // BM + 1 for n0 in range(0, BN * (BM + 1), BN))
+    return BM, BN, nkb, nqb
+
+
+def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bool, cfg: WindowKernelConfig):
+    B, H, T, D = q.shape
+    DV = v.shape[-1]
+    BM, BN, nkb, _ = _geometry(window, T, cfg)
+    nmb = math.ceil(T / BM)
+    dev = q.device
+    fuse = yg is not None
+    y = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev) if fuse else None
+    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev) if (store_o or not fuse) else None
+    lse = torch.empty(B * H, T, dtype=torch.float32, device=dev)
+    nsink = sinks.shape[1] if sinks is not None else 0
+    dummy = lse
+    _win_fwd_kernel[(nmb, B * H)](
+        q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy,
+        o if o is not None else dummy, lse, yg if fuse else dummy, alpha if fuse else dummy,
+        y if fuse else dummy, *_strides(q), *_strides(k), *_strides(v),
+        T, H, max(nsink, 1), scale * LOG2E,
+        W=window, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BM=BM, BN=BN, BS=_pow2(max(nsink, 1)), NKB=nkb,
+        HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None, FUSE=fuse, STORE_O=store_o,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    return o, y, lse
+
+
+def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig):
+    """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None)."""
+    B, H, T, D = q.shape
+    DV = v.shape[-1]
+    BM, BN, nkb, nqb = _geometry(window, T, cfg)
+    nmb, nnb = math.ceil(T / BM), math.ceil(T / BN)
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    dy = dy.to(v.dtype).contiguous()
+    dq = torch.empty(B, H, T, D, dtype=q.dtype, device=dev)
+    dk = torch.empty(B, H, T, D, dtype=k.dtype, device=dev)
+    dv = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev)
+    delta = torch.empty(B * H, T, **f32)
+    nsink = sinks.shape[1] if sinks is not None else 0
+    BS = _pow2(max(nsink, 1))
+    dsink = torch.empty(B * H, nmb, BS, **f32) if nsink else None
+    dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
+    strides = (*_strides(q), *_strides(k), *_strides(v))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    geo = dict(W=window, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BM=BM, BN=BN)
+    launch = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+    dummy = delta
+    _win_bwd_dq_kernel[(nmb, B * H)](
+        q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,
+        alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
+        dalpha if alpha is not None else dummy, *strides, T, H, max(nsink, 1), nmb, scale * LOG2E, scale,
+        BS=BS, NKB=nkb, HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None, HAS_ALPHA=alpha is not None,
+        PREC=prec, **geo, **launch)
+    _win_bwd_dkdv_kernel[(nnb, B * H)](
+        q, k, v, kmin if kmin is not None else dummy, dy, lse, alpha if alpha is not None else dummy, delta,
+        dk, dv, *strides, T, H, scale * LOG2E, scale, NQB=nqb, HAS_KMIN=kmin is not None,
+        HAS_ALPHA=alpha is not None, PREC=prec, **geo, **launch)
+    d_sinks = dsink.view(B, H, nmb, BS)[..., :nsink].sum((0, 2)).to(sinks.dtype) if nsink else None
+    d_alpha = dalpha.view(B, H, nmb).sum((0, 2)).to(alpha.dtype) if alpha is not None else None
+    return dq, dk, dv, d_sinks, d_alpha
+
+
+class _WindowFunction(torch.autograd.Function):
+    """y_w = window(q, k, v; sinks), or with y_g and alpha: y = y_g + alpha * y_w."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, yg, alpha, kmin, window, scale, cfg):
+        store_o = yg is None or any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
+        o, y, lse = _fwd(q, k, v, sinks, kmin, yg, alpha, window, scale, store_o, cfg)
+        ctx.save_for_backward(q, k, v, sinks, kmin, o, lse, alpha)
+        ctx.args = (window, scale, cfg, yg is not None)
+        return y if yg is not None else o
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, sinks, kmin, o, lse, alpha = ctx.saved_tensors
+        window, scale, cfg, fused = ctx.args
+        dq, dk, dv, d_sinks, d_alpha = _bwd(q, k, v, sinks, kmin, o, lse, alpha if fused else None, dy,
+                                            window, scale, cfg)
+        dyg = dy if fused else None
+        return dq, dk, dv, d_sinks, dyg, d_alpha, None, None, None, None
+
+
+def _new_state(state: Optional[WindowState], k: torch.Tensor, v: torch.Tensor, L: int, dt: torch.dtype):
+    """The state ``window_attn_chunk`` returns: the last L keys/values of [cache ++ input]."""
+    B, H, T, _ = k.shape
+    take = min(T, L)
+    k_tail, v_tail = k[:, :, T - take:].to(dt), v[:, :, T - take:].to(dt)
+    if state is None:
+        pos = torch.full((B,), T, dtype=torch.int64, device=k.device)
+        if take < L:  # an input shorter than the cache: empty (zero) slots first
+            k_tail = torch.cat([k_tail.new_zeros(B, H, L - take, k.shape[-1]), k_tail], 2)
+            v_tail = torch.cat([v_tail.new_zeros(B, H, L - take, v.shape[-1]), v_tail], 2)
+        return WindowState(k_tail, v_tail, pos)
+    if take < L:
+        k_tail = keep_last(torch.cat([state.k.to(dt), k_tail], 2), L)
+        v_tail = keep_last(torch.cat([state.v.to(dt), v_tail], 2), L)
+    return WindowState(k_tail, v_tail, state.pos + T)
+
+
+def window_attn_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, scale: Optional[float] = None,
+    sink_logits: Optional[torch.Tensor] = None, state: Optional[WindowState] = None,
+    y_global: Optional[torch.Tensor] = None, alpha: Optional[torch.Tensor] = None,
+    config: Optional[WindowKernelConfig] = None,
+) -> tuple[torch.Tensor, WindowState]:
+    """``ops.window_attn.window_attn_chunk`` (standard window, v2 sinks) on the Triton kernels.
+
+    ``state`` may only be a fresh one (``pos <= 0`` in every row, so its cache is never seen:
+    left padding at negative positions); the caller guarantees that, nothing here synchronises
+    to check it. With ``y_global`` (B, H, T, Dv) and ``alpha`` (H,) it returns Lizard's
+    ``y_global + alpha[h] * y_window`` instead of y_window, fused. Differentiable in q, k, v,
+    sink_logits, y_global and alpha. The new state is the last L keys/values, as the torch op's.
+    """
+    B, H, T, D, DV = common.check_qkv(q, k, v)
+    L = check_window(window, False)
+    check_sinks(H, D, DV, sink_logits, None, None)
+    if state is not None:
+        common.check_state_tensor("k", state.k, (B, H, L, D))
+        common.check_state_tensor("v", state.v, (B, H, L, DV))
+        check_pos(state.pos, B)
+    dt = common.compute_dtype(q, k, v, *([sink_logits] if sink_logits is not None else []))
+    scale = common.softmax_scale(scale, q.shape[-1])
+    if not supports(q, k, v, sink_logits=sink_logits):
+        raise ValueError(f"the window kernels need q/k/v of one dtype among bf16/fp16/fp32, head dims <= "
+                         f"{MAX_DIM} and T > 0; got q {q.dtype}, k {k.dtype}, v {v.dtype}, "
+                         f"D={q.shape[-1]}, Dv={v.shape[-1]}, T={q.shape[2]}")
+    if (y_global is None) != (alpha is None):
+        raise ValueError("y_global and alpha must be given together (or neither), got "
+                         f"y_global={'None' if y_global is None else 'a tensor'}, "
+                         f"alpha={'None' if alpha is None else 'a tensor'}")
+    if y_global is not None:
+        if tuple(y_global.shape) != tuple(v.shape):
+            raise ValueError(f"y_global must have shape {tuple(v.shape)}, got {tuple(y_global.shape)}")
+        if not isinstance(alpha, torch.Tensor) or tuple(alpha.shape) != (H,):
+            got = tuple(alpha.shape) if isinstance(alpha, torch.Tensor) else type(alpha).__name__
+            raise ValueError(f"alpha must have shape ({H},), got {got}")
+        y_global = y_global.to(v.dtype).contiguous()
+    sinks = sink_logits.contiguous() if sink_logits is not None and sink_logits.shape[1] > 0 else None
+    kmin = None
+    if state is not None:
+        kmin = (-state.pos).clamp_min(0).to(torch.int32).contiguous()
+    q, k, v = (_unit_last(x) for x in (q, k, v))
+    out = _WindowFunction.apply(q, k, v, sinks, y_global, alpha.contiguous() if alpha is not None else None,
+                                kmin, int(window), float(scale), config or CONFIG)
+    return out, _new_state(state, k, v, L, dt)

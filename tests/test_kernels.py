@@ -1,0 +1,251 @@
+"""The Triton kernels (linearize.kernels) against the torch reference.
+
+Three groups:
+- CPU, always: dispatch (env switch, CPU tensors take the torch path), input validation.
+- CPU, Triton interpreter: every case of ``kernel_cases.INTERPRETER_CASES`` (gated linear attention
+  fp32/bf16, normalised or not, plain or log-space features, extreme gates, initial state,
+  sequence segments, T not a multiple of the chunk; window with sinks, padding, fused combine;
+  the hybrid layer with kernels on vs off) in ONE subprocess with TRITON_INTERPRET=1, which
+  must be set before Triton decorates the kernels. About 30 s on 2 cores.
+- CUDA, when a GPU is present: the same comparisons at real widths (128) and lengths, the launch
+  configs users get, a 64K-token bf16 run with extreme gates, and the hybrid layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_cases import INTERPRETER_CASES, KTOL, gla_case, hybrid_case, rel_rms, window_case
+
+HERE = Path(__file__).resolve().parent
+CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def assert_errors(errors: dict, tol: float, what: str) -> None:
+    bad = {k: f"{v:.2e}" for k, v in errors.items() if not v <= tol}
+    assert not bad, f"{what}: over {tol:.0e}: {bad} (all: { {k: f'{v:.1e}' for k, v in errors.items()} })"
+
+
+# ----------------------------------------------------------------------------- CPU, always
+
+
+def test_env_switch_and_cpu_tensors_take_the_torch_path(monkeypatch):
+    from linearize import kernels
+    from linearize.kernels import dispatch
+    from linearize.ops.gla import gla_chunk
+    from linearize.ops.window_attn import window_attn_chunk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("LINEARIZE_KERNELS", off)
+        assert not dispatch.kernels_enabled()
+    monkeypatch.setenv("LINEARIZE_KERNELS", "1")
+    assert dispatch.kernels_enabled() == dispatch.triton_available()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.rand(2, 1, 2, 9, 8, generator=g)
+    v = torch.randn(1, 2, 9, 5, generator=g)
+    log_g = -torch.rand(1, 2, 9, generator=g)
+    assert not kernels.gla_applies(q, k, v, log_g)  # CPU tensors, no interpreter
+    o, st = kernels.gla_chunk(q, k, v, log_g, chunk_size=4)
+    ref, ref_st = gla_chunk(q, k, v, log_g, chunk_size=4)
+    assert torch.equal(o, ref) and torch.equal(st.S, ref_st.S)
+    w, ws = kernels.window_attn_chunk(q, k, q, window=3, sink_logits=torch.zeros(2, 4))
+    ref_w, _ = window_attn_chunk(q, k, q, window=3, sink_logits=torch.zeros(2, 4))
+    assert torch.equal(w, ref_w)
+    assert kernels.window_attn_sum(q, k, q, q, torch.ones(2), window=3) is None
+
+
+@needs_triton
+def test_bad_inputs_raise_naming_the_value():
+    from linearize.kernels.gla import gla_chunk_triton
+    from linearize.kernels.window import window_attn_triton
+
+    q = torch.rand(1, 2, 9, 8)
+    v = torch.randn(1, 2, 9, 5)
+    with pytest.raises(ValueError, match=r"scalar log_g \(B, H, T\).*got log_g \(1, 2, 9, 8\)"):
+        gla_chunk_triton(q, q, v, -torch.rand(1, 2, 9, 8))
+    with pytest.raises(ValueError, match=r"log_g must have shape \(1, 2, 9\) or \(1, 2, 9, 8\), got \(1, 2, 8\)"):
+        gla_chunk_triton(q, q, v, -torch.rand(1, 2, 8))
+    with pytest.raises(ValueError, match=r"one dtype among bf16/fp16/fp32.*q torch.float64"):
+        gla_chunk_triton(q.double(), q.double(), v.double(), -torch.rand(1, 2, 9))
+    with pytest.raises(ValueError, match=r"Dk, Dv <= 128.*Dk=200"):
+        gla_chunk_triton(torch.rand(1, 2, 9, 200), torch.rand(1, 2, 9, 200), v, -torch.rand(1, 2, 9))
+    with pytest.raises(ValueError, match=r"eps must be a non-negative number, got -1"):
+        gla_chunk_triton(q, q, v, -torch.rand(1, 2, 9), eps=-1)
+    with pytest.raises(ValueError, match=r"alpha must have shape \(2,\), got \(3,\)"):
+        window_attn_triton(q, q, v, window=4, y_global=torch.zeros(1, 2, 9, 5), alpha=torch.ones(3))
+    with pytest.raises(ValueError, match=r"y_global and alpha must be given together"):
+        window_attn_triton(q, q, v, window=4, y_global=torch.zeros(1, 2, 9, 5))
+    with pytest.raises(ValueError, match=r"window must be a positive int, got 0"):
+        window_attn_triton(q, q, v, window=0)
+    with pytest.raises(ValueError, match=r"sink_logits must have shape \(H, m\) = \(2, m\), got \(3, 4\)"):
+        window_attn_triton(q, q, v, window=4, sink_logits=torch.zeros(3, 4))
+
+
+def test_bench_rejects_bad_arguments(tmp_path):
+    from linearize.bench.kernels import run_kernel_bench
+
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16'\], got 'fp8'"):
+        run_kernel_bench(tmp_path, dtype="fp8")
+    with pytest.raises(ValueError, match=r"each shape must be a pair \(B, T\) of positive ints, got \(16, 0\)"):
+        run_kernel_bench(tmp_path, shapes=[(16, 0)])
+    with pytest.raises(ValueError, match=r"reps must be a positive int, got 0"):
+        run_kernel_bench(tmp_path, reps=0)
+    with pytest.raises(ValueError, match=r"unknown methods \['nope'\]"):
+        run_kernel_bench(tmp_path, methods=["nope"])
+    if not CUDA:
+        with pytest.raises(ValueError, match=r"needs a CUDA device"):
+            run_kernel_bench(tmp_path)
+
+
+# ----------------------------------------------------------------------------- CPU, Triton interpreter
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    """All interpreter cases in one subprocess (one Triton import, one torch start-up)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", LINEARIZE_KERNELS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(HERE / "kernel_cases.py")], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(INTERPRETER_CASES))
+def test_interpreter_kernels_match_reference(interpreter_results, name):
+    result = interpreter_results[name]
+    assert "exception" not in result, result.get("exception")
+    dtype = INTERPRETER_CASES[name][2]
+    # the hybrid case compares kernels on vs off in fp32: tight
+    assert_errors(result["errors"], KTOL[dtype], name)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+# each distinct setting compiles its own kernels (seconds each), so the GPU matrix is kept to the
+# settings users run (Lizard: bf16 normalised log-features; fla's: bf16 unnormalised plain) plus fp32
+GPU_GLA = {
+    "f32 norm log": dict(normalize=True, log_space=True),
+    "bf16 norm log": dict(normalize=True, log_space=True),
+    "bf16 norm plain": dict(normalize=True, log_space=False),
+    "bf16 unnorm plain": dict(normalize=False, log_space=False),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [77, 1000])
+@pytest.mark.parametrize("name", list(GPU_GLA))
+def test_gpu_gla_matches_reference(name, T):
+    dtype = torch.float32 if name.startswith("f32") else torch.bfloat16
+    err = gla_case("cuda", dtype, T=T, DK=128, DV=128, B=2, H=3, chunk=None, **GPU_GLA[name])
+    assert_errors(err, KTOL[dtype], f"gla {name} T={T}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant, dtype", [("state+segments", torch.float32), ("state+segments", torch.bfloat16),
+                                            ("extreme+segments", torch.bfloat16), ("dims 100x72", torch.bfloat16)])
+def test_gpu_gla_state_segments_extremes_dims(variant, dtype):
+    kw = dict(normalize=True, log_space=True, T=700, DK=128, DV=128, B=1, H=2, chunk=None)
+    if "state" in variant:
+        kw["state"] = True
+    if "segments" in variant:
+        kw["seg_chunks"] = 3  # 3 x 64 tokens per segment: 4 segments, the last one partial
+    if "extreme" in variant:
+        kw["extreme"] = True
+    if variant.startswith("dims"):
+        kw["DK"], kw["DV"] = (int(x) for x in variant.split()[1].split("x"))
+        kw["state"] = True
+    err = gla_case("cuda", dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"gla {variant} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant, dtype", [("sinks fused padded", torch.float32),
+                                            ("sinks fused padded", torch.bfloat16), ("no sinks", torch.bfloat16),
+                                            ("short", torch.bfloat16), ("w=1", torch.bfloat16)])
+def test_gpu_window_matches_reference(variant, dtype):
+    kw = dict(T=333, D=128, DV=128, W=128, nsink=4, bm=None)
+    if variant == "no sinks":
+        kw["nsink"] = 0
+    if "fused" in variant:
+        kw["fuse"] = True
+    if "padded" in variant:
+        kw["pad"] = 17
+    if variant == "short":
+        kw["T"] = 50
+    if variant == "w=1":
+        kw["W"] = 1
+    err = window_case("cuda", dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"window {variant} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("padded, dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_gpu_hybrid_layer_kernels_match_torch_path(padded, dtype):
+    # kernels on vs off in the same dtype: the torch path is the reference
+    err = hybrid_case("cuda", dtype, padded=padded, T=300)
+    assert_errors(err, KTOL[dtype], f"hybrid padded={padded} {dtype}")
+
+
+@needs_cuda
+def test_gpu_dispatch():
+    from linearize import kernels
+
+    q = torch.rand(1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(1, 2, 64, device="cuda")
+    assert kernels.gla_applies(q, q, v, g)
+    assert not kernels.gla_applies(q, q, v, -torch.rand(1, 2, 64, 16, device="cuda"))  # per-channel gates
+    assert not kernels.gla_applies(q.double(), q.double(), v.double(), g)
+    assert kernels.window_applies(q, q, v, sink_logits=torch.zeros(2, 4, device="cuda"))
+    assert not kernels.window_applies(q, q, v, terraced=True)
+    assert not kernels.window_applies(q, q, v, softcap=30.0)
+    os.environ["LINEARIZE_KERNELS"] = "0"
+    try:
+        assert not kernels.gla_applies(q, q, v, g)
+        assert kernels.window_attn_sum(q, q, v, v, torch.ones(2, device="cuda"), window=8) is None
+    finally:
+        del os.environ["LINEARIZE_KERNELS"]
+
+
+@needs_cuda
+def test_gpu_long_bf16_extreme_gates_stay_finite():
+    """64K bf16 tokens, Hedgehog-like log-features, gates in runs from log -20 to exactly 0: finite
+    outputs, states and gradients, close to the torch chunk form (fp32) on the same inputs."""
+    from linearize.kernels.gla import gla_chunk_triton
+    from linearize.kernels.window import window_attn_triton
+    from linearize.ops.gla import gla_chunk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, d = 65536, 2, 64
+    lf = lambda: torch.log_softmax(torch.randn(1, H, T, d, generator=g, device="cuda") * 2, -1)  # noqa: E731
+    q, k = lf().bfloat16(), lf().bfloat16()
+    v = torch.randn(1, H, T, d, generator=g, device="cuda").bfloat16()
+    u = torch.rand(1, H, T, generator=g, device="cuda")
+    kind = (torch.arange(T, device="cuda") // 2048) % 4
+    log_g = torch.where(kind == 0, -20 + 2 * u,
+                        torch.where(kind == 1, -1e-4 * u, torch.where(kind == 2, 0 * u, -20 * u)))
+    args = [x.clone().requires_grad_() for x in (q, k, v, log_g)]
+    o, st = gla_chunk_triton(*args, log_space_features=True)
+    (o.float().square().sum() + st.S.sum() + st.z.sum()).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(st.S).all() and torch.isfinite(st.z).all()
+    for name, x in zip(("q", "k", "v", "log_g"), args):
+        assert torch.isfinite(x.grad).all(), f"{name}.grad is not finite"
+    with torch.no_grad():
+        ref, ref_st = gla_chunk(q.float(), k.float(), v.float(), log_g, log_space_features=True)
+    assert rel_rms(o, ref) <= KTOL[torch.bfloat16]
+    assert rel_rms(st.S, ref_st.S) <= 1e-2
+    w, _ = window_attn_triton(q, k, v, window=128, sink_logits=torch.zeros(H, 4, device="cuda"))
+    assert torch.isfinite(w).all()
