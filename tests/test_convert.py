@@ -20,13 +20,15 @@ from torch import nn
 
 import fixtures
 import linearize
+from linearize.methods import AttentionConfig, method_config
 from linearize.models.attention import LinearizedAttention
 from linearize.models.cache import StateLayer, cache_bytes
 
 ATOL = 1e-4
 SMALL = {"window": 4, "chunk_size": 8}
 ARCHS = list(fixtures.ARCHS)
-METHODS = sorted(linearize.methods())
+# the causal methods (LION's encoder methods have their own tests in test_lion_encoder.py)
+METHODS = sorted(m for m in linearize.methods() if isinstance(method_config(m), AttentionConfig))
 # Method variants whose state differs from the defaults (more cache paths through HF's machinery).
 VARIANTS = [
     ("lizard", {"sink_kind": "kv"}),
