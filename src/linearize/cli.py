@@ -478,7 +478,10 @@ def _train_runner():
 
 def cmd_train(args) -> int:
     config = train_config_from_args(args)
-    run = _train_runner()
+    if str(config.method).startswith("lion-"):  # encoders: LION's own two stages (sentence embeddings)
+        from .train.encoder import run_encoder as run
+    else:
+        run = _train_runner()
     try:
         out = Path(run(config, resume=args.resume))
     except RuntimeError as e:

@@ -87,6 +87,17 @@ def cmd_eval_lm_eval(args) -> int:
     return _finish(args.out, "lm_eval")
 
 
+def cmd_eval_embed(args) -> int:
+    from .eval.embed import run_embed_eval
+
+    if len(args.model) != 1:
+        raise ValueError(f"eval embed takes one LION checkpoint (--model DIR), got {len(args.model)}")
+    kwargs = {"lengths": tuple(args.lengths)} if args.lengths else {}
+    run_embed_eval(args.model[0], args.data, args.out, sentences=args.sentences, timing=not args.no_timing,
+                   device=_device(args), **kwargs)
+    return _finish(args.out, "embed")
+
+
 def cmd_bench_kernels(args) -> int:
     run = _optional("linearize.bench.kernels", "run_kernel_bench", "kernel benchmark")
     run(args.out)
@@ -208,6 +219,22 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--map-tokens", type=_argtype(parse_int), default=64, metavar="N",
                    help="tokens shown in the attention maps (default: %(default)s)")
     p.set_defaults(func=cmd_eval_report)
+
+    p = _sub(evsub, "embed", "LION encoders: embedding agreement with the teacher, and attention cost",
+             "For a LION encoder checkpoint (linearize train --method lion-s --model minilm-l6 ...): cosine similarity "
+             "between teacher and student sentence embeddings and nearest-neighbour agreement on held-out sentences, "
+             "beside the same figures for the untrained conversion; and the time and extra memory of each LION form "
+             "against SDPA softmax from 512 to 32K tokens.",
+             """\
+             examples:
+               linearize eval embed --model runs/lion-minilm --data ../shared/data/wiki_demo.txt --sentences 500""")
+    _common(p, "runs/eval")
+    p.add_argument("--data", required=True, metavar="PATH", help="local text (held-out sentences are taken from it)")
+    p.add_argument("--sentences", type=_argtype(parse_int), default=1000, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--lengths", type=_argtype(parse_int_list), default=None, metavar="N,N,...",
+                   help="sequence lengths for the timing table, K = 1024 (default: 512..32K)")
+    p.add_argument("--no-timing", action="store_true", help="skip the attention timing table")
+    p.set_defaults(func=cmd_eval_embed)
 
 
 def add_bench_parser(sub) -> None:

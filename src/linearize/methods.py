@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .layers.lion import LionConfig
+
 FEATURE_MAPS = ("hedgehog", "t2r", "silu_l2")
 GLOBAL_RULES = ("linear", "gated", "delta")
 LOCAL_RULES = ("none", "window", "terraced", "softmax")
@@ -99,7 +101,7 @@ class AttentionConfig:
 class Method:
     name: str
     description: str
-    config: AttentionConfig = field(default_factory=AttentionConfig)
+    config: AttentionConfig | LionConfig = field(default_factory=AttentionConfig)  # LionConfig: encoders
 
 
 _METHODS: dict[str, Method] = {m.name: m for m in [
@@ -115,6 +117,16 @@ _METHODS: dict[str, Method] = {m.name: m for m in [
            AttentionConfig(global_rule="linear", feature_map="t2r", gate=None, local_rule="none", sinks=0, rope_global=True)),
     Method("liger", "Liger: gated linear attention with the parameter-free pooled gate on the teacher's own keys + window 64",
            AttentionConfig(gate="pool", window=64, sinks=0, rope_global=True, trainable=False)),
+    # LION (encoders such as BERT / MiniLM): bidirectional full linear attention = a bidirectional RNN
+    Method("lion-lit", "LION-lit (encoders): full bidirectional linear attention, Hedgehog features, row-scaled; "
+           "parallel = bidirectional RNN = chunkwise",
+           LionConfig(variant="lit")),
+    Method("lion-d", "LION-d (encoders): full linear attention with a fixed decay mask lambda_h^|i-j| per head, "
+           "lambda_h = sigmoid(a_h) learnable",
+           LionConfig(variant="d")),
+    Method("lion-s", "LION-s (encoders): full linear attention with a selective mask from per-token gates "
+           "a_t = sigmoid(w.x_t + b)",
+           LionConfig(variant="s")),
 ]}
 
 
@@ -123,7 +135,7 @@ def methods() -> dict[str, str]:
     return {name: m.description for name, m in _METHODS.items()}
 
 
-def method_config(method: str, **overrides) -> AttentionConfig:
+def method_config(method: str, **overrides) -> AttentionConfig | LionConfig:
     if method not in _METHODS:
         raise ValueError(f"unknown method {method!r}; available: {sorted(_METHODS)}")
     return _METHODS[method].config.with_overrides(**overrides)

@@ -27,7 +27,7 @@ FORMAT_VERSION = 1
 META_FILE = "linearize.json"
 ADAPTER_FILE = "adapter.safetensors"
 MERGED_FILE = "model.safetensors"
-ADDED_MARKERS = (".hybrid.", "lora_")
+ADDED_MARKERS = (".hybrid.", ".lion.", "lora_")  # new attention modules (causal, LION encoder) and LoRA
 
 
 def _is_added(name: str) -> bool:
@@ -193,15 +193,17 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
     directory = Path(directory)
     meta = read_meta(directory)
     if meta.get("merged"):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         config = AutoConfig.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_config(config)
+        encoder = str(meta["method"]).startswith("lion-")  # LION converts encoders: the bare AutoModel
+        model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
         tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
         convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
         state = _load_tensors(directory / MERGED_FILE)
-        _load_exact(model, state, allow_missing={"lm_head.weight"} if config.tie_word_embeddings else set())
-        if config.tie_word_embeddings:
+        tied = getattr(config, "tie_word_embeddings", False) and not encoder
+        _load_exact(model, state, allow_missing={"lm_head.weight"} if tied else set())
+        if tied:
             model.tie_weights()
     else:
         base_name = base or meta["base"]["name"]

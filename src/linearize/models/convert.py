@@ -51,7 +51,13 @@ def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) 
 
     ``softmax_layers``: layer indices (or a fraction such as 0.5) kept as the original attention.
     ``overrides``: fields of ``methods.AttentionConfig`` (window, sinks, feature_dim, gate, ...).
+    Encoders (BERT family) and the ``lion-*`` methods go to ``models.encoder.convert_encoder``
+    (overrides are then fields of ``layers.lion.LionConfig``).
     """
+    from .encoder import convert_encoder, is_encoder_model, is_lion_method
+
+    if is_lion_method(method) or is_encoder_model(model):
+        return convert_encoder(model, method, softmax_layers=softmax_layers, **overrides)
     if getattr(model, "linearize_spec", None) is not None:
         raise ValueError("this model is already converted (linearize_spec is set); convert a fresh teacher")
     adapter = adapter_for(model)

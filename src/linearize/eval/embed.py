@@ -1,0 +1,299 @@
+"""``eval embed``: how close a LION encoder's sentence embeddings stay to its teacher's, and what
+each LION form costs against softmax attention as inputs grow.
+
+Quality, on held-out sentences (``train.encoder.load_sentences(data, split="test")``: the ~10% of
+sentences that training never sees, fixed by a hash of their text):
+
+- mean (and minimum) cosine similarity between the student's and the teacher's embeddings
+  (mean pooling + L2 normalisation, the sentence-transformers recipe of all-MiniLM-L6-v2);
+- nearest-neighbour agreement: for each sentence, is its nearest other sentence (cosine) under the
+  student the one the teacher picks? (over the ``sentences`` held-out sentences);
+
+for the trained checkpoint and, always beside it, the same conversion untrained (fresh feature
+maps and decays, no LoRA, seed 0).
+
+Cost (``timing=True``): one attention layer of the model's shape (batch 1, its heads and head
+size) at lengths from 512 to 32K tokens, no gradient, for each LION form (the layer's feature
+maps, decay and op) against SDPA softmax on the same q/k/v. Each (form, length) runs in a fresh
+Python process: "extra memory" is its peak resident memory while the layer runs minus the
+resident memory just before (inputs allocated; the output counts as extra), read from
+``/proc/self/status`` after resetting the peak (Linux); time is the median of repeated calls after
+one warm-up call. The parallel form is skipped where its T x T tensors would pass
+``memory_limit_gb``.
+
+Writes ``embed.json``, ``embed.png`` (drawn from the JSON as read back) and ``embed.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..models.checkpoint import load, read_meta
+from ..models.convert import convert
+from ..models.encoder import embed, lion_layers
+from ..models.teacher import load_teacher
+from ..train.encoder import load_sentences, nn_agreement
+from .common import environment, markdown_table, write_outputs
+
+STEM = "embed"
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+FORMS = ("sdpa", "parallel", "recurrent", "chunk")
+
+
+# ------------------------------------------------------------------------------------ quality
+
+
+def embedding_quality(student: torch.Tensor, teacher: torch.Tensor) -> dict:
+    """Cosine and nearest-neighbour agreement of two (N, D) embedding sets, row i = sentence i."""
+    cos = torch.nn.functional.cosine_similarity(student.double(), teacher.double(), dim=-1)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
+            "nn_agreement": nn_agreement(student, teacher)}
+
+
+def _untrained_like(meta: dict, device):
+    model, _ = load_teacher(meta["base"]["name"], device=device)
+    torch.manual_seed(0)
+    return convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
+
+
+# ------------------------------------------------------------------------------------ cost
+
+
+def _rss_kib(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+)", status).group(1))
+
+
+def measure_layer(form: str, length: int, *, heads: int, head_dim: int, hidden: int, lion: dict | None,
+                  threads: int, max_seconds: float = 3.0, max_repeats: int = 5) -> dict:
+    """Time (ms) and extra memory (MiB) of one attention layer on (1, heads, length, head_dim) q/k/v.
+
+    Meant to run in a fresh process (``_measure_in_subprocess``) so that the memory peak belongs to
+    this call alone. ``lion``: the LionConfig fields (``form`` is overridden); None for SDPA.
+    """
+    from ..layers.lion import LionAttention, LionConfig
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, head_dim) for _ in range(3))
+    x = torch.randn(1, length, hidden)
+    if form == "sdpa":
+        def run():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    else:
+        layer = LionAttention(LionConfig().with_overrides(**{**lion, "form": form}), heads, head_dim, hidden)
+
+        def run():
+            return layer(q, k, v, x)
+    with torch.no_grad():
+        clear_refs = Path("/proc/self/clear_refs")
+        try:
+            clear_refs.write_text("5")  # reset the peak resident size to the current one
+            before = _rss_kib("VmRSS")
+        except OSError:
+            before = None
+        start = time.perf_counter()
+        out = run()
+        first = time.perf_counter() - start
+        extra = (_rss_kib("VmHWM") - before) / 1024 if before is not None else None
+        del out
+        times = []
+        while len(times) < max_repeats and (not times or sum(times) + first < max_seconds):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return {"ms": 1e3 * times[len(times) // 2], "first_ms": 1e3 * first, "repeats": len(times), "extra_mib": extra}
+
+
+def _measure_in_subprocess(spec: dict, timeout: float) -> dict:
+    code = ("import json, sys; from linearize.eval.embed import measure_layer; "
+            "spec = json.loads(sys.argv[1]); print('RESULT ' + json.dumps(measure_layer(**spec)))")
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"took longer than {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"skipped": f"failed: {tail[0][:200]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def parallel_bytes(length: int, heads: int) -> int:
+    """What the parallel form's (1, H, T, T) fp32 tensors take at their peak (about four alive)."""
+    return 4 * 4 * heads * length * length
+
+
+def attention_cost(lion: dict, *, heads: int, head_dim: int, hidden: int, lengths: Sequence[int] = DEFAULT_LENGTHS,
+                   forms: Sequence[str] = FORMS, threads: int | None = None, memory_limit_gb: float = 4.0,
+                   timeout: float = 600.0, progress: bool = True) -> dict:
+    """{form: [result per length]} for one attention layer (see the module docstring)."""
+    bad = [f for f in forms if f not in FORMS]
+    if bad:
+        raise ValueError(f"forms must be among {FORMS}, got {bad}")
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be positive ints, got {list(lengths)!r}")
+    threads = threads or torch.get_num_threads()
+    results = {}
+    for form in forms:
+        results[form] = []
+        for n in lengths:
+            if form == "parallel" and parallel_bytes(n, heads) > memory_limit_gb * 2**30:
+                r = {"skipped": f"needs about {parallel_bytes(n, heads) / 2**30:.0f} GiB (> {memory_limit_gb:g})"}
+            else:
+                spec = {"form": form, "length": n, "heads": heads, "head_dim": head_dim, "hidden": hidden,
+                        "lion": None if form == "sdpa" else lion, "threads": threads}
+                r = _measure_in_subprocess(spec, timeout)
+            results[form].append({"tokens": n, **r})
+            if progress:
+                print(f"  {form:>9} {n:>6} tokens: {_cell(r)}", flush=True)
+    return {"forms": results, "threads": threads, "batch": 1, "heads": heads, "head_dim": head_dim}
+
+
+# ------------------------------------------------------------------------------------ the eval
+
+
+def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, sentences: int = 1000,
+                   batch_size: int = 64, max_length: int = 256, timing: bool = True,
+                   lengths: Sequence[int] = DEFAULT_LENGTHS, forms: Sequence[str] = FORMS, threads: int | None = None,
+                   memory_limit_gb: float = 4.0, device: str | None = None, progress: bool = True) -> dict:
+    """Embedding quality of a LION encoder checkpoint (and of its untrained conversion) against the
+    teacher on ``sentences`` held-out sentences of ``data``, and (``timing``) the cost of each LION
+    form against SDPA; writes embed.json, embed.png, embed.md under ``out_dir``. Returns the data."""
+    if isinstance(sentences, bool) or not isinstance(sentences, int) or sentences < 2:
+        raise ValueError(f"sentences must be an int >= 2, got {sentences!r}")
+    meta = read_meta(checkpoint)
+    if not str(meta.get("method", "")).startswith("lion-"):
+        raise ValueError(f"{checkpoint} holds a {meta.get('method')!r} model; eval embed takes a LION encoder "
+                         "checkpoint (lion-lit, lion-d, lion-s)")
+    device = device or "cpu"
+    held_out = load_sentences(data, split="test", max_sentences=sentences)
+    if len(held_out) < 2:
+        raise ValueError(f"{data!r} has {len(held_out)} held-out sentence(s); need at least 2")
+    log = print if progress else (lambda *a, **k: None)
+    log(f"eval embed: {len(held_out)} held-out sentences of {data}")
+
+    teacher, tokenizer = load_teacher(meta["base"]["name"], device=device)
+    kw = {"batch_size": batch_size, "max_length": max_length, "device": device}
+    t_emb = embed(teacher, tokenizer, held_out, **kw)
+    del teacher
+    rows = []
+    for label, get in (("trained", lambda: load(checkpoint, device=device)[0]),
+                       ("untrained", lambda: _untrained_like(meta, device))):
+        model = get()
+        start = time.perf_counter()
+        s_emb = embed(model, tokenizer, held_out, **kw)
+        rows.append({"model": label, "seconds": time.perf_counter() - start, **embedding_quality(s_emb, t_emb)})
+        log(f"  {label}: mean cosine {rows[-1]['mean_cosine']:.4f}, NN agreement {rows[-1]['nn_agreement']:.3f}")
+        if label == "trained":
+            shape = {"heads": model.config.num_attention_heads,
+                     "head_dim": model.config.hidden_size // model.config.num_attention_heads,
+                     "hidden": model.config.hidden_size}
+            lion_cfg = lion_layers(model)[0].lion.config if lion_layers(model) else None
+        del model
+    out = {"checkpoint": str(checkpoint), "method": meta["method"], "base": meta["base"]["name"], "data": data,
+           "sentences": len(held_out), "max_length": max_length, "quality": rows,
+           "tokens_per_sentence": None, "environment": environment(device)}
+    enc = tokenizer(held_out, truncation=True, max_length=max_length)["input_ids"]
+    out["tokens_per_sentence"] = sum(map(len, enc)) / len(enc)
+    if timing and lion_cfg is not None:
+        import dataclasses
+
+        log(f"attention cost, {meta['method']} vs SDPA (batch 1, {shape['heads']} heads of {shape['head_dim']}):")
+        out["cost"] = attention_cost(dataclasses.asdict(lion_cfg), **shape, lengths=list(lengths), forms=forms,
+                                     threads=threads, memory_limit_gb=memory_limit_gb, progress=progress)
+        out["cost"]["variant"] = lion_cfg.variant
+        out["cost"]["chunk_size"] = lion_cfg.chunk_size
+    write_outputs(out_dir, STEM, out, embed_markdown, embed_figure)
+    return out
+
+
+# ------------------------------------------------------------------------------------ outputs
+
+
+def _cell(r: dict) -> str:
+    if "skipped" in r:
+        return f"skipped ({r['skipped']})"
+    mem = "" if r.get("extra_mib") is None else f" / {r['extra_mib']:.0f} MiB"
+    return f"{r['ms']:.1f} ms{mem}"
+
+
+def embed_markdown(data: dict) -> str:
+    env = data["environment"]
+    q = {r["model"]: r for r in data["quality"]}
+    lines = [f"# Sentence embeddings: {data['method']} vs its teacher {data['base']}", "",
+             f"{data['sentences']} held-out sentences of `{data['data']}` (never trained on; "
+             f"{data['tokens_per_sentence']:.1f} tokens each on average). Cosine: between the student's and "
+             "the teacher's embedding of the same sentence. NN agreement: share of sentences whose nearest other "
+             "sentence is the same under student and teacher.", "",
+             markdown_table(["model", "mean cosine", "min cosine", "NN agreement", "seconds"],
+                            [[f"{data['method']} {name}", r["mean_cosine"], r["min_cosine"], r["nn_agreement"],
+                              round(r["seconds"], 1)] for name, r in q.items()]), ""]
+    cost = data.get("cost")
+    if cost:
+        forms = list(cost["forms"])
+        lengths = [r["tokens"] for r in cost["forms"][forms[0]]]
+        lines += [f"## One attention layer: time / extra memory (batch 1, {cost['heads']} heads of {cost['head_dim']}, "
+                  f"{cost['threads']} thread(s), no gradient; LION-{cost['variant']}, chunk {cost['chunk_size']})", "",
+                  markdown_table(["tokens", *forms],
+                                 [[n, *(_cell(cost["forms"][f][i]) for f in forms)] for i, n in enumerate(lengths)]),
+                  ""]
+        sd, ch = cost["forms"].get("sdpa"), cost["forms"].get("chunk")
+        if sd and ch:
+            faster = [n for n, a, b in zip(lengths, sd, ch) if "ms" in a and "ms" in b and b["ms"] < a["ms"]]
+            lines += [f"The chunk form is faster than SDPA softmax at: {', '.join(map(str, faster)) or 'no length'} tokens.", ""]
+    lines += [f"Device: {env['device']}; torch {env['torch']}. Command: `{env['command']}`", ""]
+    return "\n".join(lines)
+
+
+def embed_figure(data: dict, path: Path) -> None:
+    from matplotlib.ticker import NullLocator
+
+    from ..train.plots import new_figure, save_png
+
+    cost = data.get("cost")
+    fig, axes = new_figure((12.5 if cost else 5.0, 4.0), ncols=3 if cost else 1)
+    axes = list(axes) if cost else [axes]
+    q = data["quality"]
+    ax = axes[0]
+    width = 0.38
+    for j, (key, label) in enumerate((("mean_cosine", "mean cosine"), ("nn_agreement", "NN agreement"))):
+        bars = ax.bar([i + (j - 0.5) * width for i in range(len(q))], [r[key] for r in q], width, label=label)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(len(q)), [r["model"] for r in q])
+    ax.set_ylim(0, 1.08)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"{data['method']} vs {data['base']}, {data['sentences']} held-out sentences", fontsize=9)
+    if cost:
+        for ax, key, ylabel in ((axes[1], "ms", "time per layer call (ms)"), (axes[2], "extra_mib", "extra memory (MiB)")):
+            for form, results in cost["forms"].items():
+                pts = [(r["tokens"], r[key]) for r in results if r.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=form, linestyle="--" if form == "sdpa" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            lengths = [r["tokens"] for r in next(iter(cost["forms"].values()))]
+            ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlabel("tokens")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[1].set_title(f"one attention layer, batch 1, {cost['threads']} thread(s)", fontsize=9)
+        axes[2].set_title("peak resident memory above the inputs", fontsize=9)
+    save_png(fig, path)
+
+
+__all__ = ["attention_cost", "embed_figure", "embed_markdown", "embedding_quality", "measure_layer", "run_embed_eval"]

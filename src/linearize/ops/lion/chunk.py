@@ -1,0 +1,95 @@
+"""Chunked LION: the full masked block inside each chunk, two states carried between chunks.
+
+Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); valid (B, T) or None;
+o (B, H, T, Dv).
+
+For a chunk [s0, s1) with chunk-local cumulative log gates b_t = Σ_{s0<=k<=t} log a_k (inclusive),
+c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1:
+
+    intra    (q k^T ⊙ M_chunk) v         M_chunk = the LION mask of the chunk's own gates
+    forward  e^{b_t} q_t^T S^F           S^F: every key left of the chunk, decayed to s0 - 1
+    backward e^{b_end - c_t} q_t^T S^B   S^B: every key right of the chunk, decayed to s1
+    S^F <- e^{b_end} S^F + Σ_s e^{b_end - b_s} k_s v_s^T        (left to right)
+    S^B <- e^{b_end} S^B + Σ_s e^{c_s} k_s v_s^T                (right to left)
+
+(e^{b_end - c_t} = Π_{k=t..s1-1} a_k: the query's own gate is in, as in the mask.) The forward
+sweep keeps each chunk's intra + forward reads; the backward sweep adds its reads and writes the
+chunk's output. Without autograd the output is written in place and each chunk's reads are
+freed once used, so extra memory is O(B H (C^2 + F Dv)) plus one row sum per token.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import common
+from .naive import LionState, check_inputs, masked_inputs, selective_mask, token_log_gates
+
+
+def lion_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
+    valid: Optional[torch.Tensor] = None, scaled: bool = True, chunk_size: int = 64, eps: float = 1e-6,
+) -> tuple[torch.Tensor, LionState]:
+    dt, valid = check_inputs(q, k, v, log_a, valid)
+    B, H, T, F = q.shape
+    Dv = v.shape[-1]
+    qf, kf, vf = masked_inputs(q, k, v, valid, dt)
+    lg = token_log_gates(log_a, valid, B, T, dt)
+    spans = common.chunk_spans(T, chunk_size)
+    # Writing the output in place keeps inference memory flat; autograd needs out-of-place pieces.
+    in_place = not (torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v) + (() if log_a is None else (log_a,))))
+
+    S_f, z_f = qf.new_zeros(B, H, F, Dv), qf.new_zeros(B, H, F)
+    reads = []  # per chunk: (decays or None, num, den) after the intra and forward terms
+    for s0, s1 in spans:
+        qc, kc, vc = qf[:, :, s0:s1], kf[:, :, s0:s1], vf[:, :, s0:s1]
+        weights = qc @ kc.transpose(-1, -2)  # (B, H, C, C)
+        if lg is None:
+            decays, q_fwd, k_fwd = None, qc, kc
+            b_end = None
+        else:
+            lc = lg[:, :, s0:s1]
+            b = lc.cumsum(-1)
+            c = b - lc
+            b_end = b[:, :, -1:]
+            weights = weights * selective_mask(lc)
+            decays = (b_end, c)
+            q_fwd = qc * b.exp().unsqueeze(-1)
+            k_fwd = kc * (b_end - b).exp().unsqueeze(-1)
+        num = weights @ vc + q_fwd @ S_f
+        den = weights.sum(-1, keepdim=True) + q_fwd @ z_f.unsqueeze(-1) if scaled else None
+        reads.append((decays, num, den))
+        if b_end is not None:
+            S_f, z_f = b_end.exp().unsqueeze(-1) * S_f, b_end.exp() * z_f
+        S_f = S_f + k_fwd.transpose(-1, -2) @ vc
+        z_f = z_f + k_fwd.sum(2)
+
+    S_b, z_b = qf.new_zeros(B, H, F, Dv), qf.new_zeros(B, H, F)
+    out = qf.new_empty(B, H, T, Dv) if in_place else None
+    pieces = [None] * len(spans)
+    for i in range(len(spans) - 1, -1, -1):
+        s0, s1 = spans[i]
+        (decays, num, den), reads[i] = reads[i], None
+        qc, kc, vc = qf[:, :, s0:s1], kf[:, :, s0:s1], vf[:, :, s0:s1]
+        if decays is None:
+            q_bwd, k_bwd = qc, kc
+        else:
+            b_end, c = decays
+            q_bwd = qc * (b_end - c).exp().unsqueeze(-1)
+            k_bwd = kc * c.exp().unsqueeze(-1)
+        num = num + q_bwd @ S_b
+        o = common.normalize_output(num, den + q_bwd @ z_b.unsqueeze(-1), eps) if scaled else num
+        if in_place:
+            out[:, :, s0:s1] = o
+        else:
+            pieces[i] = o
+        if decays is not None:
+            S_b, z_b = b_end.exp().unsqueeze(-1) * S_b, b_end.exp() * z_b
+        S_b = S_b + k_bwd.transpose(-1, -2) @ vc
+        z_b = z_b + k_bwd.sum(2)
+    if not in_place:
+        out = torch.cat(pieces, 2) if pieces else vf
+    return out.to(v.dtype), LionState(S_f, z_f, S_b, z_b)

@@ -1,0 +1,384 @@
+"""``run_encoder(config)``: linearize a sentence encoder (BERT family) into LION, resumably.
+
+The same ``TrainConfig`` and run directory as ``train.run`` (config.json, metrics.jsonl,
+state/*.pt, the checkpoint, summary.json, loss curves), with sentences instead of packed rows:
+
+* data: ``load_sentences(config.data)``, sentences cut from local text. Each sentence's split is
+  fixed by a hash of its text (``sentence_split``): ~10% "test" (held out for ``eval embed``,
+  never trained on), ~10% "val" (validation during training), the rest "train"; so training and
+  evaluation agree on the held-out set whatever their other settings. Sentences are truncated to
+  ``seq_len`` tokens; ``stage{1,2}_tokens`` count real (non-padding) tokens, so the steps are
+  ceil(tokens / (batch_size * grad_accum * mean sentence length)).
+* stage 1, attention transfer: in every LION layer, teacher-forced, MSE between the LION heads
+  and the encoder's own softmax heads (SDPA over the valid keys) on the same q/k/v; only the
+  LION parameters (feature maps, decays, gates) train (``transfer_target`` must be "heads").
+* stage 2, LoRA (``lora_targets``, default q/k/v and every ``dense`` projection: attention output,
+  FFN and pooler) together with the LION parameters, on the sentence-embedding objective: 1 - the
+  cosine similarity between the student's and the teacher's pooled, L2-normalised embeddings
+  (teacher embeddings computed once, before conversion), plus ``distill`` times the summed
+  relative MSE of every layer's hidden states against the teacher's on the same batch
+  (``hidden_state_loss``; for encoders ``distill`` weighs this term, there are no logits). The
+  per-token, per-layer targets give many more signals per sentence than one pooled vector: on
+  MiniLM they sped up stage 2 (docs/results/lion-minilm.md).
+
+The encoder's dropout stays off in both stages (``model.eval()``): the target is the teacher's
+deterministic embedding. ``val`` reports the transfer MSE (stage 1) and 1 - mean cosine plus the
+nearest-neighbour agreement among the validation sentences (stage 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..models.checkpoint import save
+from ..models.convert import convert
+from ..models.encoder import lion_layers, lion_parameters, mean_pool, sentence_embeddings
+from ..models.lora import add_lora, check_lora_targets, lora_parameters
+from ..models.teacher import load_teacher
+from .config import TrainConfig
+from .loop import MetricsLog, Stage, autocast, fit, resolve_device
+from .run import CONFIG_FILE, _check_out_dir, _log, _named, _write_json
+from .transfer import TransferRecorder, freeze_all_but
+
+ENCODER_LORA_TARGETS = ["query", "key", "value", "dense"]
+SPLITS = ("train", "val", "test")
+MIN_WORDS, MAX_WORDS = 5, 64
+
+# ------------------------------------------------------------------------------------------ data
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+")
+
+
+def sentence_split(sentence: str) -> str:
+    """'test' (~10%), 'val' (~10%) or 'train', a pure function of the sentence text."""
+    bucket = zlib.crc32(sentence.encode("utf-8")) % 10
+    return "test" if bucket == 0 else "val" if bucket == 1 else "train"
+
+
+def _texts(source: str) -> list[str]:
+    from ..data.sources import SUFFIXES, shakespeare_plays
+
+    if source == "shakespeare":
+        return list(shakespeare_plays())
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
+        if not files:
+            raise ValueError(f"folder {str(path)!r} holds no {'/'.join(SUFFIXES)} files")
+        return [t for f in files for t in _texts(str(f))]
+    if not path.is_file():
+        raise FileNotFoundError(f"sentence source {source!r} does not exist; accepted: a .txt/.md/.json/.jsonl file, "
+                                "a folder of them, 'shakespeare', or several of these joined by commas")
+    if path.suffix.lower() in (".txt", ".md"):
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        raise ValueError(f"cannot read sentences from {path.name}: use .txt, .md, .json or .jsonl")
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    records = json.loads(raw) if path.suffix.lower() == ".json" else [json.loads(line) for line in raw.splitlines() if line.strip()]
+    texts = []
+    for record in records if isinstance(records, list) else [records]:
+        if isinstance(record, str):
+            texts.append(record)
+        elif isinstance(record, dict):  # plain text records, or Alpaca's instruction / input / output
+            texts += [record[key] for key in ("text", "instruction", "input", "output") if isinstance(record.get(key), str)]
+    return texts
+
+
+def _sentences_of(text: str) -> list[str]:
+    out = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        lines = [line.strip() for line in paragraph.splitlines() if line.strip()]
+        # a short first line without punctuation is a heading or a speaker's name (the plays)
+        if lines and len(lines[0].split()) <= 3 and not re.search(r"[.!?,;:]", lines[0]):
+            lines = lines[1:]
+        joined = re.sub(r"\s+", " ", " ".join(lines))
+        out += [s.strip() for s in _SENTENCE_END.split(joined) if s.strip()]
+    return out
+
+
+def load_sentences(source: str, *, split: str | None = None, max_sentences: int | None = None,
+                   seed: int = 0) -> list[str]:
+    """Distinct sentences of ``MIN_WORDS``..``MAX_WORDS`` words from local text, shuffled by ``seed``.
+
+    ``source``: a .txt/.md file (plain text), a .json/.jsonl file (``text`` fields, or Alpaca
+    records), a folder of such files, ``shakespeare`` (the bundled plays), or several of these
+    joined by commas. ``split``: keep only the sentences of one ``sentence_split`` part.
+    """
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+    if max_sentences is not None and (isinstance(max_sentences, bool) or not isinstance(max_sentences, int)
+                                      or max_sentences < 1):
+        raise ValueError(f"max_sentences must be a positive int or None, got {max_sentences!r}")
+    seen, sentences = set(), []
+    for part in str(source).split(","):
+        for text in _texts(part.strip()):
+            for s in _sentences_of(text):
+                words = len(s.split())
+                if MIN_WORDS <= words <= MAX_WORDS and s not in seen and sum(c.isalpha() for c in s) > len(s) / 2:
+                    seen.add(s)
+                    if split is None or sentence_split(s) == split:
+                        sentences.append(s)
+    if not sentences:
+        raise ValueError(f"no sentences of {MIN_WORDS}-{MAX_WORDS} words found in {source!r}"
+                         + (f" for split {split!r}" if split else ""))
+    random.Random(seed).shuffle(sentences)
+    return sentences[:max_sentences] if max_sentences else sentences
+
+
+@dataclass
+class SentenceRows:
+    """Tokenized sentences for the loop: ``input_ids`` (N, L) long, ``attention_mask`` (N, L), right
+    padded; ``targets`` (N, D) the teacher's embeddings (or None). ``batch`` trims padding columns."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        mask = self.attention_mask[index]
+        width = max(int(mask.sum(1).max()), 1)
+        batch = {"input_ids": self.input_ids[index, :width], "attention_mask": mask[:, :width]}
+        if self.targets is not None:
+            batch["targets"] = self.targets[index]
+        return batch
+
+
+def tokenize_sentences(tokenizer, sentences: Sequence[str], max_length: int) -> SentenceRows:
+    enc = tokenizer(list(sentences), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    return SentenceRows(enc["input_ids"], enc["attention_mask"])
+
+
+def _subset(rows: SentenceRows, n: int) -> SentenceRows:
+    return SentenceRows(rows.input_ids[:n], rows.attention_mask[:n], None if rows.targets is None else rows.targets[:n])
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
+    """Linearize the encoder ``config.model`` with ``config.method`` (lion-lit | lion-d | lion-s):
+    stage 1, stage 2, checkpoint (``linearize.load(out)`` opens it), summary and curves.
+
+    Settings used: method, model, data, out, softmax_layers, overrides, seq_len (max tokens per
+    sentence), val_rows (validation sentences), seed, stage1/2_tokens and _lr, lora_*, and the loop
+    settings. Only as many training sentences as the longer stage draws are tokenized and embedded
+    by the teacher (the first ones of the seeded shuffle), so a large source costs no more.
+    """
+    config.validate()
+    if not config.method.startswith("lion-"):
+        raise ValueError(f"run_encoder trains the LION methods (lion-lit, lion-d, lion-s), got {config.method!r}")
+    if config.transfer_target != "heads":
+        raise ValueError(f"encoders transfer attention per head; transfer_target must be 'heads', got {config.transfer_target!r}")
+    out = Path(config.out)
+    _check_out_dir(out, config, resume)
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+
+    model, tokenizer = load_teacher(config.model)
+    if tokenizer is None:
+        raise ValueError(f"model {config.model!r} has no tokenizer files; training needs one")
+    targets = config.lora_targets or ENCODER_LORA_TARGETS
+    check_lora_targets(model, targets)
+    train_sentences = load_sentences(config.data, split="train", seed=config.seed)
+    val_sentences = load_sentences(config.data, split="val", max_sentences=config.val_rows, seed=config.seed)
+    train_rows = tokenize_sentences(tokenizer, train_sentences, config.seq_len)
+    val_rows = tokenize_sentences(tokenizer, val_sentences, config.seq_len)
+    mean_len = train_rows.num_tokens / len(train_rows)
+    steps = lambda tokens: math.ceil(tokens / (config.batch_size * config.grad_accum * mean_len))  # noqa: E731
+    needed = max(steps(config.stage1_tokens), steps(config.stage2_tokens)) * config.batch_size * config.grad_accum
+    train_rows = _subset(train_rows, min(len(train_rows), max(needed, 1)))
+    _log(config, f"data: {len(train_rows)} training sentences ({train_rows.num_tokens:,} tokens, {mean_len:.1f} "
+                 f"per sentence), {len(val_rows)} validation sentences")
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / CONFIG_FILE).is_file():
+        _write_json(out / CONFIG_FILE, config.to_dict())
+    metrics = MetricsLog(out / "metrics.jsonl")
+    if not resume and metrics.path.exists():
+        metrics.path.unlink()
+    model.to(device).eval()
+    teacher = copy.deepcopy(model)
+    train_rows.targets = _teacher_targets(teacher, train_rows, config, device, out)
+    val_rows.targets = _teacher_targets(teacher, val_rows, config, device, None)
+
+    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+    model.to(device).eval()
+    summary = {"method": config.method, "model": config.model, "device": str(device), "stages": []}
+
+    # stage 1: attention transfer, teacher-forced, every LION layer at once
+    params = lion_parameters(model)
+    if steps(config.stage1_tokens) and params:
+        layers = [m.layer_idx for m in lion_layers(model)]
+        freeze_all_but(model, params)
+        _log(config, f"stage1: layers {layers}, {sum(p.numel() for p in params):,} parameters, "
+                     f"{steps(config.stage1_tokens)} steps")
+
+        def loss1(batch):
+            losses = transfer_losses(model, batch)
+            mse = [losses[i] for i in layers]
+            return torch.stack(mse).sum(), {"layer_mse": [x.item() for x in mse], "layers": layers}
+
+        def eval1():
+            sums = torch.zeros(len(layers), dtype=torch.float64)
+            for batch, idx in _batches(val_rows, config.batch_size, device, by_length=True):
+                with torch.no_grad(), autocast(device, config.precision):
+                    losses = transfer_losses(model, batch)
+                sums += torch.tensor([float(losses[i]) for i in layers], dtype=torch.float64) * len(idx)
+            mse = (sums / len(val_rows)).tolist()
+            return float(sum(mse)), {"layer_mse": mse, "layers": layers}
+
+        stage = Stage("stage1", _named(model, params), loss1, eval1, steps(config.stage1_tokens), config.stage1_lr)
+        summary["stages"].append(fit(stage, train_rows, config, device, out / "state" / "stage1.pt", metrics, resume))
+
+    # stage 2: LoRA + the LION parameters on the teacher's sentence embeddings
+    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=targets)
+    model.to(device).eval()
+    params = lora_parameters(model) + lion_parameters(model)
+    freeze_all_but(model, params)
+    _log(config, f"stage2: LoRA rank {config.lora_rank} on {targets} + the LION parameters, "
+                 f"{sum(p.numel() for p in params):,} parameters, {steps(config.stage2_tokens)} steps")
+
+    def loss2(batch):
+        if config.distill == 0:
+            student = sentence_embeddings(model, batch)
+            cos = (student * batch["targets"]).sum(-1)
+            return (1 - cos).mean(), {"cosine": cos.mean().item()}
+        kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "output_hidden_states": True}
+        out = model(**kw)
+        with torch.no_grad():
+            reference = teacher(**kw).hidden_states
+        student = F.normalize(mean_pool(out.last_hidden_state, batch["attention_mask"]).float(), dim=-1)
+        cos = (student * batch["targets"]).sum(-1)
+        hidden = hidden_state_loss(out.hidden_states[1:], reference[1:], batch["attention_mask"])
+        loss = (1 - cos).mean() + config.distill * hidden
+        return loss, {"cosine": cos.mean().item(), "hidden": hidden.item()}
+
+    def eval2():
+        agreement = embedding_agreement(model, val_rows, config.batch_size, device)
+        return 1 - agreement["mean_cosine"], agreement
+
+    stage = Stage("stage2", _named(model, params), loss2, eval2, steps(config.stage2_tokens), config.stage2_lr)
+    if stage.steps:
+        summary["stages"].append(fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    summary["val"] = embedding_agreement(model, val_rows, config.batch_size, device)
+    save(model, out, tokenizer=tokenizer)
+    _write_json(out / "summary.json", summary)
+    from .plots import plot_metrics
+
+    plot_metrics(metrics.path, out)
+    _log(config, f"done: {out} (validation: mean cosine {summary['val']['mean_cosine']:.4f}, nearest-neighbour "
+                 f"agreement {summary['val']['nn_agreement']:.3f}; linearize.load({str(out)!r}) opens it)")
+    return out
+
+
+def transfer_losses(model, batch: dict) -> dict[int, torch.Tensor]:
+    """One teacher-forced forward: {layer index: MSE(LION heads, softmax heads)} (differentiable)."""
+    recorder = TransferRecorder("heads")
+    layers = lion_layers(model)
+    try:
+        for m in layers:
+            m.transfer = recorder
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for m in layers:
+            m.transfer = None
+    return recorder.losses
+
+
+def hidden_state_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor],
+                      attention_mask: torch.Tensor) -> torch.Tensor:
+    """Σ over layers of MSE(student, teacher hidden states) / mean(teacher²), real tokens only.
+
+    Each layer's term is relative (its teacher's scale divided out), so no layer dominates.
+    """
+    keep = attention_mask.bool()
+    return sum((s.float() - t.float())[keep].pow(2).mean() / t.float()[keep].pow(2).mean().clamp_min(1e-12)
+               for s, t in zip(student, teacher))
+
+
+def nn_agreement(student: torch.Tensor, teacher: torch.Tensor) -> float:
+    """Share of rows whose nearest neighbour (cosine, itself excluded) is the same for both (N, D)."""
+    def nearest(e):
+        e = F.normalize(e.double(), dim=-1)
+        sim = e @ e.T
+        sim.fill_diagonal_(-math.inf)
+        return sim.argmax(-1)
+
+    if student.shape[0] < 2:
+        raise ValueError(f"nearest-neighbour agreement needs at least 2 sentences, got {student.shape[0]}")
+    return float((nearest(student) == nearest(teacher)).double().mean())
+
+
+@torch.no_grad()
+def embedding_agreement(model, rows: SentenceRows, batch_size: int, device) -> dict:
+    """Mean cosine to ``rows.targets`` and nearest-neighbour agreement, over ``rows``."""
+    student = _embed_rows(model, rows, batch_size, device)
+    cos = (student * rows.targets).sum(-1)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
+            "nn_agreement": nn_agreement(student, rows.targets)}
+
+
+def _batches(rows: SentenceRows, batch_size: int, device, by_length: bool = False):
+    """(batch on ``device``, row indices); ``by_length`` groups rows of similar length (less padding)."""
+    order = torch.arange(len(rows))
+    if by_length:
+        order = torch.argsort(rows.attention_mask.sum(1), stable=True)
+    for start in range(0, len(rows), batch_size):
+        idx = order[start:start + batch_size].tolist()
+        yield {k: v.to(device) for k, v in rows.batch(idx).items()}, idx
+
+
+@torch.no_grad()
+def _embed_rows(model, rows: SentenceRows, batch_size: int, device) -> torch.Tensor:
+    """Pooled, normalised embeddings of every row (N, D), fp32 on the CPU."""
+    out = None
+    for batch, idx in _batches(rows, batch_size, device, by_length=True):
+        e = sentence_embeddings(model, batch).float().cpu()
+        out = e.new_empty(len(rows), e.shape[-1]) if out is None else out
+        out[idx] = e
+    return out
+
+
+@torch.no_grad()
+def _teacher_targets(teacher, rows: SentenceRows, config: TrainConfig, device, out: Path | None) -> torch.Tensor:
+    """The teacher's embeddings of every row (N, D), cached in the run directory for a resume."""
+    key = zlib.crc32(rows.input_ids.numpy().tobytes()) ^ zlib.crc32(rows.attention_mask.numpy().tobytes())
+    cache = out / "state" / "teacher_embeddings.pt" if out is not None else None
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, map_location="cpu", weights_only=True)
+        if saved.get("key") == key:
+            return saved["targets"]
+    targets = _embed_rows(teacher, rows, max(config.batch_size, 64), device)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".tmp")
+        torch.save({"key": key, "targets": targets}, tmp)
+        tmp.replace(cache)
+    return targets
+
+
+__all__ = ["ENCODER_LORA_TARGETS", "SentenceRows", "embedding_agreement", "load_sentences", "nn_agreement",
+           "run_encoder", "sentence_split", "tokenize_sentences", "transfer_losses"]

@@ -1,0 +1,247 @@
+"""LION encoders: the layer, conversion of BERT-family models, save/load, positions, stage-1 transfer."""
+
+import copy
+
+import pytest
+import torch
+
+import linearize
+from helpers import assert_rel_close
+from linearize.layers.lion import LionAttention, LionConfig
+from linearize.methods import method_config
+from linearize.models.encoder import (
+    embed, lion_layers, lion_parameters, mean_pool, sentence_embeddings,
+)
+
+H, D, HIDDEN = 4, 16, 64
+
+
+def tiny_bert(seed=0, max_positions=64):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=128, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=H,
+                        intermediate_size=128, max_position_embeddings=max_positions, pad_token_id=0)
+    torch.manual_seed(seed)
+    return BertModel(config).eval()
+
+
+def batch(B=3, T=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 128, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 13:] = 0
+    mask[2, 5:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+@pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
+def test_gradients_reach_every_lion_parameter(variant, form):
+    torch.manual_seed(0)
+    layer = LionAttention(LionConfig(variant=variant, chunk_size=4), H, D, HIDDEN)
+    q, k, v = (torch.randn(2, H, 11, D) for _ in range(3))
+    x = torch.randn(2, 11, HIDDEN)
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    valid[1, 8:] = False
+    layer(q, k, v, x, valid, form=form).pow(2).sum().backward()
+    names = {n for n, _ in layer.named_parameters()}
+    assert ({"gate.weight", "gate.bias"} <= names) == (variant == "s")
+    assert ("decay_logit" in names) == (variant == "d")
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+def test_layer_forms_agree_and_decay_starts_in_range():
+    torch.manual_seed(0)
+    layer = LionAttention(LionConfig(variant="s", chunk_size=4), H, D, HIDDEN).double()
+    q, k, v = (torch.randn(2, H, 13, D, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    ref = layer(q, k, v, x, form="parallel")
+    for form in ("chunk", "recurrent"):
+        assert_rel_close(layer(q, k, v, x, form=form), ref, 1e-12, form)
+    gates = layer.log_decay(x).exp()
+    assert gates.min() >= 0.95 - 1e-6 and gates.max() <= 0.99 + 1e-6
+    d = LionAttention(LionConfig(variant="d"), H, D, HIDDEN)
+    assert torch.allclose(d.log_decay(x).exp(), torch.linspace(0.95, 0.99, H), atol=1e-6)
+
+
+def test_convert_reuses_the_projections_and_keeps_parameter_names():
+    model = tiny_bert()
+    before = dict(model.named_parameters())
+    teacher_query = model.encoder.layer[0].attention.self.query
+    linearize.convert(model, "lion-s")
+    assert model.encoder.layer[0].attention.self.query is teacher_query
+    assert len(lion_layers(model)) == 2
+    after = dict(model.named_parameters())
+    assert set(before) <= set(after)
+    assert all(".lion." in n for n in set(after) - set(before))
+    assert model.linearize_spec["method"] == "lion-s"
+    assert model.linearize_spec["config"]["variant"] == "s"
+    assert "lion-s" in linearize.methods() and "lion-d" in linearize.methods() and "lion-lit" in linearize.methods()
+
+
+def test_padded_batch_gives_each_sentence_its_own_embedding():
+    model = linearize.convert(tiny_bert(), "lion-s", chunk_size=4)
+    b = batch()
+    with torch.no_grad():
+        together = sentence_embeddings(model, b)
+        for i in range(3):
+            n = int(b["attention_mask"][i].sum())
+            alone = sentence_embeddings(model, {k: v[i:i + 1, :n] for k, v in b.items()})
+            assert_rel_close(together[i:i + 1], alone, 1e-5, f"sentence {i}")
+
+
+@pytest.mark.parametrize("method", ["lion-lit", "lion-d", "lion-s"])
+def test_the_three_forms_give_one_model(method):
+    b = batch()
+    outs = {}
+    for form in ("parallel", "chunk", "recurrent"):
+        model = linearize.convert(tiny_bert().double(), method, form=form, chunk_size=3)
+        with torch.no_grad():
+            outs[form] = model(**b).last_hidden_state
+    for form in ("chunk", "recurrent"):
+        assert_rel_close(outs[form], outs["parallel"], 1e-10, form)
+
+
+def test_kept_softmax_layers_are_the_teachers_bidirectional_attention():
+    teacher = tiny_bert()
+    model = linearize.convert(copy.deepcopy(teacher), "lion-d", softmax_layers=[0, 1])
+    assert not lion_layers(model)
+    b = batch()
+    with torch.no_grad():
+        assert_rel_close(model(**b).last_hidden_state, teacher(**b).last_hidden_state, 1e-5)
+    half = linearize.convert(copy.deepcopy(teacher), "lion-d", softmax_layers=0.5)
+    assert [m.layer_idx for m in lion_layers(half)] == [0] and half.linearize_spec["softmax_layers"] == [1]
+
+
+def test_transfer_mode_passes_the_teachers_output_and_trains_only_lion():
+    from linearize.train.encoder import transfer_losses
+
+    teacher = tiny_bert()
+    model = linearize.convert(copy.deepcopy(teacher), "lion-s")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in lion_parameters(model):
+        p.requires_grad_(True)
+    b = batch()
+    losses = transfer_losses(model, b)
+    assert sorted(losses) == [0, 1] and all(x.item() > 0 for x in losses.values())
+    sum(losses.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lion_parameters(model))
+    # teacher forcing: with the recorder in place, the model computes the teacher's hidden states
+    from linearize.train.transfer import TransferRecorder
+
+    recorder = TransferRecorder("heads")
+    for m in lion_layers(model):
+        m.transfer = recorder
+    with torch.no_grad():
+        forced = model(**b).last_hidden_state
+    for m in lion_layers(model):
+        m.transfer = None
+    with torch.no_grad():
+        assert_rel_close(forced, teacher(**b).last_hidden_state, 1e-5)
+
+
+def test_positions_beyond_the_table_are_clamped_or_refused():
+    model = linearize.convert(tiny_bert(max_positions=64), "lion-s")
+    ids = torch.randint(2, 128, (1, 100))
+    with torch.no_grad():
+        long = model.embeddings(input_ids=ids)  # through the hook: ids 0..63 then 63, 63, ...
+        short = model.embeddings(input_ids=ids[:, :64])
+        assert torch.equal(long[:, :64], short)
+        explicit = model.embeddings(input_ids=ids, position_ids=torch.arange(100).clamp(max=63)[None])
+        assert torch.equal(long, explicit)
+        assert model(input_ids=ids).last_hidden_state.shape == (1, 100, HIDDEN)
+    strict = linearize.convert(tiny_bert(max_positions=64), "lion-s", positions="error")
+    with pytest.raises(ValueError, match="100 tokens is longer than the encoder's 64 absolute positions"):
+        strict(input_ids=ids)
+
+
+def test_unknown_variant_method_or_model_is_named():
+    with pytest.raises(ValueError, match=r"unknown method 'lion-x'"):
+        linearize.convert(tiny_bert(), "lion-x")
+    with pytest.raises(ValueError, match=r"variant must be one of \('lit', 'd', 's'\), got 'q'"):
+        LionConfig(variant="q").validate()
+    with pytest.raises(ValueError, match=r"variant 's' contradicts method 'lion-d'"):
+        linearize.convert(tiny_bert(), "lion-d", variant="s")
+    with pytest.raises(ValueError, match=r"method 'lizard' is for causal LMs; an encoder converts with one of"):
+        linearize.convert(tiny_bert(), "lizard")
+    with pytest.raises(ValueError, match=r"unknown override\(s\) \['window'\]"):
+        method_config("lion-s", window=3)
+    with pytest.raises(ValueError, match=r"form must be one of .* got 'fast'"):
+        method_config("lion-s", form="fast")
+    from fixtures import llama
+
+    with pytest.raises(ValueError, match=r"LION methods convert encoders; LlamaForCausalLM .* 'llama'"):
+        linearize.convert(llama(), "lion-s")
+
+
+def test_bad_mask_reaching_a_lion_layer_is_named():
+    model = linearize.convert(tiny_bert(), "lion-lit")
+    layer = lion_layers(model)[0]
+    x = torch.randn(2, 7, HIDDEN)
+    with pytest.raises(ValueError, match=r"2-D padding mask \(B, 7\), got shape \(2, 1, 7, 7\)"):
+        layer(x, attention_mask=torch.ones(2, 1, 7, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"valid must hold only 0 and 1, got \[3\]"):
+        layer(x, attention_mask=torch.full((2, 7), 3))
+
+
+def test_mean_pool_ignores_padding():
+    h = torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    assert torch.allclose(mean_pool(h, mask)[0], h[0, :2].mean(0))
+
+
+# ------------------------------------------------------------------------- the bundled MiniLM
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return linearize.load_teacher("minilm-l6")
+
+
+def test_minilm_is_the_bundled_fp32_bert(minilm):
+    model, tokenizer = minilm
+    assert type(model).__name__ == "BertModel" and model.linearize_base == "minilm-l6"
+    assert sum(p.numel() for p in model.parameters()) == 22_713_216
+    assert next(model.parameters()).dtype == torch.float32 and tokenizer is not None
+    e = embed(model, tokenizer, ["A man is playing a guitar.", "Someone plays an instrument.", "The stock fell."])
+    assert torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert e[0] @ e[1] > e[0] @ e[2]  # the teacher is a real sentence encoder
+
+
+def test_converted_minilm_round_trips_exactly(minilm, tmp_path):
+    from linearize.models.lora import add_lora
+
+    model = linearize.convert(copy.deepcopy(minilm[0]), "lion-s", chunk_size=16)
+    add_lora(model, rank=2, targets=["query", "value", "dense"])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # move every added weight off its initial value, so the test sees them
+        for name, p in model.named_parameters():
+            if ".lion." in name or "lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    linearize.save(model, tmp_path / "ckpt")
+    loaded, tokenizer = linearize.load(tmp_path / "ckpt")
+    assert tokenizer is not None
+    assert loaded.linearize_spec == model.linearize_spec and loaded.linearize_lora == model.linearize_lora
+    a, b = model.state_dict(), loaded.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    sents = ["LION reads the whole sentence in both directions.", "Short one."]
+    assert torch.equal(embed(model, tokenizer, sents), embed(loaded, tokenizer, sents))
+
+
+def test_merged_minilm_export_loads_without_the_base(minilm, tmp_path):
+    from linearize.models.lora import add_lora
+
+    model = linearize.convert(copy.deepcopy(minilm[0]), "lion-d")
+    add_lora(model, rank=2, targets=["query", "dense"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    linearize.save(model, tmp_path / "merged", merged=True)
+    loaded, tokenizer = linearize.load(tmp_path / "merged")
+    assert type(loaded).__name__ == "BertModel" and getattr(loaded, "linearize_lora", None) is None
+    sents = ["Merged weights fold LoRA into the projections.", "Two sentences."]
+    assert_rel_close(embed(loaded, tokenizer, sents), embed(model, tokenizer, sents), 1e-5)
