@@ -19,7 +19,7 @@ from linearize.eval.report import attention_maps, layer_mse, run_report
 from linearize.models.convert import linearized_layers
 from linearize.models.teacher import load_teacher
 
-WIKI = "../shared/data/wiki_demo.txt"
+WIKI = "/work/shared/data/wiki_demo.txt"  # the shared data, as in test_data.py
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from linearize.eval import lm_eval_tasks  # noqa: E402
 from linearize.eval.lm_eval_tasks import task_manager  # noqa: E402
 
 SRC = Path(linearize.__file__).resolve().parents[1]
-EVALDEV = Path(os.environ.get("LINEARIZE_EVALDEV", Path(__file__).resolve().parents[2] / "shared" / "data" / "evaldev"))
+EVALDEV = Path(os.environ.get("LINEARIZE_EVALDEV", "/work/shared/data/evaldev"))  # the shared data, as in test_data.py
 
 # ----------------------------------------------------------------------------- fixture data
 
