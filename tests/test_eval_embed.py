@@ -86,7 +86,7 @@ def test_run_embed_eval_writes_the_three_files(tmp_path):
     model = linearize.convert(copy.deepcopy(teacher), "lion-d", chunk_size=32)
     linearize.save(model, tmp_path / "ckpt")
     data = run_embed_eval(str(tmp_path / "ckpt"), str(write_corpus(tmp_path)), tmp_path / "out", sentences=40,
-                          lengths=[64, 128], threads=1, progress=False)
+                          lengths=[64], threads=1, progress=False)
     for suffix in ("json", "png", "md"):
         assert (tmp_path / "out" / f"embed.{suffix}").is_file()
     saved = json.loads((tmp_path / "out" / "embed.json").read_text())
@@ -97,7 +97,7 @@ def test_run_embed_eval_writes_the_three_files(tmp_path):
     assert 0 < untrained["mean_cosine"] < 1 and saved["sentences"] == 40
     assert set(saved["cost"]["forms"]) == {"sdpa", "parallel", "recurrent", "chunk"}
     md = (tmp_path / "out" / "embed.md").read_text()
-    assert "lion-d untrained" in md and "| 128 |" in md and data["method"] == "lion-d"
+    assert "lion-d untrained" in md and "| 64 |" in md and data["method"] == "lion-d"
 
 
 def test_run_embed_eval_rejects_a_causal_checkpoint_and_too_few_sentences(tmp_path):

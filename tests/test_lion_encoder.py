@@ -1,6 +1,7 @@
 """LION encoders: the layer, conversion of BERT-family models, save/load, positions, stage-1 transfer."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -245,3 +246,143 @@ def test_merged_minilm_export_loads_without_the_base(minilm, tmp_path):
     assert type(loaded).__name__ == "BertModel" and getattr(loaded, "linearize_lora", None) is None
     sents = ["Merged weights fold LoRA into the projections.", "Two sentences."]
     assert_rel_close(embed(loaded, tokenizer, sents), embed(model, tokenizer, sents), 1e-5)
+
+
+def _tiny_encoder_dir(tmp_path):
+    """A 2-layer BERT with MiniLM's tokenizer, saved as a local model directory (a teacher by path)."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    from linearize.models.teacher import BUNDLED_TEACHERS
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=H,
+                        intermediate_size=128, max_position_embeddings=128)
+    path = tmp_path / "tiny-bert"
+    BertModel(config).eval().save_pretrained(path)
+    asset = BUNDLED_TEACHERS["minilm-l6"].asset_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(asset / name, path / name)
+    return path
+
+
+@pytest.mark.slow
+def test_encoder_training_runs_both_stages_saves_and_resumes(tmp_path):
+    from linearize.train import TrainConfig
+    from linearize.train.encoder import run_encoder
+
+    words = ["red", "green", "old", "new", "small", "large", "quiet", "busy", "warm", "cold"]
+    things = ["house", "river", "garden", "station", "bridge", "market", "school", "harbour"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"The {a} {b} near the {c} {d} was closed today."
+                               for a in words for b in things for c in words[:4] for d in things[:3]))
+    config = TrainConfig(method="lion-s", model=str(_tiny_encoder_dir(tmp_path)), data=str(corpus),
+                         out=str(tmp_path / "run"), seq_len=24, val_rows=8, batch_size=4, stage1_tokens=150,
+                         stage2_tokens=150, lora_rank=2, distill=0.5, relational=0.5, relational_bank=16, eval_every=1,
+                         save_every=1, device="cpu", progress=False)
+    out = run_encoder(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["stage1", "stage2"]
+    assert summary["stages"][0]["steps"] == summary["stages"][1]["steps"] >= 2  # same token budget
+    assert 0 < summary["val"]["mean_cosine"] <= 1 and (out / "stage1_layer_mse.png").is_file()
+    assert summary["relational_bank"] == 16
+    stage2 = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"stage2"' in line]
+    assert all(r["relational"] > -1e-6 for r in stage2 if r["split"] == "train"), [r.get("relational") for r in stage2]
+    model, tokenizer = linearize.load(out)
+    assert model.linearize_lora["targets"] == ["query", "key", "value", "dense"]
+    before = (out / "adapter.safetensors").read_bytes()
+    run_encoder(config, resume=True)  # a finished run resumes to the same checkpoint
+    assert (out / "adapter.safetensors").read_bytes() == before
+    changed = TrainConfig(**{**config.to_dict(), "stage2_lr": 1.0})
+    with pytest.raises(ValueError, match=r"settings \['stage2_lr'\] differ"):
+        run_encoder(changed, resume=True)
+    with pytest.raises(ValueError, match="trains the LION methods"):
+        run_encoder(TrainConfig(**{**config.to_dict(), "method": "lizard", "out": str(tmp_path / "x")}))
+
+
+def _unit(n, d=16, seed=0):
+    return torch.nn.functional.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed),
+                                                     dtype=torch.float64), dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.02, 0.05, 1.0])
+def test_relational_loss_is_zero_only_when_the_student_matches_and_its_gradient_flows(temperature):
+    from linearize.train.encoder import relational_loss
+
+    teacher, bank = _unit(6), _unit(40, seed=1)
+    own = torch.zeros(6, 40, dtype=torch.bool)
+    own[0, 3] = own[2, 7] = True  # rows 0 and 2 are themselves in the bank
+    for exclude in (None, own):
+        assert float(relational_loss(teacher, teacher, bank, temperature, exclude=exclude)) == pytest.approx(0, abs=1e-12)
+    student = torch.nn.functional.normalize(teacher + 0.1 * _unit(6, seed=2), dim=-1).requires_grad_(True)
+    loss = relational_loss(student, teacher, bank, temperature, exclude=own)
+    assert float(loss) > 0
+    loss.backward()
+    assert torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
+    # a smaller temperature weighs the same error more (the ranking near the top matters more)
+    if temperature < 1.0:
+        assert float(loss) > float(relational_loss(student.detach(), teacher, bank, 1.0, exclude=own))
+
+
+def test_relational_loss_ignores_excluded_bank_entries():
+    from linearize.train.encoder import relational_loss
+
+    teacher, bank = _unit(4), _unit(30, seed=1)
+    student = torch.nn.functional.normalize(teacher + 0.2 * _unit(4, seed=2), dim=-1)
+    own = torch.zeros(4, 30, dtype=torch.bool)
+    own[:, 5] = True
+    moved = bank.clone()
+    moved[5] = _unit(1, seed=9)[0]  # what an excluded entry holds cannot matter
+    assert float(relational_loss(student, teacher, bank, 0.05, exclude=own)) == pytest.approx(
+        float(relational_loss(student, teacher, moved, 0.05, exclude=own)), rel=1e-5)
+    keep = [i for i in range(30) if i != 5]
+    assert float(relational_loss(student, teacher, bank, 0.05, exclude=own)) == pytest.approx(
+        float(relational_loss(student, teacher, bank[keep], 0.05)), rel=1e-5)
+
+
+def test_relational_bank_takes_training_sentences_only():
+    from linearize.train.encoder import load_sentences, relational_bank, sentence_split
+
+    source = ("The weather was cold and the harbour stayed closed all week. " * 1 + " ".join(
+        f"Sentence number {i} talks about the {w} garden near the old station." for i in range(300)
+        for w in ["green"]))
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.txt"
+        path.write_text(source)
+        train = load_sentences(str(path), split="train")
+        held = load_sentences(str(path), split="val") + load_sentences(str(path), split="test")
+    assert train and held and {sentence_split(s) for s in train} == {"train"}
+    targets = _unit(len(train), seed=3)
+    bank = relational_bank(train, targets, 10)
+    assert torch.equal(bank, targets[:10]) and not bank.requires_grad
+    with pytest.raises(ValueError, match="training sentences only"):
+        relational_bank([held[0], *train], torch.cat([_unit(1), targets]), 5)
+    with pytest.raises(ValueError, match="needs as many"):
+        relational_bank(train, targets, len(train) + 1)
+
+
+def test_length_buckets_cover_every_row_once_and_cut_padding():
+    from linearize.train.encoder import BucketedRows, SentenceRows, length_buckets
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (500,), generator=g)
+    mask = (torch.arange(64).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    rows = SentenceRows(torch.randint(2, 100, (500, 64), generator=g) * mask, mask, torch.randn(500, 8))
+    buckets = length_buckets(rows, 32, seed=0, pool=8)
+    assert sorted(i for b in buckets for i in b) == list(range(500))
+    assert all(len(b) == 32 for b in buckets[:-1]) and buckets == length_buckets(rows, 32, seed=0, pool=8)
+    served = BucketedRows(rows, buckets)
+    assert len(served) == len(buckets)
+    batch = served.batch([3])
+    assert batch["index"].tolist() == buckets[3] and torch.equal(batch["targets"], rows.targets[buckets[3]])
+    assert torch.equal(batch["input_ids"], rows.input_ids[buckets[3], :batch["input_ids"].shape[1]])
+
+    def padding(bs):
+        return sum(int(lengths[b].max()) * len(b) for b in bs) / int(lengths.sum())
+
+    random_batches = [list(range(i, min(i + 32, 500))) for i in range(0, 500, 32)]
+    assert padding(buckets) < 1.2 < 1.5 < padding(random_batches)

@@ -49,6 +49,9 @@ class TrainConfig:
     lora_targets: list[str] | None = None  # None: the architecture's q, k, v, o projections
     distill: float = 0.0                 # weight of KL(teacher || student) on logits; 0 = next-token loss only
     distill_temperature: float = 1.0
+    relational: float = 0.0              # encoders: weight of KL(teacher || student) similarities to a bank; 0 = off
+    relational_temperature: float = 0.05  # encoders: softmax temperature of the relational term
+    relational_bank: int = 4096          # encoders: teacher embeddings of training sentences in the bank
     mu_schedule: str = "ramp"            # liza only: constant | ramp 0.01 -> 0.5 | cyclic | switch
     mu_steps: int = 100
 
@@ -80,16 +83,16 @@ class TrainConfig:
         _one_of(self, "mu_schedule", MU_SCHEDULES)
         _one_of(self, "precision", PRECISIONS)
         for name in ("seq_len", "batch_size", "grad_accum", "lora_rank", "mu_steps", "eval_every",
-                     "save_every", "max_nonfinite", "val_rows"):
+                     "save_every", "max_nonfinite", "val_rows", "relational_bank"):
             _positive_int(self, name)
         for name in ("stage1_tokens", "stage2_tokens", "warmup_steps", "plateau_patience"):
             _non_negative_int(self, name)
         for name in ("block_size", "early_stop_patience"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
-        for name in ("stage1_lr", "stage2_lr", "lora_alpha", "distill_temperature"):
+        for name in ("stage1_lr", "stage2_lr", "lora_alpha", "distill_temperature", "relational_temperature"):
             _positive_real(self, name)
-        for name in ("weight_decay", "clip", "lora_dropout"):
+        for name in ("weight_decay", "clip", "lora_dropout", "relational"):
             value = getattr(self, name)
             if not _is_real(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")

@@ -19,7 +19,16 @@ state/*.pt, the checkpoint, summary.json, loss curves), with sentences instead o
   relative MSE of every layer's hidden states against the teacher's on the same batch
   (``hidden_state_loss``; for encoders ``distill`` weighs this term, there are no logits). The
   per-token, per-layer targets give many more signals per sentence than one pooled vector: on
-  MiniLM they sped up stage 2 (docs/results/lion-minilm.md).
+  MiniLM they sped up stage 2 (docs/results/lion-minilm.md). With ``relational`` > 0, plus that
+  weight times ``relational_loss``: KL between the teacher's and the student's softmax
+  similarities (temperature ``relational_temperature``) to a fixed bank of the teacher's
+  embeddings of the first ``relational_bank`` training sentences (``relational_bank``; never a
+  val or test sentence). 1 - cosine weighs every direction of the error alike; nearest-neighbour
+  agreement only cares about errors that reorder a sentence's close neighbours, which this term
+  measures directly.
+* batches: both stages draw fixed batches of similar-length sentences (``length_buckets``) in a
+  seeded, per-epoch shuffled order, so little of a batch is padding; a step still takes
+  ``batch_size`` sentences.
 
 The encoder's dropout stays off in both stages (``model.eval()``): the target is the teacher's
 deterministic embedding. ``val`` reports the transfer MSE (stage 1) and 1 - mean cosine plus the
@@ -29,6 +38,7 @@ nearest-neighbour agreement among the validation sentences (stage 2).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -162,6 +172,40 @@ class SentenceRows:
         return batch
 
 
+@dataclass
+class BucketedRows:
+    """``rows`` served as fixed batches of similar length (``length_buckets``), for ``loop.fit``.
+
+    Item j is the whole batch ``buckets[j]``, so ``fit`` runs with a batch size of 1 and its seeded
+    per-epoch permutations shuffle the order of the batches. A batch is as wide as its longest
+    sentence; random batches of these 5-64-word sentences are padded to about 2.5x their mean
+    length, sorted ones hardly at all, which about halves the time of a step on the CPU with the
+    same sentences per step. ``batch`` adds ``index``, the rows it took (the relational term uses it).
+    """
+
+    rows: SentenceRows
+    buckets: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        rows = [i for j in indices for i in self.buckets[j]]
+        return {**self.rows.batch(rows), "index": torch.as_tensor(rows, dtype=torch.long)}
+
+
+def length_buckets(rows: SentenceRows, batch_size: int, seed: int, pool: int = 64) -> list[list[int]]:
+    """Batches of ``batch_size`` rows of similar length: a seeded shuffle, cut into pools of ``pool``
+    batches, each pool sorted by length and cut into batches (every row exactly once)."""
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    lengths = rows.attention_mask.sum(1).tolist()
+    buckets = []
+    for start in range(0, len(order), batch_size * pool):
+        part = sorted(order[start:start + batch_size * pool], key=lambda i: lengths[i])
+        buckets += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+    return buckets
+
+
 def tokenize_sentences(tokenizer, sentences: Sequence[str], max_length: int) -> SentenceRows:
     enc = tokenizer(list(sentences), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     return SentenceRows(enc["input_ids"], enc["attention_mask"])
@@ -206,7 +250,8 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     mean_len = train_rows.num_tokens / len(train_rows)
     steps = lambda tokens: math.ceil(tokens / (config.batch_size * config.grad_accum * mean_len))  # noqa: E731
     needed = max(steps(config.stage1_tokens), steps(config.stage2_tokens)) * config.batch_size * config.grad_accum
-    train_rows = _subset(train_rows, min(len(train_rows), max(needed, 1)))
+    bank_size = min(len(train_rows), config.relational_bank) if config.relational > 0 else 0
+    train_rows = _subset(train_rows, min(len(train_rows), max(needed, bank_size, 1)))
     _log(config, f"data: {len(train_rows)} training sentences ({train_rows.num_tokens:,} tokens, {mean_len:.1f} "
                  f"per sentence), {len(val_rows)} validation sentences")
 
@@ -221,9 +266,15 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     train_rows.targets = _teacher_targets(teacher, train_rows, config, device, out)
     val_rows.targets = _teacher_targets(teacher, val_rows, config, device, None)
 
+    bank = relational_bank(train_sentences, train_rows.targets, bank_size) if bank_size else None
+
+    batches = BucketedRows(train_rows, length_buckets(train_rows, config.batch_size, config.seed))
+    loop_config = dataclasses.replace(config, batch_size=1)  # one item of ``batches`` is a whole batch
+
     convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
     model.to(device).eval()
-    summary = {"method": config.method, "model": config.model, "device": str(device), "stages": []}
+    summary = {"method": config.method, "model": config.model, "device": str(device), "stages": [],
+               "relational_bank": bank_size}
 
     # stage 1: attention transfer, teacher-forced, every LION layer at once
     params = lion_parameters(model)
@@ -248,38 +299,51 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
             return float(sum(mse)), {"layer_mse": mse, "layers": layers}
 
         stage = Stage("stage1", _named(model, params), loss1, eval1, steps(config.stage1_tokens), config.stage1_lr)
-        summary["stages"].append(fit(stage, train_rows, config, device, out / "state" / "stage1.pt", metrics, resume))
+        summary["stages"].append(fit(stage, batches, loop_config, device, out / "state" / "stage1.pt", metrics, resume))
 
-    # stage 2: LoRA + the LION parameters on the teacher's sentence embeddings
-    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=targets)
-    model.to(device).eval()
-    params = lora_parameters(model) + lion_parameters(model)
-    freeze_all_but(model, params)
-    _log(config, f"stage2: LoRA rank {config.lora_rank} on {targets} + the LION parameters, "
-                 f"{sum(p.numel() for p in params):,} parameters, {steps(config.stage2_tokens)} steps")
+    # stage 2: LoRA + the LION parameters on the teacher's sentence embeddings (no LoRA without steps)
+    if steps(config.stage2_tokens):
+        add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=targets)
+        model.to(device).eval()
+        params = lora_parameters(model) + lion_parameters(model)
+        freeze_all_but(model, params)
+        _log(config, f"stage2: LoRA rank {config.lora_rank} on {targets} + the LION parameters, "
+                     f"{sum(p.numel() for p in params):,} parameters, {steps(config.stage2_tokens)} steps")
 
     def loss2(batch):
+        extras = {}
         if config.distill == 0:
             student = sentence_embeddings(model, batch)
-            cos = (student * batch["targets"]).sum(-1)
-            return (1 - cos).mean(), {"cosine": cos.mean().item()}
-        kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "output_hidden_states": True}
-        out = model(**kw)
-        with torch.no_grad():
-            reference = teacher(**kw).hidden_states
-        student = F.normalize(mean_pool(out.last_hidden_state, batch["attention_mask"]).float(), dim=-1)
+            loss = torch.zeros((), device=student.device)
+        else:
+            kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                  "output_hidden_states": True}
+            result = model(**kw)
+            with torch.no_grad():
+                reference = teacher(**kw).hidden_states
+            student = F.normalize(mean_pool(result.last_hidden_state, batch["attention_mask"]).float(), dim=-1)
+            hidden = hidden_state_loss(result.hidden_states[1:], reference[1:], batch["attention_mask"])
+            loss = config.distill * hidden
+            extras["hidden"] = hidden.item()
         cos = (student * batch["targets"]).sum(-1)
-        hidden = hidden_state_loss(out.hidden_states[1:], reference[1:], batch["attention_mask"])
-        loss = (1 - cos).mean() + config.distill * hidden
-        return loss, {"cosine": cos.mean().item(), "hidden": hidden.item()}
+        loss = loss + (1 - cos).mean()
+        extras["cosine"] = cos.mean().item()
+        if bank is not None:
+            # a batch row that is itself in the bank would see its own target at similarity 1: leave it out
+            index = batch["index"]
+            own = index.unsqueeze(1) == torch.arange(bank.shape[0], device=index.device).unsqueeze(0)
+            rel = relational_loss(student, batch["targets"], bank, config.relational_temperature, exclude=own)
+            loss = loss + config.relational * rel
+            extras["relational"] = rel.item()
+        return loss, extras
 
     def eval2():
         agreement = embedding_agreement(model, val_rows, config.batch_size, device)
         return 1 - agreement["mean_cosine"], agreement
 
-    stage = Stage("stage2", _named(model, params), loss2, eval2, steps(config.stage2_tokens), config.stage2_lr)
-    if stage.steps:
-        summary["stages"].append(fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume))
+    if steps(config.stage2_tokens):
+        stage = Stage("stage2", _named(model, params), loss2, eval2, steps(config.stage2_tokens), config.stage2_lr)
+        summary["stages"].append(fit(stage, batches, loop_config, device, out / "state" / "stage2.pt", metrics, resume))
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
@@ -317,6 +381,39 @@ def hidden_state_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.T
     keep = attention_mask.bool()
     return sum((s.float() - t.float())[keep].pow(2).mean() / t.float()[keep].pow(2).mean().clamp_min(1e-12)
                for s, t in zip(student, teacher))
+
+
+def relational_bank(sentences: Sequence[str], targets: torch.Tensor, size: int) -> torch.Tensor:
+    """The bank of the relational term: the teacher's embeddings (``targets``, row i = ``sentences[i]``)
+    of the first ``size`` sentences. Only training sentences may enter it, so that no held-out
+    sentence shapes what the student learns; any other split is refused, not skipped."""
+    if size > min(len(sentences), targets.shape[0]):
+        raise ValueError(f"a bank of {size} needs as many sentences and targets, got {len(sentences)} and {targets.shape[0]}")
+    held_out = [s for s in sentences[:size] if sentence_split(s) != "train"]
+    if held_out:
+        raise ValueError(f"the relational bank takes training sentences only; {len(held_out)} are held out, "
+                         f"e.g. {held_out[0]!r}")
+    return targets[:size].detach()
+
+
+def relational_loss(student: torch.Tensor, teacher: torch.Tensor, bank: torch.Tensor, temperature: float,
+                    exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Listwise relational distillation: mean over rows of KL(softmax(t_i·bank/τ) || softmax(s_i·bank/τ)).
+
+    ``student``, ``teacher`` (B, D) L2-normalised embeddings of the same sentences; ``bank`` (N, D)
+    fixed teacher embeddings of other sentences. 1 - cosine treats every direction of the error
+    alike; this term weighs the error by how it reorders the sentence's neighbours, which is what
+    nearest-neighbour agreement counts. A small τ (0.02-0.05) concentrates it on the closest
+    neighbours. ``exclude`` (B, N) bool drops bank entries (a row's own sentence) from both
+    distributions. Zero exactly when the student's similarities to the bank equal the teacher's.
+    """
+    logits_s = student.float() @ bank.float().T / temperature
+    logits_t = teacher.float() @ bank.float().T / temperature
+    if exclude is not None:  # the same finite fill on both sides: those entries add exactly 0
+        logits_s = logits_s.masked_fill(exclude, -1e4)
+        logits_t = logits_t.masked_fill(exclude, -1e4)
+    log_t = F.log_softmax(logits_t, dim=-1)
+    return (log_t.exp() * (log_t - F.log_softmax(logits_s, dim=-1))).sum(-1).mean()
 
 
 def nn_agreement(student: torch.Tensor, teacher: torch.Tensor) -> float:
@@ -380,5 +477,6 @@ def _teacher_targets(teacher, rows: SentenceRows, config: TrainConfig, device, o
     return targets
 
 
-__all__ = ["ENCODER_LORA_TARGETS", "SentenceRows", "embedding_agreement", "load_sentences", "nn_agreement",
-           "run_encoder", "sentence_split", "tokenize_sentences", "transfer_losses"]
+__all__ = ["ENCODER_LORA_TARGETS", "BucketedRows", "SentenceRows", "embedding_agreement", "load_sentences", "nn_agreement",
+           "relational_bank", "relational_loss", "run_encoder", "length_buckets", "sentence_split",
+           "tokenize_sentences", "transfer_losses"]
