@@ -37,9 +37,11 @@ def _gen(seed: int) -> torch.Generator:
 
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
-             chunk: int | None = 16, fwd_bv: int = 16, seed: int = 0) -> dict[str, float]:
+             chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128,
+             seed: int = 0) -> dict[str, float]:
     """gla_chunk_triton vs gla_parallel (fp64): o, final state, and d{q, k, v, log_g, S0, z0}.
-    ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied."""
+    ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied;
+    ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths)."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -83,7 +85,8 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     if chunk is None:
         cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks)
     else:
-        cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks)
+        cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
+                                   dstate_bv=dstate_bv)
     o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
                                    config=cfg)
     assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
@@ -222,14 +225,14 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16
 INTERPRETER_CASES = {
-    "gla f32 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24), F32),
+    "gla f32 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24, dstate_bv=16), F32),
     "gla f32 norm plain": (gla_case, dict(normalize=True, log_space=False, T=45, DK=16, DV=24), F32),
     "gla f32 unnorm log": (gla_case, dict(normalize=False, log_space=True, T=45, DK=16, DV=24), F32),
-    "gla f32 unnorm plain": (gla_case, dict(normalize=False, log_space=False, T=45, DK=16, DV=24), F32),
-    "gla bf16 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24), BF16),
+    "gla f32 unnorm plain": (gla_case, dict(normalize=False, log_space=False, T=45, DK=16, DV=24, dstate_bv=16), F32),
+    "gla bf16 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24, dstate_bv=16), BF16),
     "gla bf16 unnorm plain": (gla_case, dict(normalize=False, log_space=False, T=45, DK=16, DV=24), BF16),
     "gla f32 norm log state+segments": (gla_case, dict(normalize=True, log_space=True, T=70, DK=20, DV=16,
-                                                       state=True, seg_chunks=2), F32),
+                                                       state=True, seg_chunks=2, dstate_bv=16), F32),
     "gla f32 unnorm plain state+segments": (gla_case, dict(normalize=False, log_space=False, T=50, DK=16, DV=16,
                                                            state=True, seg_chunks=1), F32),
     "gla f32 norm log extreme gates": (gla_case, dict(normalize=True, log_space=True, T=61, DK=16, DV=16,

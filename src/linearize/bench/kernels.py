@@ -356,21 +356,21 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
 
 # ----------------------------------------------------------------------------- launch-config sweep
 
-GLA_FWD_CANDIDATES = (
-    dict(fwd_warps=4, fwd_stages=2, den_warps=4),
-    dict(fwd_warps=4, fwd_stages=3, den_warps=4),
-    dict(fwd_warps=4, fwd_stages=2, den_warps=8),
-)
-GLA_BWD_CANDIDATES = (
-    dict(par_warps=4, par_stages=1, dstate_warps=8),
-    dict(par_warps=8, par_stages=1, dstate_warps=8),
-    dict(par_warps=8, par_stages=2, dstate_warps=4),
+GLA_FWD_CANDIDATES = (  # chunk 32 and a normaliser inside the main pass lost clearly in earlier sweeps
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=8),
+    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=4),
+    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
+)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla)
+GLA_BWD_CANDIDATES = (  # par_warps: the chunk pass's warps for the mode of the row (see apply_tuned)
+    dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
+    dict(par_warps=8, par_stages=1, dstate_warps=8, dstate_bv=128),
+    dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=64),
+    dict(par_warps=8, par_stages=1, dstate_warps=4, dstate_bv=64),
 )
 WINDOW_CANDIDATES = (
-    dict(bm=64, bn=64, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3),
-    dict(bm=128, bn=32, fwd_warps=8, bwd_warps=8, fwd_stages=2, bwd_stages=2),
 )
 
 
@@ -457,8 +457,8 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     if not isinstance(rows, (list, tuple)):
         rows = json.loads(Path(rows).read_text())
 
-    def best(kind, key):
-        cands = [r for r in rows if r["kind"] == kind and r["mode"] in ("lizard", "fused")
+    def best(kind, key, modes=("lizard", "fused")):
+        cands = [r for r in rows if r["kind"] == kind and r["mode"] in modes
                  and all("median_ms" in r[p] for p in PASSES)]
         if kind == "gla seg" and cands:  # the split matters for the fewest sequences: the last shape
             last = max(r["T"] for r in cands)
@@ -468,10 +468,16 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     chosen = {
         "gla_fwd": best("gla fwd", lambda r: r["fwd"]["median_ms"]),
         "gla_bwd": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"]),
+        "gla_bwd_plain": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"], ("plain",)),
         "window": best("window", lambda r: r["fwd+bwd"]["median_ms"]),
         "gla_seg": best("gla seg", lambda r: r["fwd+bwd"]["median_ms"]),
     }
-    kgla.set_config(**chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
+    # the backward's chunk pass takes its warps by feature kind: par_warps_log from the Lizard
+    # (log-feature) rows, par_warps from the plain ones
+    bwd = {**chosen["gla_bwd"], "par_warps_log": chosen["gla_bwd"].get("par_warps", kgla.CONFIG.par_warps_log)}
+    if "par_warps" in chosen["gla_bwd_plain"]:
+        bwd["par_warps"] = chosen["gla_bwd_plain"]["par_warps"]
+    kgla.set_config(**chosen["gla_fwd"], **bwd, **chosen["gla_seg"])
     kwin.set_config(**chosen["window"])
     chosen["gla_config"] = dataclasses_asdict(kgla.CONFIG)
     chosen["window_config"] = dataclasses_asdict(kwin.CONFIG)
@@ -484,12 +490,55 @@ def dataclasses_asdict(x) -> dict:
     return dataclasses.asdict(x)
 
 
+def profile_kernels(out_dir: str | os.PathLike, shape: tuple[int, int] = DEFAULT_SHAPES[0], reps: int = 5,
+                    methods: Sequence[str] = ("triton gla (ours)", "triton lizard (ours)")) -> dict:
+    """Where the time of ``methods`` goes: CUDA time per kernel (torch.profiler, mean over
+    ``reps`` calls after a warm-up) for the forward and the forward+backward at ``shape``, at
+    the bench's settings; writes ``profile.json`` and returns it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = shape
+    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+    table = _methods(x, 128, None)
+    result: dict = {"env": _env("profile"), "B": B, "T": T, "methods": {}}
+    for name in methods:
+        forward, leaves, grad = table[name]
+        result["methods"][name] = {}
+        for pas, fn in (("fwd", forward), ("fwd+bwd", _fwd_bwd(forward, grad))):
+            ctx = torch.no_grad() if pas == "fwd" else torch.enable_grad()
+            with ctx:
+                fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        fn()
+                    torch.cuda.synchronize()
+            for t in leaves:
+                t.grad = None
+            kernels = {}
+            for ev in prof.key_averages():
+                us = getattr(ev, "device_time_total", None)
+                if us is None:
+                    us = ev.cuda_time_total
+                if us > 0:
+                    kernels[ev.key] = round(us / reps / 1000, 4)
+            kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+            result["methods"][name][pas] = kernels
+            print(f"{name} {pas} B{B} T{T}: total {sum(kernels.values()):.3f} ms", flush=True)
+            for k, ms in list(kernels.items())[:12]:
+                print(f"  {ms:8.3f} ms  {k[:100]}", flush=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "profile.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m linearize.bench.kernels",
-                                description="kernel benchmark (bench) or launch-config sweep (tune)")
-    p.add_argument("what", choices=["bench", "tune"])
+                                description="kernel benchmark (bench), launch-config sweep (tune), or "
+                                            "CUDA time per kernel (profile, at the first shape)")
+    p.add_argument("what", choices=["bench", "tune", "profile"])
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="16x2048,4x8192,1x32768", help="BxT,... (default: %(default)s)")
     p.add_argument("--reps", type=int, default=20)
@@ -505,6 +554,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--shapes must look like 16x2048,4x8192, got {a.shapes!r}")
     if a.what == "tune":
         tune_kernel_configs(a.out, shapes, a.part, a.parts, a.compile_only, a.reps)
+    elif a.what == "profile":
+        profile_kernels(a.out, shapes[0])
     else:
         if a.tuned:
             print("tuned configs:", json.dumps(apply_tuned(a.tuned)), flush=True)

@@ -8,13 +8,17 @@ bf16/fp16/fp32 (fp32 uses exact fp32 dot products, for tests); state and accumul
 Math (per head, chunks of BT tokens, b = cumulative log-gate counted from the chunk start,
 b_end its last value; DESIGN.md "Chunked gated form and Lizard's factorisation"):
 
-    Q~_t = phi(q_t) e^{b_t}          (log-features: exp(q_t + b_t), one exp)
-    K~_s = phi(k_s) e^{b_end - b_s}  (log-features: exp(k_s + b_end - b_s))
+    Q~_t = phi(q_t) e^{b_t},   K~_s = phi(k_s) e^{b_end - b_s}   (phi(x) = e^x for log-features)
     A_ts = (phi(q_t) . phi(k_s)) e^{b_t - b_s}, masked to s <= t with -inf BEFORE the exp
     num  = Q~ S + A v,   den = Q~ z + rowsum(A),   o = num / (den + eps)  (or num)
     S   <- e^{b_end} S + K~^T v,   z <- e^{b_end} z + colsum(K~)
 
-Every exponent is <= 0, so nothing overflows for log-gates anywhere in [-20, 0].
+Every exponent is <= 0, so nothing overflows for log-gates anywhere in [-20, 0]. The decays are
+per-row factors <= 1, so the kernels never form Q~ or K~: they scale a product's rows instead,
+Q~ S = diag(e^b) (phi(q) S) and K~^T v = phi(k)^T (diag(e^{b_end - b}) v) (v has fewer columns
+than there are features when the forward splits V; the backward does the same with dn). That is
+Lizard's factorisation (factors <= 1 only) with one exp per feature and fewer live tiles: the
+forward held Q~ and K~ beside phi(q) and phi(k) and spilled registers.
 
 Backward, with dn = do / (den + eps) and dd = -(do . o) / (den + eps) (dn = do, dd = 0 when
 unnormalised) and M = (dn v^T + dd) * mask(e^{b_t - b_s}), per chunk with S (z) the state
@@ -82,13 +86,17 @@ def _chunk_gates(G, rows, mrow, sgt):
 
 
 @triton.jit
-def _feature(x, log_decay, LOG: tl.constexpr):
-    """(phi(x), phi(x) e^{log_decay}) in the dtype of x (the dot dtype); log_decay (BT,) <= 0.
-    For log-features both are one exp each, the decay joining the exponent (Lizard)."""
+def _phi(x, LOG: tl.constexpr):
+    """phi(x) in the dtype of x (the dot dtype): e^x for log-features, else x itself."""
     if LOG:
-        xf = x.to(tl.float32)
-        return tl.exp(xf).to(x.dtype), tl.exp(xf + log_decay[:, None]).to(x.dtype)
-    return x, (x.to(tl.float32) * tl.exp(log_decay)[:, None]).to(x.dtype)
+        return tl.exp(x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _rows(x, log_decay):
+    """x (BT, N) with row t scaled by e^{log_decay_t} <= 1, in fp32 before rounding to x's dtype."""
+    return (x.to(tl.float32) * tl.exp(log_decay)[:, None]).to(x.dtype)
 
 
 @triton.jit
@@ -98,15 +106,25 @@ def _intra_decay(b, ot):
 
 
 @triton.jit
-def _grad_out(DO, O, DEN, rows, ov, mt, mv, DV: tl.constexpr, eps, NORM: tl.constexpr, BT: tl.constexpr):
-    """dn = do / (den + eps) and dd = -(do . o) / (den + eps) (fp32); do itself and 0 when unnormalised."""
+def _grad_out(DO, O, DEN, rows, ov, mt, mv, DV: tl.constexpr, eps, NORM: tl.constexpr, BT: tl.constexpr,
+              BVF: tl.constexpr):
+    """dn = do / (den + eps) over the columns ``ov`` and dd = -(do . o) / (den + eps) over all
+    of them (fp32; with ``BVF`` > 0 ``ov`` is a V-block and dd reads whole rows of BVF); do
+    itself and 0 when unnormalised."""
     offs = rows[:, None].to(tl.int64) * DV + ov[None, :]
     m2 = mt[:, None] & mv[None, :]
     do = tl.load(DO + offs, mask=m2, other=0.0).to(tl.float32)
     if NORM:
-        o = tl.load(O + offs, mask=m2, other=0.0).to(tl.float32)
         r = 1.0 / (tl.load(DEN + rows, mask=mt, other=0.0) + eps)
-        dd = -tl.sum(do * o, 1) * r
+        if BVF > 0:
+            of = tl.arange(0, BVF)
+            offf = rows[:, None].to(tl.int64) * DV + of[None, :]
+            mf = mt[:, None] & (of < DV)[None, :]
+            dd = -tl.sum(tl.load(DO + offf, mask=mf, other=0.0).to(tl.float32)
+                         * tl.load(O + offf, mask=mf, other=0.0).to(tl.float32), 1) * r
+        else:
+            o = tl.load(O + offs, mask=m2, other=0.0).to(tl.float32)
+            dd = -tl.sum(do * o, 1) * r
         dn = do * r[:, None]
     else:
         dd = tl.zeros([BT], dtype=tl.float32)
@@ -149,11 +167,11 @@ def _gla_fwd_state_kernel(
         k = _load_rows(K, rows, ok, mt, mk, skt, neg)
         v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        k_ph, k_tl = _feature(k, r_end, LOG)
+        k_ph = _phi(k, LOG)
         decay = tl.exp(b_end)
-        S = S * decay + tl.dot(tl.trans(k_tl), v, input_precision=PREC)
+        S = S * decay + tl.dot(tl.trans(k_ph), _rows(v, r_end), input_precision=PREC)
         if NORM:
-            z = z * decay + tl.sum(k_tl.to(tl.float32), 0)
+            z = z * decay + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
         g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     tl.store(S_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=mk[:, None] & mv[None, :])
@@ -244,12 +262,12 @@ def _gla_bwd_state_kernel(
         mt = rows < t_stop
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT)
-        q_ph, q_tl = _feature(q, b, LOG)
+        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, 0)
+        q_ph = _phi(q, LOG)
         decay = tl.exp(b_end)
-        dS = dS * decay + tl.dot(tl.trans(q_tl), dn.to(dt), input_precision=PREC)
+        dS = dS * decay + tl.dot(tl.trans(q_ph), _rows(dn, b).to(dt), input_precision=PREC)
         if NORM:
-            dz = dz * decay + tl.sum(q_tl.to(tl.float32) * dd[:, None], 0)
+            dz = dz * decay + tl.sum(q_ph.to(tl.float32) * (dd * tl.exp(b))[:, None], 0)
         g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     tl.store(DS_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=mk[:, None] & mv[None, :])
@@ -268,7 +286,8 @@ def _gla_fwd_kernel(
 ):
     """Grid (V-blocks, segments, B*H): o (divided by den + eps, den from ``_gla_den_kernel``, when
     NORM) and the final state; with STORE_CHUNKS also the state entering every chunk and the
-    final state, SC (B*H, NC + 1, Dk, Dv) in the input dtype, for the backward."""
+    final state, SC (B*H, NC + 1, Dk, Dv) in the input dtype, for the backward. (A variant
+    computing den here, carrying z beside S, ran 1.6x slower on an H200: more registers spilled.)"""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -308,15 +327,15 @@ def _gla_fwd_kernel(
         k = _load_rows(K, rows, ok, mt, mk, skt, neg)
         v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        q_ph, q_tl = _feature(q, b, LOG)
-        k_ph, k_tl = _feature(k, r_end, LOG)
+        q_ph = _phi(q, LOG)
+        k_ph = _phi(k, LOG)
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
-        num = tl.dot(q_tl, S.to(dt), input_precision=PREC)
-        num += tl.dot(a, v, input_precision=PREC)
+        num = tl.dot(q_ph, S.to(dt), input_precision=PREC) * tl.exp(b)[:, None]
+        num = tl.dot(a, v, num, input_precision=PREC)
         if NORM:
             num = num / (tl.load(DEN + rows, mask=mt, other=1.0) + eps)[:, None]
         tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
-        S = S * tl.exp(b_end) + tl.dot(tl.trans(k_tl), v, input_precision=PREC)
+        S = S * tl.exp(b_end) + tl.dot(tl.trans(k_ph), _rows(v, r_end), input_precision=PREC)
 
     last = i_seg == NSEG - 1
     tl.store(S_OUT + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=m2 & last)
@@ -365,13 +384,13 @@ def _gla_den_kernel(
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         k = _load_rows(K, rows, ok, mt, mk, skt, neg)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        q_ph, q_tl = _feature(q, b, LOG)
-        k_ph, k_tl = _feature(k, r_end, LOG)
+        q_ph = _phi(q, LOG)
+        k_ph = _phi(k, LOG)
         # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
-        den = tl.sum(q_tl.to(tl.float32) * z[None, :], 1) + tl.sum(a.to(tl.float32), 1)
+        den = tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b) + tl.sum(a.to(tl.float32), 1)
         tl.store(DEN + rows, den, mask=mt)
-        z = z * tl.exp(b_end) + tl.sum(k_tl.to(tl.float32), 0)
+        z = z * tl.exp(b_end) + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
     tl.store(Z_OUT + i_bh.to(tl.int64) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
     if STORE_CHUNKS:
         tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + NC) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
@@ -383,16 +402,21 @@ def _gla_bwd_dstate_kernel(
     sqb, sqh, sqt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    BVF: tl.constexpr, NVD: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_DS: tl.constexpr, STORE_DS0: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Grid (segments, B*H), reverse over chunks carrying dS (Dk, Dv) and dz: stores the state
-    gradient leaving every chunk, DSC (B*H, NC, Dk, Dv) in the input dtype and DZC fp32; dd per
-    token (fp32); and YC (B*H, NC) = <dS_out, S_out> + <dz_out, z_out> with S_out the state
-    leaving the chunk: the gate gradient that every token of the chunk gets from everything after
-    it (see ``_gla_bwd_chunk_kernel``). The segment-0 programs write the initial state's gradient."""
-    i_seg = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    """Grid (V-blocks, segments, B*H), reverse over chunks carrying dS (Dk, BV) and dz: stores
+    the state gradient leaving every chunk, DSC (B*H, NC, Dk, Dv) in the input dtype and DZC
+    fp32; dd per token (fp32); and YC (B*H, NC, NVD), summed over its last axis <dS_out, S_out>
+    + <dz_out, z_out> with S_out the state leaving the chunk: the gate gradient that every token
+    of the chunk gets from everything after it (see ``_gla_bwd_chunk_kernel``); each V-block
+    stores its own part (the first also the z term), so the sum has a fixed order. The segment-0
+    programs write the initial state's gradient. Every V-block carries dz; the first stores it."""
+    i_v = tl.program_id(0)
+    i_seg = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    first_v = i_v == 0
     i_b = i_bh // H
     i_h = i_bh % H
     dt = DO.dtype.element_ty
@@ -403,7 +427,7 @@ def _gla_bwd_dstate_kernel(
     DEN += i_bh.to(tl.int64) * T
     DDEN += i_bh.to(tl.int64) * T
     ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
+    ov = i_v * BV + tl.arange(0, BV)
     ot = tl.arange(0, BT)
     mk = ok < DK
     mv = ov < DV
@@ -432,21 +456,21 @@ def _gla_bwd_dstate_kernel(
         s_out = tl.load(SC + nxt * DV + ok[:, None] * DV + ov[None, :], mask=m2 & mc, other=0.0).to(tl.float32)
         y = tl.sum(tl.sum(s_out * dS, 1), 0)
         if NORM:
-            tl.store(DZC + sc + ok, dz, mask=mk & mc)
-            y += tl.sum(tl.load(ZC + nxt + ok, mask=mk & mc, other=0.0) * dz, 0)
-        tl.store(YC + i_bh.to(tl.int64) * NC + ci, y, mask=mc)
+            tl.store(DZC + sc + ok, dz, mask=mk & mc & first_v)
+            y += tl.where(first_v, tl.sum(tl.load(ZC + nxt + ok, mask=mk & mc, other=0.0) * dz, 0), 0.0)
+        tl.store(YC + (i_bh.to(tl.int64) * NC + ci) * NVD + i_v, y, mask=mc)
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
-        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT)
-        q_ph, q_tl = _feature(q, b, LOG)
+        dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, BVF if NVD > 1 else 0)
+        q_ph = _phi(q, LOG)
         decay = tl.exp(b_end)
-        dS = dS * decay + tl.dot(tl.trans(q_tl), dn.to(dt), input_precision=PREC)
+        dS = dS * decay + tl.dot(tl.trans(q_ph), _rows(dn, b).to(dt), input_precision=PREC)
         if NORM:
-            tl.store(DDEN + rows, dd, mask=mt)
-            dz = dz * decay + tl.sum(q_tl.to(tl.float32) * dd[:, None], 0)
+            tl.store(DDEN + rows, dd, mask=mt & first_v)
+            dz = dz * decay + tl.sum(q_ph.to(tl.float32) * (dd * tl.exp(b))[:, None], 0)
     if STORE_DS0:
         first = i_seg == 0
         tl.store(DS0 + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=m2 & first)
-        tl.store(DZ0 + i_bh.to(tl.int64) * DK + ok, dz, mask=mk & first)
+        tl.store(DZ0 + i_bh.to(tl.int64) * DK + ok, dz, mask=mk & first & first_v)
 
 
 @triton.jit
@@ -455,7 +479,7 @@ def _gla_bwd_chunk_kernel(
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+    NVD: tl.constexpr, LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NC, B*H), one chunk each, no loop: dq, dk, dv and d log_g from the state S (and z)
     entering the chunk and the state gradient dS (and dz) leaving it.
@@ -501,12 +525,13 @@ def _gla_bwd_chunk_kernel(
     else:
         dn_c = do.to(dt)
         dd = tl.zeros([BT], dtype=tl.float32)
-    q_ph, q_tl = _feature(q, b, LOG)
-    k_ph, k_tl = _feature(k, r_end, LOG)
+    q_ph = _phi(q, LOG)
+    k_ph = _phi(k, LOG)
     p = _intra_decay(b, ot)
     # values: dv = A^T dn + K~ dS
     a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * p).to(dt)
-    dv = tl.dot(tl.trans(a), dn_c, input_precision=PREC) + tl.dot(k_tl, dS, input_precision=PREC)
+    dv = tl.dot(k_ph, dS, input_precision=PREC) * tl.exp(r_end)[:, None]
+    dv = tl.dot(tl.trans(a), dn_c, dv, input_precision=PREC)
     tl.store(DV_ + tok[:, None] * DV + ov[None, :], dv.to(DV_.dtype.element_ty), mask=mt[:, None] & mv[None, :])
     m = ((tl.dot(dn_c, tl.trans(v), input_precision=PREC) + dd[:, None]) * p).to(dt)
     # queries: dphi(q) = M phi(k) + e^b (dn S^T + dd z^T)
@@ -514,7 +539,7 @@ def _gla_bwd_chunk_kernel(
     if NORM:
         inter += dd[:, None] * tl.load(ZC + sc_in + ok, mask=mk, other=0.0)[None, :]
     dphi = tl.dot(m, k_ph, input_precision=PREC) + tl.exp(b)[:, None] * inter
-    if LOG:
+    if LOG:  # dq = e^q dphi, with e^q in fp32 (its bf16-rounded phi(q) would add that rounding to dq)
         dq = tl.exp(q.to(tl.float32)) * dphi
         db = tl.sum(dq, 1)
     else:
@@ -533,7 +558,8 @@ def _gla_bwd_chunk_kernel(
         dk = dphi
         db -= tl.sum(k.to(tl.float32) * dk, 1)
     tl.store(DK_ + tok[:, None] * DK + ok[None, :], dk.to(DK_.dtype.element_ty), mask=mt[:, None] & mk[None, :])
-    dlg = tl.cumsum(db, 0, reverse=True) + tl.load(YC + i_bh.to(tl.int64) * NC + i_c)
+    oy = tl.arange(0, NVD)
+    dlg = tl.cumsum(db, 0, reverse=True) + tl.sum(tl.load(YC + (i_bh.to(tl.int64) * NC + i_c) * NVD + oy), 0)
     tl.store(DG + tok, dlg, mask=mt)
 
 
@@ -545,7 +571,13 @@ class GLAKernelConfig:
     """Block sizes and launch settings.
 
     ``chunk``: the token chunk of every pass (a power of two >= 16; fp32 inputs use at most 32,
-    for shared memory); ``fwd_bv``: the forward's V-block (the backward keeps all of V);
+    for shared memory); ``fwd_bv``: the forward's V-block (the backward keeps all of V; 32 with
+    log-features hit an illegal address on an H200 with Triton 3.6, while the interpreter gives
+    correct results at the same shapes: avoid it);
+    ``par_warps`` / ``par_warps_log``: the backward's chunk pass for plain / log-features (the
+    log-feature pass holds more tiles: with 4 warps it spills);
+    ``dstate_bv``: the V-block of the backward's reverse pass (its programs split V: more of
+    them run side by side);
     ``fill``: programs per multiprocessor that a split of the sequence into segments aims at;
     ``seg_chunks``: forces the segment length in chunks (tests)."""
 
@@ -558,7 +590,9 @@ class GLAKernelConfig:
     den_warps: int = 4
     dstate_warps: int = 8
     dstate_stages: int = 2
-    par_warps: int = 8
+    dstate_bv: int = 128
+    par_warps: int = 4
+    par_warps_log: int = 8
     par_stages: int = 1
     fill: int = 1
     seg_chunks: Optional[int] = None
@@ -712,17 +746,21 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
-    yc = torch.empty(B * H, NC, **f32)
+    BVD = min(_pow2(cfg.dstate_bv), BV)
+    NVD = BV // BVD  # a power of two (YC's last axis is read with one arange)
+    yc = torch.empty(B * H, NC, NVD, **f32)
     zc_ = zc if zc is not None else dlog_g
-    _gla_bwd_dstate_kernel[(nseg, B * H)](
+    _gla_bwd_dstate_kernel[(NVD, nseg, B * H)](
         q, log_g, do, o_, den_, sc, zc_, ds_in if ds_in is not None else dlog_g,
         dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
-        num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
     _gla_bwd_chunk_kernel[(NC, B * H)](
         q, k, v, log_g, do, den_, dden, sc, zc_, dsc, dzc, yc, dq, dk, dv, dlog_g,
-        *sq, *sk, *sv, *sg, T, H, NC, eps, num_warps=cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+        *sq, *sk, *sv, *sg, T, H, NC, eps, NVD=NVD, num_warps=cfg.par_warps_log if log_space else cfg.par_warps,
+        num_stages=cfg.par_stages,
+        **common_kw)
     if need_dstate and not normalize:
         dz0 = dz_T.float() if dz_T is not None else torch.zeros(B, H, DK, **f32)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
