@@ -1,0 +1,128 @@
+"""The Triton kernels compile for Hopper (sm_90a) on a machine without a GPU.
+
+The interpreter (tests/test_kernels.py) checks what the kernels compute, but it never compiles
+them: a kernel can be right under the interpreter and still fail Triton's type checks or
+ptxas on a GPU (a dummy pointer of the wrong dtype in a branch that the launch never takes did
+exactly that once). Here every launch the host code makes, forward and backward, is captured
+instead of run, and compiled for sm_90a with Triton's own ptxas, so CI sees such a failure.
+No kernel runs: the tensors stay on the CPU and their contents are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+       torch.int32: "*i32"}
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return PTR[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if abs(value) >= 2 ** 31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {value!r}")
+
+
+@pytest.fixture()
+def compiled(monkeypatch):
+    """Replaces kernel launches by compilation for sm_90a; yields the list of (kernel, constexprs)."""
+    done: list[tuple[str, dict]] = []
+    seen: set = set()
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        params = list(self.params)
+        bound = {p.name: a for p, a in zip(params, args)}
+        bound.update(kwargs)
+        sig, consts = {}, {}
+        for i, p in enumerate(params):
+            value = bound[p.name] if p.name in bound else p.default
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+                consts[(i,)] = value
+            else:
+                sig[p.name] = _arg_type(value)
+        key = (self.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())),
+               tuple(sorted(options.items())))
+        if key not in seen:
+            seen.add(key)
+            triton.compile(ASTSource(self, sig, constexprs=consts), target=HOPPER, options=options)
+            done.append((self.fn.__name__, {params[i[0]].name: v for i, v in consts.items()}))
+
+    monkeypatch.setattr(JITFunction, "run", compile_instead)
+    yield done
+
+
+def _backward(out: torch.Tensor, *leaves: torch.Tensor) -> None:
+    torch.autograd.grad(out.float().sum(), [x for x in leaves if x.requires_grad], allow_unused=True)
+
+
+@pytest.mark.parametrize("log_space,normalize", [(False, False), (True, True)])
+@pytest.mark.parametrize("segments", [False, True])
+def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments):
+    from linearize.kernels import gla as kgla
+    from linearize.ops.gla import GLAState
+
+    B, H, T, D = 1, 2, 256, 128
+    q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    log_g = torch.zeros(B, H, T, requires_grad=True)
+    state = GLAState(torch.zeros(B, H, D, D, requires_grad=True), torch.zeros(B, H, D, requires_grad=True))
+    cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=1) if segments else kgla.CONFIG
+    o, s = kgla.gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space,
+                                 state=state if segments else None, config=cfg)
+    _backward(o + s.S.sum() + s.z.sum(), q, k, v, log_g, *state)
+    names = {name for name, _ in compiled}
+    expected = {"_gla_fwd_kernel", "_gla_bwd_dstate_kernel", "_gla_bwd_chunk_kernel"}
+    expected |= {"_gla_den_kernel"} if normalize else set()
+    expected |= {"_gla_fwd_state_kernel", "_gla_scan_kernel", "_gla_bwd_state_kernel"} if segments else set()
+    assert expected <= names, f"launched and compiled: {sorted(names)}"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_window_kernels_compile_for_hopper(compiled, fused):
+    from linearize.kernels import window as kwin
+
+    B, H, T, D = 1, 2, 256, 128
+    q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    sinks = torch.zeros(H, 4, requires_grad=True)
+    extra = {}
+    if fused:
+        extra = dict(y_global=torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True),
+                     alpha=torch.ones(H, requires_grad=True))
+    y, _ = kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, **extra)
+    _backward(y, q, k, v, sinks, *extra.values())
+    assert {name for name, _ in compiled} == {"_win_fwd_kernel", "_win_bwd_dq_kernel", "_win_bwd_dkdv_kernel"}
+
+
+def test_compile_check_catches_a_type_error(compiled):
+    """The check has teeth: a kernel whose branches disagree on a type fails to compile."""
+    import triton.language as tl
+
+    @triton.jit
+    def bad(X, FLAG: tl.constexpr):
+        i = tl.program_id(0)
+        if i > 0:
+            y = tl.load(X)
+        else:
+            y = tl.zeros([1], dtype=tl.float32).sum(0)
+        tl.store(X, y)
+
+    with pytest.raises(Exception, match="Mismatched type"):
+        bad[(1,)](torch.zeros(1, dtype=torch.bfloat16), FLAG=True)
+    assert inspect.isfunction(bad.fn)
