@@ -100,6 +100,19 @@ def _rows(x, log_decay):
 
 
 @triton.jit
+def _carry(S, z, f, x, w, log_decay, b_end, NORM: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of a state recurrence, with the decays as row scales (factors <= 1):
+    S <- e^{b_end} S + f^T diag(e^{log_decay}) x and, with NORM, z <- e^{b_end} z + f^T (w e^{log_decay}).
+    Forward: f = phi(k), x = v, w = 1, log_decay = b_end - b; backward: f = phi(q), x = dn, w = dd,
+    log_decay = b."""
+    decay = tl.exp(b_end)
+    S = S * decay + tl.dot(tl.trans(f), _rows(x, log_decay).to(f.dtype), input_precision=PREC)
+    if NORM:
+        z = z * decay + tl.sum(f.to(tl.float32) * (w * tl.exp(log_decay))[:, None], 0)
+    return S, z
+
+
+@triton.jit
 def _intra_decay(b, ot):
     """e^{b_t - b_s} for s <= t, else 0; masked before the exp."""
     return tl.exp(tl.where(ot[:, None] >= ot[None, :], b[:, None] - b[None, :], float("-inf")))
@@ -146,7 +159,6 @@ def _gla_fwd_state_kernel(
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    dt = V.dtype.element_ty
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
@@ -167,11 +179,7 @@ def _gla_fwd_state_kernel(
         k = _load_rows(K, rows, ok, mt, mk, skt, neg)
         v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        k_ph = _phi(k, LOG)
-        decay = tl.exp(b_end)
-        S = S * decay + tl.dot(tl.trans(k_ph), _rows(v, r_end), input_precision=PREC)
-        if NORM:
-            z = z * decay + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
+        S, z = _carry(S, z, _phi(k, LOG), v, 1.0, r_end, b_end, NORM, PREC)
         g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     tl.store(S_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=mk[:, None] & mv[None, :])
@@ -239,7 +247,6 @@ def _gla_bwd_state_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    dt = DO.dtype.element_ty
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
     DO += i_bh.to(tl.int64) * T * DV
@@ -263,11 +270,7 @@ def _gla_bwd_state_kernel(
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, 0)
-        q_ph = _phi(q, LOG)
-        decay = tl.exp(b_end)
-        dS = dS * decay + tl.dot(tl.trans(q_ph), _rows(dn, b).to(dt), input_precision=PREC)
-        if NORM:
-            dz = dz * decay + tl.sum(q_ph.to(tl.float32) * (dd * tl.exp(b))[:, None], 0)
+        dS, dz = _carry(dS, dz, _phi(q, LOG), dn, dd, b, b_end, NORM, PREC)
         g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     tl.store(DS_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=mk[:, None] & mv[None, :])
@@ -335,7 +338,7 @@ def _gla_fwd_kernel(
         if NORM:
             num = num / (tl.load(DEN + rows, mask=mt, other=1.0) + eps)[:, None]
         tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
-        S = S * tl.exp(b_end) + tl.dot(tl.trans(k_ph), _rows(v, r_end), input_precision=PREC)
+        S, _ = _carry(S, 0.0, k_ph, v, 1.0, r_end, b_end, False, PREC)
 
     last = i_seg == NSEG - 1
     tl.store(S_OUT + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=m2 & last)
@@ -461,12 +464,9 @@ def _gla_bwd_dstate_kernel(
         tl.store(YC + (i_bh.to(tl.int64) * NC + ci) * NVD + i_v, y, mask=mc)
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, BVF if NVD > 1 else 0)
-        q_ph = _phi(q, LOG)
-        decay = tl.exp(b_end)
-        dS = dS * decay + tl.dot(tl.trans(q_ph), _rows(dn, b).to(dt), input_precision=PREC)
         if NORM:
             tl.store(DDEN + rows, dd, mask=mt & first_v)
-            dz = dz * decay + tl.sum(q_ph.to(tl.float32) * (dd * tl.exp(b))[:, None], 0)
+        dS, dz = _carry(dS, dz, _phi(q, LOG), dn, dd, b, b_end, NORM, PREC)
     if STORE_DS0:
         first = i_seg == 0
         tl.store(DS0 + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=m2 & first)
