@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Triton kernels on a GPU machine: tests, launch-config sweep, benchmark.
 #
-#   scripts/gpu_kernels.sh test  [OUT]   GPU tests of tests/test_kernels.py (kernels vs torch reference)
+#   scripts/gpu_kernels.sh test  [OUT]   GPU tests of tests/test_kernels.py (kernels vs torch reference) and
+#                                        tests/test_decode.py (Triton decode step, CUDA graphs)
 #   scripts/gpu_kernels.sh tune  [OUT]   time the candidate launch configs (bench/kernels.py *_CANDIDATES)
 #   scripts/gpu_kernels.sh bench [OUT]   the side-by-side benchmark: OUT/kernels.{json,md,png}
 #   scripts/gpu_kernels.sh all   [OUT]   test, then bench
@@ -31,7 +32,8 @@ NPROC=$(nproc)
 
 run_tests() {
     # Compilation dominates: split the GPU tests over several processes (the GPU work is small).
-    python3 -m pytest -q --co tests/test_kernels.py -k gpu 2>/dev/null | grep '::' > /tmp/gpu_tests.txt || true
+    { python3 -m pytest -q --co tests/test_kernels.py -k gpu 2>/dev/null
+      python3 -m pytest -q --co tests/test_decode.py -m gpu 2>/dev/null; } | grep '::' > /tmp/gpu_tests.txt || true
     local n=$(( NPROC / 2 > 1 ? NPROC / 2 : 1 ))
     rm -f /tmp/gpu_tests_part_*
     split -n "r/$n" /tmp/gpu_tests.txt /tmp/gpu_tests_part_

@@ -92,6 +92,21 @@ def test_bad_inputs_raise_naming_the_value():
         window_attn_triton(q, q, v, window=4, sink_logits=torch.zeros(3, 4))
 
 
+@needs_triton
+def test_tensor_descriptors_only_where_tma_allows_them():
+    """TMA needs 16-byte row strides and bases and a unit last stride; anything else keeps the
+    pointer loads (the interpreter cases run both paths against the reference)."""
+    from linearize.kernels.gla import GLAKernelConfig, _tma
+
+    on, off = GLAKernelConfig(), GLAKernelConfig(tma=False)
+    x = torch.zeros(2, 3, 64, 128, dtype=torch.bfloat16)
+    assert _tma(on, x, x) and not _tma(off, x, x)
+    assert not _tma(on, x, torch.zeros(2, 3, 64, 20, dtype=torch.bfloat16))  # 40-byte rows
+    assert _tma(on, torch.zeros(2, 3, 64, 20))  # 80-byte fp32 rows
+    assert not _tma(on, x.flatten()[1:1 + 2 * 3 * 64 * 64].view(2, 3, 64, 64))  # base 2 bytes past 16
+    assert not _tma(on, x.transpose(2, 3))  # last stride not 1
+
+
 def test_bench_rejects_bad_arguments(tmp_path):
     from linearize.bench.kernels import run_kernel_bench
 

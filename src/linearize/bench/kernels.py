@@ -8,7 +8,7 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
                        (positive features, scalar log-gates, unnormalised)
   triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs
-  torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog log-features
+  torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention)
 
@@ -130,9 +130,9 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
         # fla simple_gla's inputs: feature-mapped (positive) q, k with Fd features, scalar log-gates
         "fq": F.softmax(rnd(B, H, T, Fd), -1).to(dt), "fk": F.softmax(rnd(B, H, T, Fd), -1).to(dt),
         "log_g": F.logsigmoid(rnd(B, H, T) + 4.0),
-        # Lizard: Hedgehog log-features (two log-softmax halves) for the gated branch
-        "lq": torch.cat([F.log_softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
-        "lk": torch.cat([F.log_softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
+        # Lizard: Hedgehog features (two softmax halves, fp32 then rounded, as the layer gives them)
+        "lq": torch.cat([F.softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
+        "lk": torch.cat([F.softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
         "alpha": torch.ones(H, device=dev) + rnd(H, scale=0.1), "sinks": rnd(H, sinks),
         "dy": rnd(B, H, T, D).to(dt),
     }
@@ -361,6 +361,8 @@ GLA_FWD_CANDIDATES = (  # chunk 32 and a normaliser inside the main pass lost cl
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=8),
     dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=4),
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, tma=False),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla)
 GLA_BWD_CANDIDATES = (  # par_warps: the chunk pass's warps for the mode of the row (see apply_tuned)
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
@@ -413,7 +415,7 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
         if kind.startswith("gla"):
             cfg = dataclasses.replace(kgla.CONFIG, **cand)
             names = ("fq", "fk", "v", "log_g") if mode == "plain" else ("lq", "lk", "v", "log_g")
-            kw = dict(normalize=mode != "plain", log_space_features=mode != "plain", config=cfg)
+            kw = dict(normalize=mode != "plain", config=cfg)
             leaves = [x[n].detach().requires_grad_() for n in names]
 
             def fwd(leaves=leaves, kw=kw):
@@ -449,7 +451,7 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
 def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     """Set the kernels' module configs to the fastest candidates of a ``tune`` run (its rows or
     tune.json): GLA forward by the Lizard-mode forward, GLA backward by the Lizard-mode
-    backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by B1-shape fwd+bwd.
+    backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by the longest shape's fwd+bwd.
     Returns the chosen settings."""
     from ..kernels import gla as kgla
     from ..kernels import window as kwin
@@ -468,15 +470,12 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     chosen = {
         "gla_fwd": best("gla fwd", lambda r: r["fwd"]["median_ms"]),
         "gla_bwd": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"]),
-        "gla_bwd_plain": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"], ("plain",)),
         "window": best("window", lambda r: r["fwd+bwd"]["median_ms"]),
         "gla_seg": best("gla seg", lambda r: r["fwd+bwd"]["median_ms"]),
     }
-    # the backward's chunk pass takes its warps by feature kind: par_warps_log from the Lizard
-    # (log-feature) rows, par_warps from the plain ones
-    bwd = {**chosen["gla_bwd"], "par_warps_log": chosen["gla_bwd"].get("par_warps", kgla.CONFIG.par_warps_log)}
-    if "par_warps" in chosen["gla_bwd_plain"]:
-        bwd["par_warps"] = chosen["gla_bwd_plain"]["par_warps"]
+    # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps;
+    # par_warps_log (log-features, which no layer passes now) keeps its default
+    bwd = chosen["gla_bwd"]
     kgla.set_config(**chosen["gla_fwd"], **bwd, **chosen["gla_seg"])
     kwin.set_config(**chosen["window"])
     chosen["gla_config"] = dataclasses_asdict(kgla.CONFIG)

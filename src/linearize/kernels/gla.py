@@ -77,6 +77,20 @@ def _load_rows(ptr, rows, cols, mrow, mcol, stride_t, other):
 
 
 @triton.jit
+def _load_tile(desc, ptr, t0, c0, rows, cols, mrow, mcol, stride_t, other: tl.constexpr, TMA: tl.constexpr):
+    """The (BT, BN) tile of a (T, D) slab at rows t0.., columns c0.. (``rows``/``cols`` hold the
+    same indices), through a tensor descriptor (TMA) or pointers, ``other`` outside (mrow,
+    mcol). TMA pads with 0; another ``other`` (-inf for log-features) costs one select."""
+    if TMA:
+        x = desc.load([t0, c0])
+        if other != 0.0:
+            x = tl.where(mrow[:, None] & mcol[None, :], x.to(tl.float32), other).to(x.dtype)
+    else:
+        x = _load_rows(ptr, rows, cols, mrow, mcol, stride_t, other)
+    return x
+
+
+@triton.jit
 def _chunk_gates(G, rows, mrow, sgt):
     """One chunk's log-gates (padding rows add 0): b = cumsum from the chunk start, b_end = the
     total, and r = b_end - b summed directly from the end (an exclusive suffix sum), which keeps
@@ -285,7 +299,7 @@ def _gla_fwd_kernel(
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (V-blocks, segments, B*H): o (divided by den + eps, den from ``_gla_den_kernel``, when
     NORM) and the final state; with STORE_CHUNKS also the state entering every chunk and the
@@ -310,12 +324,22 @@ def _gla_fwd_kernel(
     mk = ok < DK
     mv = ov < DV
     m2 = mk[:, None] & mv[None, :]
-    neg = float("-inf") if LOG else 0.0
     if HAS_INIT:
         st = (i_bh * NSEG + i_seg).to(tl.int64)
         S = tl.load(S_IN + st * DK * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    neg = float("-inf") if LOG else 0.0
+    q_desc, k_desc, v_desc = Q, K, V  # unused unless TMA
+    if TMA:  # tensor descriptors: the copy engine makes the addresses, no offset tiles held in registers
+        q_desc = tl.make_tensor_descriptor(Q, shape=[T, DK], strides=[sqt, 1], block_shape=[BT, BK])
+        k_desc = tl.make_tensor_descriptor(K, shape=[T, DK], strides=[skt, 1], block_shape=[BT, BK])
+        v_desc = tl.make_tensor_descriptor(V, shape=[T, DV], strides=[svt, 1], block_shape=[BT, BV])
+        o_desc = tl.make_tensor_descriptor(O, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
+        if STORE_CHUNKS and DK == BK:
+            sc_desc = tl.make_tensor_descriptor(SC + i_bh.to(tl.int64) * (NC + 1) * DK * DV, shape=[(NC + 1) * DK, DV],
+                                                strides=[DV, 1], block_shape=[BK, BV])
 
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
@@ -324,20 +348,26 @@ def _gla_fwd_kernel(
         mt = rows < t_stop
         if STORE_CHUNKS:
             ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
-            tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK * DV + ok[:, None] * DV + ov[None, :], S.to(dt),
-                     mask=m2 & (ci < NC))
-        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
-        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
-        v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
+            if TMA and DK == BK:
+                # a chunk past T (ci >= NC) holds the final state: slot NC gets that same value,
+                # later slots lie outside the descriptor
+                sc_desc.store([(i_seg * (SEG_LEN // BT) + c) * DK, i_v * BV], S.to(dt))
+            else:
+                tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK * DV + ok[:, None] * DV + ov[None, :],
+                         S.to(dt), mask=m2 & (ci < NC))
+        q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, 0, rows, ok, mt, mk, sqt, neg, TMA), LOG)
+        k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
+        v = _load_tile(v_desc, V, t_start + c * BT, i_v * BV, rows, ov, mt, mv, svt, 0.0, TMA)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        q_ph = _phi(q, LOG)
-        k_ph = _phi(k, LOG)
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
         num = tl.dot(q_ph, S.to(dt), input_precision=PREC) * tl.exp(b)[:, None]
         num = tl.dot(a, v, num, input_precision=PREC)
         if NORM:
             num = num / (tl.load(DEN + rows, mask=mt, other=1.0) + eps)[:, None]
-        tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
+        if TMA:
+            o_desc.store([t_start + c * BT, i_v * BV], num.to(dt))
+        else:
+            tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
         S, _ = _carry(S, 0.0, k_ph, v, 1.0, r_end, b_end, False, PREC)
 
     last = i_seg == NSEG - 1
@@ -353,7 +383,7 @@ def _gla_den_kernel(
     sqb, sqh, sqt, skb, skh, skt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr,
+    LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (segments, B*H): the normaliser den_t = Q~_t . z + rowsum(A)_t (fp32, (B*H, T)),
     i.e. the same recurrence with values 1, carrying z (Dk) alone; also the final z and, with
@@ -371,11 +401,15 @@ def _gla_den_kernel(
     ok = tl.arange(0, BK)
     ot = tl.arange(0, BT)
     mk = ok < DK
-    neg = float("-inf") if LOG else 0.0
     if HAS_INIT:
         z = tl.load(Z_IN + (i_bh * NSEG + i_seg).to(tl.int64) * DK + ok, mask=mk, other=0.0)
     else:
         z = tl.zeros([BK], dtype=tl.float32)
+    neg = float("-inf") if LOG else 0.0
+    q_desc, k_desc = Q, K  # unused unless TMA
+    if TMA:
+        q_desc = tl.make_tensor_descriptor(Q, shape=[T, DK], strides=[sqt, 1], block_shape=[BT, BK])
+        k_desc = tl.make_tensor_descriptor(K, shape=[T, DK], strides=[skt, 1], block_shape=[BT, BK])
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
     for c in range(0, SEG_LEN // BT):
@@ -384,11 +418,9 @@ def _gla_den_kernel(
         if STORE_CHUNKS:
             ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
             tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK + ok, z, mask=mk & (ci < NC))
-        q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
-        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+        q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, 0, rows, ok, mt, mk, sqt, neg, TMA), LOG)
+        k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        q_ph = _phi(q, LOG)
-        k_ph = _phi(k, LOG)
         # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
         den = tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b) + tl.sum(a.to(tl.float32), 1)
@@ -579,7 +611,11 @@ class GLAKernelConfig:
     ``dstate_bv``: the V-block of the backward's reverse pass (its programs split V: more of
     them run side by side);
     ``fill``: programs per multiprocessor that a split of the sequence into segments aims at;
-    ``seg_chunks``: forces the segment length in chunks (tests)."""
+    ``seg_chunks``: forces the segment length in chunks (tests);
+    ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
+    descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
+    program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
+    registers per thread went away: each program builds its descriptors for one chunk only.)"""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -596,6 +632,7 @@ class GLAKernelConfig:
     par_stages: int = 1
     fill: int = 1
     seg_chunks: Optional[int] = None
+    tma: bool = True
 
 
 CONFIG = GLAKernelConfig()
@@ -621,6 +658,31 @@ def _strides(x: torch.Tensor) -> tuple[int, ...]:
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
+    """Whether a pass may load and store through tensor descriptors (TMA): asked for, a GPU with the
+    copy engine (sm_90+) or the interpreter, and (B, H, T, D) tensors whose per-head bases and
+    row strides are 16-byte multiples with unit last stride, as TMA requires. Installs Triton's
+    allocator for the descriptors' global scratch when it says yes."""
+    if not cfg.tma:
+        return False
+    x0 = xs[0]
+    if x0.is_cuda and torch.cuda.get_device_capability(x0.device)[0] < 9:
+        return False
+    for x in xs:
+        es = x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * es % 16 for st in x.stride()[:3]):
+            return False
+    # Triton keeps its allocator in a context variable: set it on every launch, since the
+    # backward runs in autograd's own thread, which does not see the forward's setting
+    triton.set_allocator(_tma_scratch)
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the descriptors that kernels build on the device (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
@@ -693,12 +755,13 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     if normalize:
         _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
-            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks,
+            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k),
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
-        STORE_CHUNKS=store_chunks, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+        STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        **common_kw)
     return o, den, S_T, z_T, (nseg, seg_len), sc, zc
 
 
@@ -758,9 +821,8 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
         BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
     _gla_bwd_chunk_kernel[(NC, B * H)](
         q, k, v, log_g, do, den_, dden, sc, zc_, dsc, dzc, yc, dq, dk, dv, dlog_g,
-        *sq, *sk, *sv, *sg, T, H, NC, eps, NVD=NVD, num_warps=cfg.par_warps_log if log_space else cfg.par_warps,
-        num_stages=cfg.par_stages,
-        **common_kw)
+        *sq, *sk, *sv, *sg, T, H, NC, eps, NVD=NVD,
+        num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
     if need_dstate and not normalize:
         dz0 = dz_T.float() if dz_T is not None else torch.zeros(B, H, DK, **f32)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0

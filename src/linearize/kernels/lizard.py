@@ -2,8 +2,8 @@
 
     y = gla(phi_q, phi_k, v, log_g) + alpha_h * window(q_w, k_w, v; sink_logits)
 
-Shapes: phi_q, phi_k (B, H, T, F) features, or log-features with ``log_space_features`` (what
-Hedgehog gives Lizard); v (B, H, T, Dv); log_g (B, H, T); q_w, k_w (B, H, T, D) the window's
+Shapes: phi_q, phi_k (B, H, T, F) features (what the Lizard layer passes: Hedgehog's, rounded
+once from fp32), or log-features with ``log_space_features``; v (B, H, T, Dv); log_g (B, H, T); q_w, k_w (B, H, T, D) the window's
 queries/keys (RoPE already applied by the caller); alpha (H,); sink_logits (H, m) or None.
 Returns y (B, H, T, Dv) in the dtype of v, the gated branch's state and the window's state.
 
@@ -28,7 +28,7 @@ def lizard_attention(
     phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
     q_w: torch.Tensor, k_w: torch.Tensor, alpha: torch.Tensor, *, window: int = 128,
     sink_logits: Optional[torch.Tensor] = None, scale: Optional[float] = None, normalize: bool = True,
-    log_space_features: bool = True, state: Optional[GLAState] = None, chunk_size: int = 64,
+    log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, GLAState, WindowState]:
     """Lizard's attention output and the two branch states (see the module docstring)."""

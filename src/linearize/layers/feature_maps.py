@@ -1,8 +1,9 @@
 """Learnable feature maps phi, one per head: (B, H, T, d) -> (B, H, T, F).
 
 Hedgehog (LoLCATs, Lizard): phi(x) = softmax(x W) ++ softmax(-x W), softmax over the F/2 features,
-W per head of shape (d, F/2), so F counts both halves. ``log_features`` returns log phi, which the
-gated op takes directly (Lizard's factorisation adds the cumulative gates in that exponent).
+W per head of shape (d, F/2), so F counts both halves. The log-softmax and the exp run in fp32
+and the features are rounded once, to the input's dtype; ``log_features`` returns log phi (the
+ops also take log-features, ``log_space_features=True``).
 
 T2R: phi(x) = relu(x W + b).
 
@@ -53,13 +54,17 @@ class HedgehogFeatureMap(nn.Module):
         self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, feature_dim
         self.weight = nn.Parameter(_init_weight(num_heads, head_dim, feature_dim // 2, init))
 
+    def _log_phi(self, x: torch.Tensor) -> torch.Tensor:
+        xw = _project(x, self.weight).to(compute_dtype(x))  # fp32 even for bf16 inputs
+        return torch.cat([F.log_softmax(xw, dim=-1), F.log_softmax(-xw, dim=-1)], dim=-1)
+
     def log_features(self, x: torch.Tensor) -> torch.Tensor:
         """log phi(x): (B, H, T, d) -> (B, H, T, F), every entry <= 0."""
-        xw = _project(x, self.weight).to(compute_dtype(x))  # log-softmax in fp32 even for bf16 inputs
-        return torch.cat([F.log_softmax(xw, dim=-1), F.log_softmax(-xw, dim=-1)], dim=-1).to(x.dtype)
+        return self._log_phi(x).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.log_features(x).exp()
+        """phi(x) (B, H, T, F) in the dtype of x, exponentiated before rounding."""
+        return self._log_phi(x).exp().to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"

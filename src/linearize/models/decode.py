@@ -209,8 +209,9 @@ if triton is not None:
         return _rnd(_rnd(x * c, DT) + _rnd(rot * s, DT), DT)
 
     @triton.jit
-    def _hedgehog(x, w, mf, DT: tl.constexpr, LOG_SPACE: tl.constexpr):
-        """phi(x) = softmax(xW) ++ softmax(-xW), as the two halves; rounded like the torch module."""
+    def _hedgehog(x, w, mf, DT: tl.constexpr):
+        """phi(x) = softmax(xW) ++ softmax(-xW), as the two halves; rounded like the torch module
+        (log-softmax and exp in fp32, one rounding at the end)."""
         xw = _rnd(tl.sum(x[:, None] * w, axis=0), DT)
         xp = tl.where(mf, xw, float("-inf"))
         xn = tl.where(mf, -xw, float("-inf"))
@@ -218,11 +219,8 @@ if triton is not None:
         mn = tl.max(xn, axis=0)
         lp = xp - mp - tl.log(tl.sum(tl.exp(xp - mp), axis=0))
         ln = xn - mn - tl.log(tl.sum(tl.exp(xn - mn), axis=0))
-        fp = tl.exp(_rnd(lp, DT))
-        fn = tl.exp(_rnd(ln, DT))
-        if not LOG_SPACE:  # the plain feature map exponentiates in the model's dtype
-            fp = _rnd(fp, DT)
-            fn = _rnd(fn, DT)
+        fp = _rnd(tl.exp(lp), DT)
+        fn = _rnd(tl.exp(ln), DT)
         return tl.where(mf, fp, 0.0), tl.where(mf, fn, 0.0)
 
     @triton.jit
@@ -234,7 +232,7 @@ if triton is not None:
         D: tl.constexpr, F2: tl.constexpr, W: tl.constexpr, M: tl.constexpr, HID: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_F2: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_HID: tl.constexpr,
-        GATE: tl.constexpr, LOG_SPACE: tl.constexpr, FUSE_ROPE: tl.constexpr,
+        GATE: tl.constexpr, FUSE_ROPE: tl.constexpr,
         ROPE_GLOBAL: tl.constexpr, ROPE_WINDOW: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         """Part 1 of a Lizard-family decode step, one program per (row b, head h): RoPE, features,
@@ -271,8 +269,8 @@ if triton is not None:
             gq, gk = q, k
 
         # ---- global branch: features, gate, z and the normaliser
-        fqp, fqn = _hedgehog(gq, tl.load(wq_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT, LOG_SPACE)
-        fkp, fkn = _hedgehog(gk, tl.load(wk_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT, LOG_SPACE)
+        fqp, fqn = _hedgehog(gq, tl.load(wq_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT)
+        fkp, fkn = _hedgehog(gk, tl.load(wk_ptr + woffs, mask=wmask, other=0.0).to(tl.float32), mf, DT)
         if GATE == 3:
             acc = tl.zeros([BLOCK_HID], dtype=tl.float32)
             for i0 in range(0, HID, BLOCK_HID):
@@ -398,7 +396,7 @@ if triton is not None:
 
 
 def _launch_lizard_step(q, k, q_rope, k_rope, cos, sin, v, x, gate_w, gate_b, log_g, wq, wk, S, z, ring_k, ring_v,
-                        pos, sinks, alpha, y, *, scale, eps, H, G, D, F2, W, M, HID, gate, log_space, fuse_rope,
+                        pos, sinks, alpha, y, *, scale, eps, H, G, D, F2, W, M, HID, gate, fuse_rope,
                         rope_global, rope_window, has_window, has_sinks):
     """Two launches: per (row, head) the prep kernel, per (row, head, value block) the state kernel.
     All tensors contiguous; S, z updated and the ring written in place; y (B, H, D) written."""
@@ -416,7 +414,7 @@ def _launch_lizard_step(q, k, q_rope, k_rope, cos, sin, v, x, gate_w, gate_b, lo
         D=D, F2=F2, W=max(W, 1), M=max(M, 1), HID=max(HID, 1),
         BLOCK_D=block_d, BLOCK_F2=triton.next_power_of_2(F2), BLOCK_W=block_w,
         BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_HID=min(1024, triton.next_power_of_2(max(HID, 1))),
-        GATE=gate, LOG_SPACE=log_space, FUSE_ROPE=fuse_rope, ROPE_GLOBAL=rope_global, ROPE_WINDOW=rope_window,
+        GATE=gate, FUSE_ROPE=fuse_rope, ROPE_GLOBAL=rope_global, ROPE_WINDOW=rope_window,
         HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
         num_warps=8 if block_w * block_d >= 8192 else 4,
     )
@@ -516,12 +514,10 @@ class _FastStudentAttention(_Static):
         G = H // k.shape[1]
         k_e = _repeat_kv(k, G)
         gq, gk = (q_rope, _repeat_kv(k_rope, G)) if c.rope_global else (q, k_e)
-        fq, fk, log_space = hy._global_features(gq, gk, x, None)
+        fq, fk = hy._global_features(gq, gk, x, None)
         S, z = st["S"], st["z"]
         dt = S.dtype
         qt, kt = fq[:, :, 0].to(dt), fk[:, :, 0].to(dt)
-        if log_space:
-            qt, kt = qt.exp(), kt.exp()
         vt = _repeat_kv(v, G)[:, :, 0].to(dt)
         if c.global_rule == "gated":
             log_g = hy._log_gates(k_e, x, None)
@@ -616,7 +612,7 @@ class _FastStudentAttention(_Static):
             scale=hy.scale if hy.scale is not None else d ** -0.5, eps=1e-6, H=H, G=G, D=d,
             F2=hy.phi_q.weight.shape[-1], W=ring_k.shape[2] if has_window else 1,
             M=sinks.logits.shape[1] if sinks is not None else 0, HID=x2.shape[1], gate=gate,
-            log_space=c.global_rule == "gated", fuse_rope=fuse_rope,  # Hedgehog: log-space features iff gated
+            fuse_rope=fuse_rope,
             rope_global=c.rope_global, rope_window=c.rope_window, has_window=has_window, has_sinks=sinks is not None)
         return y.unsqueeze(2)
 
