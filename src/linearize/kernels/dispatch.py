@@ -63,6 +63,22 @@ def device_sms(x: torch.Tensor) -> int:
     return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def pow2(n: int) -> int:
+    """The block width that holds n columns: the next power of two, at least 16 (tl.dot's least)."""
+    return max(16, 1 << (max(1, n) - 1).bit_length())
+
+
+def strides_bht(x: torch.Tensor) -> tuple[int, ...]:
+    """(batch, head, time) strides of a (B, H, T, D) tensor; the kernels need its last axis
+    contiguous (see ``unit_last``)."""
+    return tuple(x.stride()[:3])
+
+
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last axis is contiguous (or of length <= 1), else a contiguous copy."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
 def patch_interpreter() -> None:
     """Work around two bugs of Triton 3.6's CPU interpreter (only under ``TRITON_INTERPRET=1``).
 

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.gla.naive import GLAState
-from .dispatch import device_sms, patch_interpreter
+from .dispatch import device_sms, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -647,19 +647,6 @@ def set_config(**changes) -> GLAKernelConfig:
     return old
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(1, n) - 1).bit_length())
-
-
-def _strides(x: torch.Tensor) -> tuple[int, ...]:
-    """(batch, head, time) strides; the last axis must be contiguous (checked by the caller)."""
-    return tuple(x.stride()[:3])
-
-
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
 def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
     """Whether a pass may load and store through tensor descriptors (TMA): asked for, a GPU with the
     copy engine (sm_90+) or the interpreter, and (B, H, T, D) tensors whose per-head bases and
@@ -718,8 +705,8 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
-    BT, BK = _chunk(cfg, q.dtype), _pow2(DK)
-    BV = min(_pow2(cfg.fwd_bv), _pow2(DV))
+    BT, BK = _chunk(cfg, q.dtype), pow2(DK)
+    BV = min(pow2(cfg.fwd_bv), pow2(DV))
     NV = math.ceil(DV / BV)
     nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
     NC = math.ceil(T / BT)
@@ -733,7 +720,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         z0.float().clone() if z0 is not None else torch.zeros(B, H, DK, **f32))
     sc = torch.empty(B * H, NC + 1, DK, DV, dtype=q.dtype, device=dev) if store_chunks else None
     zc = torch.empty(B * H, NC + 1, DK, **f32) if store_chunks and normalize else None
-    sq, sk, sv, sg = _strides(q), _strides(k), _strides(v), _strides(log_g)
+    sq, sk, sv, sg = strides_bht(q), strides_bht(k), strides_bht(v), strides_bht(log_g)
     common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space, PREC=prec)
     has_init = S0 is not None or nseg > 1
     s_in = z_in = None
@@ -746,7 +733,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
         if S0 is not None:
             S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
-        BVS = min(32, _pow2(DV))
+        BVS = min(32, pow2(DV))
         _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
             s_in, z_in, g_seg, S0c if S0 is not None else s_in, z0c if S0 is not None else z_in, nseg,
             DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, num_warps=4)
@@ -770,7 +757,7 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
-    BT, BK, BV = _chunk(cfg, q.dtype), _pow2(DK), _pow2(DV)
+    BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
     nseg, seg_len = segs
     NC = sc.shape[1] - 1
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -785,7 +772,7 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     if dS_T is None and normalize and dz_T is not None:
         dS_T = torch.zeros(B, H, DK, DV, **f32)
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
-    sq, sk, sv, sg = _strides(q), _strides(k), _strides(v), _strides(log_g)
+    sq, sk, sv, sg = strides_bht(q), strides_bht(k), strides_bht(v), strides_bht(log_g)
     o_ = o if normalize else do
     den_ = den if normalize else dlog_g
     # the state gradient leaving every segment: dS_T for the last, a reverse scan for the others
@@ -809,7 +796,7 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
-    BVD = min(_pow2(cfg.dstate_bv), BV)
+    BVD = min(pow2(cfg.dstate_bv), BV)
     NVD = BV // BVD  # a power of two (YC's last axis is read with one arange)
     yc = torch.empty(B * H, NC, NVD, **f32)
     zc_ = zc if zc is not None else dlog_g
@@ -875,7 +862,7 @@ def gla_chunk_triton(
         common.check_state_tensor("S", state.S, (B, H, DK, DV))
         common.check_state_tensor("z", state.z, (B, H, DK))
         S0, z0 = state.S, state.z
-    q, k, v = (_unit_last(x) for x in (q, k, v))
+    q, k, v = (unit_last(x) for x in (q, k, v))
     o, S, z = _GLAFunction.apply(q, k, v, log_g, S0, z0, bool(normalize), bool(log_space_features),
                                  float(eps), config or CONFIG)
     return o, GLAState(S, z)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
-from .dispatch import patch_interpreter
+from .dispatch import patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -273,18 +273,6 @@ def set_config(**changes) -> WindowKernelConfig:
     return old
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(1, n) - 1).bit_length())
-
-
-def _strides(x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.stride()[:3])
-
-
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: bool = False,
              softcap: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
              sink_k: Optional[torch.Tensor] = None) -> bool:
@@ -323,9 +311,9 @@ def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bo
     _win_fwd_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy,
         o if o is not None else dummy, lse, yg if fuse else dummy, alpha if fuse else dummy,
-        y if fuse else dummy, *_strides(q), *_strides(k), *_strides(v),
+        y if fuse else dummy, *strides_bht(q), *strides_bht(k), *strides_bht(v),
         T, H, max(nsink, 1), scale * LOG2E,
-        W=window, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BM=BM, BN=BN, BS=_pow2(max(nsink, 1)), NKB=nkb,
+        W=window, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), BM=BM, BN=BN, BS=pow2(max(nsink, 1)), NKB=nkb,
         HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None, FUSE=fuse, STORE_O=store_o,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
@@ -346,12 +334,12 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     dv = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev)
     delta = torch.empty(B * H, T, **f32)
     nsink = sinks.shape[1] if sinks is not None else 0
-    BS = _pow2(max(nsink, 1))
+    BS = pow2(max(nsink, 1))
     dsink = torch.empty(B * H, nmb, BS, **f32) if nsink else None
     dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
-    strides = (*_strides(q), *_strides(k), *_strides(v))
+    strides = (*strides_bht(q), *strides_bht(k), *strides_bht(v))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    geo = dict(W=window, D=D, DV=DV, BD=_pow2(D), BDV=_pow2(DV), BM=BM, BN=BN)
+    geo = dict(W=window, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), BM=BM, BN=BN)
     launch = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     dummy = delta
     _win_bwd_dq_kernel[(nmb, B * H)](
@@ -449,7 +437,7 @@ def window_attn_triton(
     kmin = None
     if state is not None:
         kmin = (-state.pos).clamp_min(0).to(torch.int32).contiguous()
-    q, k, v = (_unit_last(x) for x in (q, k, v))
+    q, k, v = (unit_last(x) for x in (q, k, v))
     out = _WindowFunction.apply(q, k, v, sinks, y_global, alpha.contiguous() if alpha is not None else None,
                                 kmin, int(window), float(scale), config or CONFIG)
     return out, _new_state(state, k, v, L, dt)
