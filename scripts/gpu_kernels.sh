@@ -14,7 +14,8 @@
 # Optional extras, if a folder device_carry_k/ is present (git-ignored; made on the dev machine):
 #   device_carry_k/whl/*.whl  installed with pip --no-deps into /tmp/site (fla_core, einops)
 #   device_carry_k/py/        pure-Python packages put on PYTHONPATH (pytest, pluggy, iniconfig)
-# The figures in docs/results/kernels-h200.* come from `BENCH_REPS=10 scripts/gpu_kernels.sh full` on one H200.
+# The figures in docs/results/kernels-h200.* come from `test`, then `tune` at 16x2048 and `BENCH_REPS=10 ... bench`
+# (see that file) on one H200.
 set -euo pipefail
 WHAT=${1:-all}
 cd "$(dirname "$0")/.."
