@@ -256,7 +256,7 @@ _INTERPRET = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     import fixtures, linearize
-    from linearize.models import decode
+    from linearize.kernels import decode_step
     from linearize.models.decode import StudentDecoder
     torch.set_num_threads(1)
     # the one-kernel RMSNorm against HF's
@@ -264,7 +264,7 @@ _INTERPRET = textwrap.dedent("""
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         x = torch.randn(3, 1, 64)
-        err = (decode._launch_rmsnorm(x, norm.weight, norm.variance_epsilon) - norm(x)).abs().max().item()
+        err = (decode_step.launch_rmsnorm(x, norm.weight, norm.variance_epsilon) - norm(x)).abs().max().item()
     assert err < 1e-5, err
     # the fused step (RoPE and the sigmoid gate inside; precomputed per-channel gates) against torch ops
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -126,3 +126,26 @@ def test_compile_check_catches_a_type_error(compiled):
     with pytest.raises(Exception, match="Mismatched type"):
         bad[(1,)](torch.zeros(1, dtype=torch.bfloat16), FLAG=True)
     assert inspect.isfunction(bad.fn)
+
+
+@pytest.mark.parametrize("arch,method,kw", [("llama3", "lizard", {}), ("qwen3", "lizard", {"gate": "gla", "sinks": 0})])
+def test_decode_step_kernels_compile_for_hopper(compiled, arch, method, kw):
+    """The fused decode step (prep and state kernels) and the one-kernel RMSNorm, in bf16 as
+    generation runs them on a GPU: the decoder's own launches, captured and compiled."""
+    import fixtures
+    import linearize
+    from linearize.kernels.decode_step import launch_rmsnorm
+    from linearize.models.decode import StudentDecoder
+
+    model = linearize.convert(fixtures.ARCHS[arch](num_layers=1), method, window=4, chunk_size=8, **kw)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dec = StudentDecoder(model, 2, 2, kernel="torch")
+        dec.kinds = ["fused"] * len(dec.kinds)  # what kernel="auto" picks on a GPU
+        dec.start(dec.prefill(ids).argmax(-1), dec.pos)
+        dec.step()
+        norm = model.model.layers[0].input_layernorm
+        launch_rmsnorm(torch.zeros(2, 1, norm.weight.shape[0], dtype=torch.bfloat16), norm.weight, 1e-6)
+    names = {name for name, _ in compiled}
+    assert {"_lizard_prep_kernel", "_lizard_state_kernel", "_rmsnorm_kernel"} <= names, names
