@@ -9,8 +9,9 @@ Everything it measures comes from the library (``linearize.train.encoder.run_enc
 ``linearize.eval.embed.run_embed_eval``); this file only picks the settings, times the training
 and writes the record (also to OUT/results.json). ``--resume`` continues a killed run.
 ``--rerender JSON`` rewrites the record's Markdown and PNG from its JSON without training, and
-``--trials JSON`` puts shorter exploratory runs ({"runs": [...], "notes": "..."}: what was tried, with its figures) into
-the record, where the Markdown shows them as a table.
+``--trials JSON`` puts shorter exploratory runs into the record (what was tried, with its figures), where the
+Markdown shows each set of them as a table: {"sets": [{"intro": "...", "runs": [...]}, ...], "notes": "..."} (or
+the first record's single {"runs": [...]}).
 """
 
 from __future__ import annotations
@@ -197,25 +198,46 @@ def _why_section(data: dict) -> list[str]:
                   f"shows what the metric asks for: {pts}. The student's errors are not isotropic noise: at cosine "
                   f"{trained['mean_cosine']:.3f} it keeps {trained['nn_agreement']:.3f}, less than isotropic noise "
                   f"of the same cosine keeps. {_stage2_trend(data)}", ""]
-    trials = (data.get("trials") or {}).get("runs")
-    if trials:
-        rows = [[t["trial"], t["change"], t["stage2_steps"], f"{t['val256_cosine']:.4f} / {t['val256_nn']:.3f}",
-                 f"{t['val1000_cosine']:.4f} / {t['val1000_nn']:.3f}" if "val1000_nn" in t else "stopped"]
-                for t in trials]
-        lines += ["### What was tried", "",
-                  "Short exploratory runs (`/tmp` scratch directories, not kept): one stage-1 base of 157 steps "
-                  "(the recorded stage-1 settings, random batches), then stage-2 variants of 120 steps each from "
-                  "it (length-bucketed batches; two stopped at step 50, where the recipe of row A stood at "
-                  "0.960 / 0.676 on the 256), 1 torch thread, two at a time beside another engineer's jobs. Figures are mean cosine / NN "
-                  "agreement on validation sentences (never the held-out test sentences of the record): the 256 "
-                  "the loop validates on, and 1000 (after training). A 1000-sentence NN agreement "
-                  "near 0.74 has a binomial standard error of about 0.014, so rows A, C, D, G and H are "
-                  "equal within noise.", "",
+    for i, part in enumerate(_trial_sets(data.get("trials"))):
+        rows = [[t["trial"], t["change"], t["stage2_steps"], _pair(t, "val256"), _pair(t, "val1000")]
+                for t in part["runs"]]
+        lines += (["### What was tried", ""] if i == 0 else []) + [part["intro"], "",
                   markdown_table(["trial", "change to the stage-2 recipe", "stage-2 steps", "val 256: cosine / NN",
                                   "val 1000: cosine / NN"], rows), ""]
     if (data.get("trials") or {}).get("notes"):
         lines += [data["trials"]["notes"], ""]
     return lines
+
+
+# The first record's trials ({"runs": [...]}) carried no description of their own; this is it.
+_FIRST_TRIALS_INTRO = (
+    "Short exploratory runs (`/tmp` scratch directories, not kept): one stage-1 base of 157 steps "
+    "(the recorded stage-1 settings, random batches), then stage-2 variants of 120 steps each from "
+    "it (length-bucketed batches; two stopped at step 50, where the recipe of row A stood at "
+    "0.960 / 0.676 on the 256), 1 torch thread, two at a time beside another engineer's jobs. Figures are mean "
+    "cosine / NN agreement on validation sentences (never the held-out test sentences of the record): the 256 "
+    "the loop validates on, and 1000 (after training). A 1000-sentence NN agreement near 0.74 has a binomial "
+    "standard error of about 0.014, so rows A, C, D, G and H are equal within noise.")
+
+
+def _trial_sets(trials: dict | None) -> list[dict]:
+    """The trial tables of a record: ``{"sets": [{"intro": ..., "runs": [...]}, ...]}``, or the first
+    record's single ``{"runs": [...]}`` (described by ``_FIRST_TRIALS_INTRO``)."""
+    if not trials:
+        return []
+    if "sets" in trials:
+        for part in trials["sets"]:
+            if not isinstance(part, dict) or not isinstance(part.get("intro"), str) or not part.get("runs"):
+                raise ValueError(f"each trial set needs an 'intro' text and a non-empty 'runs' list, got {part!r}")
+        return trials["sets"]
+    return [{"intro": _FIRST_TRIALS_INTRO, "runs": trials["runs"]}] if trials.get("runs") else []
+
+
+def _pair(trial: dict, split: str) -> str:
+    """'cosine / NN' of one trial on a validation split; a trial may lack a split (stopped, or post hoc)."""
+    if f"{split}_nn" not in trial:
+        return trial.get(f"{split}_note", "stopped")
+    return f"{trial[f'{split}_cosine']:.4f} / {trial[f'{split}_nn']:.3f}"
 
 
 def _relational_text(c: dict) -> str:
