@@ -363,6 +363,8 @@ GLA_FWD_CANDIDATES = (  # chunk 32 and a normaliser inside the main pass lost cl
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=1, den_warps=4, fwd_maxnreg=168),  # 3 programs per SM
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, fwd_maxnreg=168),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla)
 GLA_BWD_CANDIDATES = (  # par_warps: the chunk pass's warps for the mode of the row (see apply_tuned)
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),

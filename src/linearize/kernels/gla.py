@@ -615,7 +615,11 @@ class GLAKernelConfig:
     ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
-    registers per thread went away: each program builds its descriptors for one chunk only.)"""
+    registers per thread went away: each program builds its descriptors for one chunk only.)
+    ``fwd_maxnreg``: a register cap for the main forward pass (None: Triton's choice, all 255 at
+    the defaults). Its purpose is occupancy: the pass runs 2 programs per multiprocessor at 255
+    registers and 99 KB of shared memory (2 stages); capped at 168 with 1 stage (57 KB) 3 fit,
+    at the cost of some 250 bytes of spilled registers per thread (sm_90a, ptxas)."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -633,6 +637,7 @@ class GLAKernelConfig:
     fill: int = 1
     seg_chunks: Optional[int] = None
     tma: bool = True
+    fwd_maxnreg: Optional[int] = None
 
 
 CONFIG = GLAKernelConfig()
@@ -748,7 +753,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
         STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **common_kw)
+        **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}), **common_kw)
     return o, den, S_T, z_T, (nseg, seg_len), sc, zc
 
 
