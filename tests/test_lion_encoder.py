@@ -317,12 +317,12 @@ def test_relational_loss_is_zero_only_when_the_student_matches_and_its_gradient_
         assert float(relational_loss(teacher, teacher, bank, temperature, exclude=exclude)) == pytest.approx(0, abs=1e-12)
     student = torch.nn.functional.normalize(teacher + 0.1 * _unit(6, seed=2), dim=-1).requires_grad_(True)
     loss = relational_loss(student, teacher, bank, temperature, exclude=own)
-    assert float(loss) > 0
+    assert loss.item() > 0
     loss.backward()
     assert torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
     # a smaller temperature weighs the same error more (the ranking near the top matters more)
     if temperature < 1.0:
-        assert float(loss) > float(relational_loss(student.detach(), teacher, bank, 1.0, exclude=own))
+        assert loss.item() > float(relational_loss(student.detach(), teacher, bank, 1.0, exclude=own))
 
 
 def test_relational_loss_ignores_excluded_bank_entries():
