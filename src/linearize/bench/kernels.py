@@ -366,7 +366,7 @@ GLA_FWD_CANDIDATES = (  # chunk 32 and a normaliser inside the main pass lost cl
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=1, den_warps=4, fwd_maxnreg=168),  # 3 programs per SM
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, fwd_maxnreg=168),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla)
-GLA_BWD_CANDIDATES = (  # par_warps: the chunk pass's warps for the mode of the row (see apply_tuned)
+GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features)
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=8, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=64),
@@ -477,8 +477,7 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     }
     # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps;
     # par_warps_log (log-features, which no layer passes now) keeps its default
-    bwd = chosen["gla_bwd"]
-    kgla.set_config(**chosen["gla_fwd"], **bwd, **chosen["gla_seg"])
+    kgla.set_config(**chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
     kwin.set_config(**chosen["window"])
     chosen["gla_config"] = dataclasses_asdict(kgla.CONFIG)
     chosen["window_config"] = dataclasses_asdict(kwin.CONFIG)

@@ -30,7 +30,8 @@ def lizard_step_launcher():
 
 
 def fused_norms_ok(device: torch.device) -> bool:
-    """Whether the decoder may swap the RMSNorms for the one-kernel norm (``LINEARIZE_DECODE_NORM=0`` says no)."""
+    """Whether the decoder may swap HF's RMSNorms for the one-kernel norm (on CUDA with Triton,
+    unless ``LINEARIZE_DECODE_NORM=0``)."""
     return (triton is not None and device.type == "cuda"
             and os.environ.get("LINEARIZE_DECODE_NORM", "1") != "0")
 

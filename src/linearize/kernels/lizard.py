@@ -3,8 +3,9 @@
     y = gla(phi_q, phi_k, v, log_g) + alpha_h * window(q_w, k_w, v; sink_logits)
 
 Shapes: phi_q, phi_k (B, H, T, F) features (what the Lizard layer passes: Hedgehog's, rounded
-once from fp32), or log-features with ``log_space_features``; v (B, H, T, Dv); log_g (B, H, T); q_w, k_w (B, H, T, D) the window's
-queries/keys (RoPE already applied by the caller); alpha (H,); sink_logits (H, m) or None.
+once from fp32), or log-features with ``log_space_features``; v (B, H, T, Dv); log_g (B, H, T);
+q_w, k_w (B, H, T, D) the window's queries/keys (RoPE already applied by the caller); alpha (H,);
+sink_logits (H, m) or None.
 Returns y (B, H, T, Dv) in the dtype of v, the gated branch's state and the window's state.
 
 On CUDA with the kernels enabled this is the gated kernel followed by the window kernel with

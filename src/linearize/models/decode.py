@@ -23,7 +23,8 @@ Step modules, from fast to general:
               ``z``, the ring write and the sink-softmax over the window; a "state" kernel per
               (row, head, block of value channels) for ``S = g S + k v^T`` and the readout, which
               reads the state once and writes it once, and the ``y_g + alpha * y_w`` combine
-              (the kernels live in ``kernels.decode_step``). Elsewhere (CPU, no Triton) the same math runs as torch ops (``torch``).
+              (the kernels live in ``kernels.decode_step``). Elsewhere (CPU, no Triton) the
+              same math runs as torch ops (``torch``).
   ``torch``   the same layout and math as torch ops (any feature map, gate, sink kind, soft-cap).
   ``generic`` every other method: ``HybridAttention``'s own recurrent step on the static state,
               with the new state copied into the static buffers inside the step.
