@@ -356,16 +356,15 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
 
 # ----------------------------------------------------------------------------- launch-config sweep
 
-GLA_FWD_CANDIDATES = (  # chunk 32 and a normaliser inside the main pass lost clearly in earlier sweeps
+GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=8),
     dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=4),
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=1, den_warps=4, fwd_maxnreg=168),  # 3 programs per SM
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, fwd_maxnreg=168),
-)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla)
+)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
+# so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring)
 GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features)
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=8, par_stages=1, dstate_warps=8, dstate_bv=128),
@@ -375,7 +374,7 @@ GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plai
 WINDOW_CANDIDATES = (
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3),
-)
+)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json)
 
 
 def _tune_jobs(shapes) -> list[tuple[str, str, tuple[int, int], dict]]:

@@ -616,10 +616,12 @@ class GLAKernelConfig:
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
     registers per thread went away: each program builds its descriptors for one chunk only.)
-    ``fwd_maxnreg``: a register cap for the main forward pass (None: Triton's choice, all 255 at
-    the defaults). Its purpose is occupancy: the pass runs 2 programs per multiprocessor at 255
-    registers and 99 KB of shared memory (2 stages); capped at 168 with 1 stage (57 KB) 3 fit,
-    at the cost of some 250 bytes of spilled registers per thread (sm_90a, ptxas)."""
+    Measured and dropped (H200, B16 T2048, docs/results/kernels-h200-sweep2.json): a register cap
+    of 168 on the main forward pass, for 3 programs per multiprocessor instead of 2 (plain
+    forward 0.709 ms with 2 stages and 1.028 with 1, against 0.594 uncapped: the spills cost
+    more than the occupancy buys); the normaliser computed inside the main pass with plain
+    features and descriptors (Lizard's gated forward 0.925 against 0.908 with its own pass, so
+    the main pass is bound by its instructions, not by reading q and k twice)."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -637,7 +639,6 @@ class GLAKernelConfig:
     fill: int = 1
     seg_chunks: Optional[int] = None
     tma: bool = True
-    fwd_maxnreg: Optional[int] = None
 
 
 CONFIG = GLAKernelConfig()
@@ -753,7 +754,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
         STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}), **common_kw)
+        **common_kw)
     return o, den, S_T, z_T, (nseg, seg_len), sc, zc
 
 
