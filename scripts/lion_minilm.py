@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--relational-bank", type=int, default=4096, help="teacher embeddings of training sentences")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--feature-dim", type=int, default=None, help="Hedgehog F (default 2 x head_dim)")
+    p.add_argument("--sinks", type=int, default=0, help="leading tokens ([CLS]) attended by exact softmax")
+    p.add_argument("--window", type=int, default=0, help="exact softmax within this distance of each token")
     p.add_argument("--val-sentences", type=int, default=256)
     p.add_argument("--eval-sentences", type=int, default=1000)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
         lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank, distill=args.distill,
         relational=args.relational, relational_temperature=args.relational_temperature,
         relational_bank=args.relational_bank,
-        overrides={"chunk_size": args.chunk_size, **({"feature_dim": args.feature_dim} if args.feature_dim else {})},
+        overrides={"chunk_size": args.chunk_size, **({"feature_dim": args.feature_dim} if args.feature_dim else {}),
+                   **({"sinks": args.sinks} if args.sinks else {}), **({"window": args.window} if args.window else {})},
         eval_every=50, save_every=50, device="cpu", progress=True)
     wall, cpu = time.perf_counter(), time.process_time()
     run_encoder(config, resume=args.resume)

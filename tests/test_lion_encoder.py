@@ -37,9 +37,10 @@ def batch(B=3, T=20, seed=0):
 
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
-def test_gradients_reach_every_lion_parameter(variant, form):
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+def test_gradients_reach_every_lion_parameter(variant, form, exact):
     torch.manual_seed(0)
-    layer = LionAttention(LionConfig(variant=variant, chunk_size=4), H, D, HIDDEN)
+    layer = LionAttention(LionConfig(variant=variant, chunk_size=4, **exact), H, D, HIDDEN)
     q, k, v = (torch.randn(2, H, 11, D) for _ in range(3))
     x = torch.randn(2, 11, HIDDEN)
     valid = torch.ones(2, 11, dtype=torch.bool)
@@ -48,9 +49,51 @@ def test_gradients_reach_every_lion_parameter(variant, form):
     names = {n for n, _ in layer.named_parameters()}
     assert ({"gate.weight", "gate.bias"} <= names) == (variant == "s")
     assert ("decay_logit" in names) == (variant == "d")
+    assert ({"rest_logit.weight", "rest_logit.bias"} <= names) == bool(exact)
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+@pytest.mark.parametrize("sinks, window", [(1, 2), (2, 0), (0, 1)])
+def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, window):
+    """Every form against the definition, written out per query: softmax over the exact keys'
+    teacher scores and the rest's logit r_i; the rest's weight goes to scaled LION over the keys
+    past the sinks; padded keys are no keys, padded queries read 0."""
+    import math
+
+    from linearize.ops.lion import lion_parallel
+
+    torch.manual_seed(0)
+    B, T = 2, 11
+    layer = LionAttention(LionConfig(variant=variant, sinks=sinks, window=window, chunk_size=4), H, D, HIDDEN).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(B, T, HIDDEN, dtype=torch.float64)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 7:] = False
+    with torch.no_grad():
+        fk = layer.phi_k(k)
+        fk[:, :, :sinks] = 0
+        rest, _ = lion_parallel(layer.phi_q(q), fk, v, layer.log_decay(x), valid=valid)
+        r = layer.rest_logit(x).transpose(1, 2)
+        ref = torch.zeros(B, H, T, D, dtype=torch.float64)
+        for b in range(B):
+            for i in range(T):
+                if not valid[b, i]:
+                    continue
+                near = range(i - window, i + window + 1) if window else ()  # window 0: none, not the token
+                exact = sorted({j for j in range(sinks) if valid[b, j]}
+                               | {j for j in near if sinks <= j < T and valid[b, j]})
+                for h in range(H):
+                    logits = [q[b, h, i] @ k[b, h, j] / math.sqrt(D) for j in exact] + [r[b, h, i]]
+                    pi = torch.stack(logits).softmax(0)
+                    ref[b, h, i] = sum(pi[a] * v[b, h, j] for a, j in enumerate(exact)) + pi[-1] * rest[b, h, i]
+        for form in ("parallel", "chunk", "recurrent"):
+            assert_rel_close(layer(q, k, v, x, valid, form=form), ref, 1e-12, form)
 
 
 def test_layer_forms_agree_and_decay_starts_in_range():
@@ -168,8 +211,12 @@ def test_unknown_variant_method_or_model_is_named():
         linearize.convert(tiny_bert(), "lion-d", variant="s")
     with pytest.raises(ValueError, match=r"method 'lizard' is for causal LMs; an encoder converts with one of"):
         linearize.convert(tiny_bert(), "lizard")
-    with pytest.raises(ValueError, match=r"unknown override\(s\) \['window'\]"):
-        method_config("lion-s", window=3)
+    with pytest.raises(ValueError, match=r"unknown override\(s\) \['sink_kind'\]"):
+        method_config("lion-s", sink_kind="kv")
+    with pytest.raises(ValueError, match=r"sinks must be an int >= 0 .* got -1"):
+        method_config("lion-s", sinks=-1)
+    with pytest.raises(ValueError, match=r"window must be an int >= 0 .* got True"):
+        method_config("lion-s", window=True)
     with pytest.raises(ValueError, match=r"form must be one of .* got 'fast'"):
         method_config("lion-s", form="fast")
     from fixtures import llama
@@ -212,10 +259,11 @@ def test_minilm_is_the_bundled_fp32_bert(minilm):
     assert e[0] @ e[1] > e[0] @ e[2]  # the teacher is a real sentence encoder
 
 
-def test_converted_minilm_round_trips_exactly(minilm, tmp_path):
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+def test_converted_minilm_round_trips_exactly(minilm, tmp_path, exact):
     from linearize.models.lora import add_lora
 
-    model = linearize.convert(copy.deepcopy(minilm[0]), "lion-s", chunk_size=16)
+    model = linearize.convert(copy.deepcopy(minilm[0]), "lion-s", chunk_size=16, **exact)
     add_lora(model, rank=2, targets=["query", "value", "dense"])
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move every added weight off its initial value, so the test sees them

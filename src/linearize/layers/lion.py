@@ -23,13 +23,14 @@ so -d and -s start as mildly local versions of -lit and every head keeps long me
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.common import check_positive_int
+from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
 from .feature_maps import FEATURE_MAP_INITS, HedgehogFeatureMap, T2RFeatureMap
 from .gates import SigmoidGate, _head_gammas, _logit
@@ -55,6 +56,8 @@ class LionConfig:
     eps: float = 1e-6
     positions: str = "clamp"                   # inputs longer than the teacher's absolute positions:
     #                                            clamp = tokens past the last position reuse it; error = refuse
+    sinks: int = 0                             # the first `sinks` tokens ([CLS]) get exact softmax scores
+    window: int = 0                            # so do the tokens within `window` positions on either side
 
     def validate(self) -> "LionConfig":
         for name, allowed in (("variant", LION_VARIANTS), ("feature_map", LION_FEATURE_MAPS),
@@ -65,6 +68,10 @@ class LionConfig:
         if not isinstance(self.scaled, bool):
             raise ValueError(f"scaled must be a bool, got {self.scaled!r}")
         check_positive_int("chunk_size", self.chunk_size)
+        if not (isinstance(self.sinks, int) and not isinstance(self.sinks, bool) and self.sinks >= 0):
+            raise ValueError(f"sinks must be an int >= 0 (how many leading tokens get exact softmax), got {self.sinks!r}")
+        if not (isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 0):
+            raise ValueError(f"window must be an int >= 0 (exact softmax within that distance), got {self.window!r}")
         if self.feature_dim is not None:
             check_positive_int("feature_dim", self.feature_dim)
             if self.feature_map == "hedgehog" and self.feature_dim % 2:
@@ -90,7 +97,8 @@ class LionConfig:
 class LionAttention(nn.Module):
     """One LION layer's new parts: φ_q, φ_k, and the decay of its variant."""
 
-    def __init__(self, config: LionConfig, num_heads: int, head_dim: int, hidden_size: int):
+    def __init__(self, config: LionConfig, num_heads: int, head_dim: int, hidden_size: int,
+                 scale: float | None = None):
         super().__init__()
         self.config = config = config.validate()
         self.num_heads, self.head_dim = check_positive_int("num_heads", num_heads), check_positive_int("head_dim", head_dim)
@@ -103,6 +111,14 @@ class LionAttention(nn.Module):
             self.decay_logit = nn.Parameter(_logit(_head_gammas(num_heads, config.decay_init)).float())
         elif config.variant == "s":
             self.gate = SigmoidGate(hidden_size, num_heads, config.decay_init)
+        if config.sinks or config.window:
+            self.scale = softmax_scale(scale, head_dim)
+            # log of the attention mass that the non-sink keys would get under softmax (per query
+            # token and head), estimated from the token; starts at log 32, about a sentence's worth of
+            # keys with score 0
+            self.rest_logit = nn.Linear(hidden_size, num_heads)
+            nn.init.zeros_(self.rest_logit.weight)
+            nn.init.constant_(self.rest_logit.bias, math.log(32.0))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """None (lit), log λ_h (H,) (d) or log a_t (B, H, T) (s), all <= 0, in fp32."""
@@ -122,8 +138,54 @@ class LionAttention(nn.Module):
         if form == "chunk":
             kw["chunk_size"] = self.config.chunk_size
         op = {"chunk": lion_chunk, "parallel": lion_parallel, "recurrent": lion_recurrent}[form]
-        y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
-        return y
+        if not (self.config.sinks or self.config.window):
+            y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
+            return y
+        return self._with_exact(op, kw, q, k, v, x, valid)
+
+    def _with_exact(self, op, kw, q, k, v, x, valid) -> torch.Tensor:
+        """Exact softmax scores for the first n tokens (sinks) and for the tokens within w of the
+        query (window), LION for the rest, mixed as softmax would mix them:
+
+            y_i = Σ_{j exact} π_ij v_j + π_i,rest LION_i(keys >= n)
+            π_i = softmax([q_i.k_j * scale for the exact j], r_i)
+
+        The exact keys keep the teacher's own scores (BERT heads put much of their mass on [CLS]
+        and on the previous or next token, which symmetric decays cannot single out). The rest
+        enter as one pseudo-key whose logit r_i, a linear function of the token, stands for the
+        log of their softmax mass: φq.φk is normalised per query and says nothing about it.
+        LION runs its scaled form over every key but the sinks (window keys included).
+        """
+        B, H, T, _ = q.shape
+        n, w = min(self.config.sinks, T), self.config.window
+        fk = self.phi_k(k)
+        fk = torch.cat([torch.zeros_like(fk[:, :, :n]), fk[:, :, n:]], dim=2)
+        rest, _ = op(self.phi_q(q), fk, v, self.log_decay(x), **kw)
+        acc = compute_dtype(q)
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
+        logits, values = [], []
+        if n:  # (B, H, T, n) against the first n keys
+            logits.append((qa @ ka[:, :, :n].transpose(-1, -2) * self.scale).masked_fill(~keep[:, None, None, :n],
+                                                                                        float("-inf")))
+        if w:  # (B, H, T, 2w + 1) against keys i - w .. i + w; outside [n, T) or padding: no key
+            win = torch.nn.functional.pad(torch.stack([ka, va], 0), (0, 0, w, w)).unfold(3, 2 * w + 1, 1)
+            j = torch.arange(T, device=q.device)[:, None] + torch.arange(-w, w + 1, device=q.device)
+            ok = (j >= n) & (j < T)
+            ok = ok & F.pad(keep, (w, w)).unfold(1, 2 * w + 1, 1)                       # (B, T, 2w + 1)
+            logits.append(torch.einsum("bhtd,bhtdw->bhtw", qa, win[0]).mul(self.scale)
+                          .masked_fill(~ok[:, None], float("-inf")))
+            values.append(win[1])
+        r = self.rest_logit(x.to(self.rest_logit.weight.dtype)).to(acc).transpose(1, 2).unsqueeze(-1)
+        pi = torch.softmax(torch.cat(logits + [r], dim=-1), dim=-1)
+        y = pi[..., -1:] * rest.to(acc)
+        if n:
+            y = y + pi[..., :n] @ va[:, :, :n]
+        if w:
+            y = y + torch.einsum("bhtw,bhtdw->bhtd", pi[..., n:-1], values[0])
+        if valid is not None:  # a padded query reads nothing, as in the ops
+            y = y * valid[:, None, :, None]
+        return y.to(v.dtype)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -116,7 +116,7 @@ class LionSelfAttention(nn.Module):
         self.head_dim = model_config.hidden_size // self.num_heads
         self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.layer_idx = layer_idx
-        self.lion = LionAttention(config, self.num_heads, self.head_dim, model_config.hidden_size)
+        self.lion = LionAttention(config, self.num_heads, self.head_dim, model_config.hidden_size, self.scaling)
         ref = attn.query.weight
         self.lion.to(device=ref.device, dtype=ref.dtype)
 
