@@ -610,7 +610,11 @@ class GLAKernelConfig:
     log-feature pass holds more tiles: with 4 warps it spills);
     ``dstate_bv``: the V-block of the backward's reverse pass (its programs split V: more of
     them run side by side);
-    ``fill``: programs per multiprocessor that a split of the sequence into segments aims at;
+    ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into
+    segments aims at, rounded to the nearest number of segments (the forward's main pass runs
+    NV = 2 V-blocks of each, at 2 programs per multiprocessor). On an H200 at 32 heads the sweep
+    found 2 segments best at B4 T8192 (1.10 ms against 1.15 for 3) and 9 at B1 T32768 (1.48
+    against 1.67 for 5 and 1.52 for 17; docs/results/kernels-h200-sweep2.json): fill 2 gives 2 and 8;
     ``seg_chunks``: forces the segment length in chunks (tests);
     ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
@@ -636,7 +640,7 @@ class GLAKernelConfig:
     par_warps: int = 4
     par_warps_log: int = 8
     par_stages: int = 1
-    fill: int = 1
+    fill: int = 2
     seg_chunks: Optional[int] = None
     tma: bool = True
 
@@ -688,7 +692,7 @@ def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig) ->
     if cfg.seg_chunks is not None:
         seg_chunks = cfg.seg_chunks
     else:
-        want = math.ceil(cfg.fill * sms / max(1, programs))
+        want = round(cfg.fill * sms / max(1, programs))
         nseg = max(1, min(want, n_chunks // 8))  # keep segments at least 8 chunks long
         seg_chunks = math.ceil(n_chunks / nseg)
     return math.ceil(n_chunks / seg_chunks), seg_chunks * BT
