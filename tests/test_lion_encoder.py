@@ -49,7 +49,7 @@ def test_gradients_reach_every_lion_parameter(variant, form, exact):
     names = {n for n, _ in layer.named_parameters()}
     assert ({"gate.weight", "gate.bias"} <= names) == (variant == "s")
     assert ("decay_logit" in names) == (variant == "d")
-    assert ({"rest_logit.weight", "rest_logit.bias"} <= names) == bool(exact)
+    assert ({"rest_logit.weight", "rest_logit.bias", "rest_count_scale"} <= names) == bool(exact)
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
@@ -58,12 +58,13 @@ def test_gradients_reach_every_lion_parameter(variant, form, exact):
 @pytest.mark.parametrize("variant", ["lit", "d", "s"])
 @pytest.mark.parametrize("sinks, window", [(1, 2), (2, 0), (0, 1)])
 def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, window):
-    """Every form against the definition, written out per query: softmax over the exact keys'
-    teacher scores and the rest's logit r_i; the rest's weight goes to scaled LION over the keys
-    past the sinks; padded keys are no keys, padded queries read 0."""
+    """Every form against the definition, written out per query i: softmax over the exact keys'
+    teacher scores and the rest's logit r_i (a linear map of the token + γ_h log of LION's row
+    sum over the rest); the rest's weight goes to scaled LION (mask M, the layer's features)
+    over the other valid keys; padded keys are no keys, padded queries read 0."""
     import math
 
-    from linearize.ops.lion import lion_parallel
+    from linearize.ops.lion.naive import lion_mask
 
     torch.manual_seed(0)
     B, T = 2, 11
@@ -76,9 +77,8 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, win
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, 7:] = False
     with torch.no_grad():
-        fk = layer.phi_k(k)
-        fk[:, :, :sinks] = 0
-        rest, _ = lion_parallel(layer.phi_q(q), fk, v, layer.log_decay(x), valid=valid)
+        fq, fk = layer.phi_q(q), layer.phi_k(k)
+        M = lion_mask(layer.log_decay(x), T, valid, batch_size=B, dtype=torch.float64).expand(B, H, T, T)
         r = layer.rest_logit(x).transpose(1, 2)
         ref = torch.zeros(B, H, T, D, dtype=torch.float64)
         for b in range(B):
@@ -88,12 +88,36 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, win
                 near = range(i - window, i + window + 1) if window else ()  # window 0: none, not the token
                 exact = sorted({j for j in range(sinks) if valid[b, j]}
                                | {j for j in near if sinks <= j < T and valid[b, j]})
+                others = [j for j in range(sinks, T) if valid[b, j] and j not in exact]
                 for h in range(H):
-                    logits = [q[b, h, i] @ k[b, h, j] / math.sqrt(D) for j in exact] + [r[b, h, i]]
+                    a = torch.stack([M[b, h, i, j] * (fq[b, h, i] @ fk[b, h, j]) for j in others])
+                    rest = (a[:, None] * v[b, h, others]).sum(0) / (a.sum() + 1e-6)
+                    r_i = r[b, h, i] + layer.rest_count_scale[h] * torch.log(a.sum() + 1e-6)
+                    logits = [q[b, h, i] @ k[b, h, j] / math.sqrt(D) for j in exact] + [r_i]
                     pi = torch.stack(logits).softmax(0)
-                    ref[b, h, i] = sum(pi[a] * v[b, h, j] for a, j in enumerate(exact)) + pi[-1] * rest[b, h, i]
+                    ref[b, h, i] = sum(pi[e] * v[b, h, j] for e, j in enumerate(exact)) + pi[-1] * rest
         for form in ("parallel", "chunk", "recurrent"):
             assert_rel_close(layer(q, k, v, x, valid, form=form), ref, 1e-12, form)
+
+
+def test_exact_keys_covering_a_short_sentence_leave_plain_softmax():
+    """When every key of a query is exact (a 5-token sentence, window 4), LION has nothing left:
+    the output is the teacher's softmax attention over the valid keys, and gradients stay finite
+    (the subtraction's rounding noise is not read, no softmax row is all -inf)."""
+    import math
+
+    torch.manual_seed(0)
+    B, T = 2, 5
+    layer = LionAttention(LionConfig(variant="s", sinks=1, window=4, chunk_size=4), H, D, HIDDEN).double()
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 3:] = False
+    y = layer(q, k, v, torch.randn(B, T, HIDDEN, dtype=torch.float64), valid, form="chunk")
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~valid[:, None, None, :], float("-inf"))
+    ref = (scores.softmax(-1) @ v) * valid[:, None, :, None]
+    assert_rel_close(y, ref, 1e-12, "short")
+    y.pow(2).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 def test_layer_forms_agree_and_decay_starts_in_range():

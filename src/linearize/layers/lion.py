@@ -15,6 +15,15 @@ its identity initialisation keeps every query/key coordinate; with F = d (the ca
 default) the identity drops half of them, and on MiniLM stage 1 ended with a 30% higher transfer
 MSE (docs/results/lion-minilm.md).
 
+Exact keys (ours, off by default; ``sinks`` / ``window``): BERT heads put much of their mass
+on [CLS] (35-70% in MiniLM's layers 1-4) and on the previous or next token (one layer-0 head
+94% on the previous one), which a positive feature map with symmetric decays cannot single out.
+With ``sinks=n`` the first n tokens, and with ``window=w`` the tokens within w of the query, keep
+the teacher's exact scores q.k * scale; LION covers every other key, and one softmax mixes the
+two, LION entering as a pseudo-key with a learned logit (``LionAttention._with_exact``). That is
+Lizard's and LoLCATs' recipe (exact attention where it is sharp, linear attention elsewhere)
+made bidirectional; time and state stay linear in length (2w + 1 + n exact scores per token).
+
 Initialisation (ours): the feature maps start at the identity-like map; λ_h and the gate start
 spread evenly over ``decay_init`` = (0.95, 0.99) across heads with the gate's input weights at 0,
 so -d and -s start as mildly local versions of -lit and every head keeps long memory.
@@ -32,6 +41,7 @@ from torch import nn
 
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
+from ..ops.lion.naive import token_log_gates
 from .feature_maps import FEATURE_MAP_INITS, HedgehogFeatureMap, T2RFeatureMap
 from .gates import SigmoidGate, _head_gammas, _logit
 
@@ -113,12 +123,14 @@ class LionAttention(nn.Module):
             self.gate = SigmoidGate(hidden_size, num_heads, config.decay_init)
         if config.sinks or config.window:
             self.scale = softmax_scale(scale, head_dim)
-            # log of the attention mass that the non-sink keys would get under softmax (per query
-            # token and head), estimated from the token; starts at log 32, about a sentence's worth of
-            # keys with score 0
+            # the log of the softmax mass of the keys LION covers, per query token and head:
+            # r_i = w_h.x_i + c_h + γ_h log(LION's row sum over them). The row sum counts the keys
+            # (each adds about 4/F with Hedgehog), which the token alone cannot; γ starts at 1 and
+            # c at log(F/4), so r starts at the log of their number, as for keys of score 0.
             self.rest_logit = nn.Linear(hidden_size, num_heads)
             nn.init.zeros_(self.rest_logit.weight)
-            nn.init.constant_(self.rest_logit.bias, math.log(32.0))
+            nn.init.constant_(self.rest_logit.bias, math.log(feature_dim / 4.0))
+            self.rest_count_scale = nn.Parameter(torch.ones(num_heads))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """None (lit), log λ_h (H,) (d) or log a_t (B, H, T) (s), all <= 0, in fp32."""
@@ -147,42 +159,61 @@ class LionAttention(nn.Module):
         """Exact softmax scores for the first n tokens (sinks) and for the tokens within w of the
         query (window), LION for the rest, mixed as softmax would mix them:
 
-            y_i = Σ_{j exact} π_ij v_j + π_i,rest LION_i(keys >= n)
-            π_i = softmax([q_i.k_j * scale for the exact j], r_i)
+            y_i = Σ_{j in E_i} π_ij v_j + π_i,rest LION_i(keys not in E_i)
+            π_i = softmax([q_i.k_j * scale for j in E_i], r_i)
 
-        The exact keys keep the teacher's own scores (BERT heads put much of their mass on [CLS]
-        and on the previous or next token, which symmetric decays cannot single out). The rest
-        enter as one pseudo-key whose logit r_i, a linear function of the token, stands for the
-        log of their softmax mass: φq.φk is normalised per query and says nothing about it.
-        LION runs its scaled form over every key but the sinks (window keys included).
+        The exact keys E_i keep the teacher's own scores (BERT heads put much of their mass on
+        [CLS] and on the previous or next token, which symmetric decays cannot single out). The
+        rest enter as one pseudo-key whose logit r_i (see ``__init__``) stands for the log of
+        their softmax mass: φq.φk is normalised per query, so LION's weights alone cannot say it.
+        LION_i(rest) is LION's scaled form over the other keys: one unscaled call with v extended
+        by a column of ones (numerator and row sum together, sink keys zeroed), less the window
+        keys' own terms M_ij φq_i.φk_j [v_j, 1], computed in the compute dtype (fp32 at least).
         """
-        B, H, T, _ = q.shape
+        B, H, T, Dv = v.shape
         n, w = min(self.config.sinks, T), self.config.window
-        fk = self.phi_k(k)
-        fk = torch.cat([torch.zeros_like(fk[:, :, :n]), fk[:, :, n:]], dim=2)
-        rest, _ = op(self.phi_q(q), fk, v, self.log_decay(x), **kw)
         acc = compute_dtype(q)
-        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
         keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
-        logits, values = [], []
+        fq = self.phi_q(q).to(acc)
+        fk = (self.phi_k(k).to(acc) * keep[:, None, :, None]).index_fill(2, torch.arange(n, device=q.device), 0.0)
+        v1 = torch.cat([v.to(acc), torch.ones_like(v[..., :1], dtype=acc)], dim=-1)
+        log_a = self.log_decay(x)
+        lin, _ = op(fq, fk, v1, log_a, **{**kw, "scaled": False})                    # (B, H, T, Dv + 1)
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        logits = []
         if n:  # (B, H, T, n) against the first n keys
             logits.append((qa @ ka[:, :, :n].transpose(-1, -2) * self.scale).masked_fill(~keep[:, None, None, :n],
                                                                                         float("-inf")))
-        if w:  # (B, H, T, 2w + 1) against keys i - w .. i + w; outside [n, T) or padding: no key
-            win = torch.nn.functional.pad(torch.stack([ka, va], 0), (0, 0, w, w)).unfold(3, 2 * w + 1, 1)
-            j = torch.arange(T, device=q.device)[:, None] + torch.arange(-w, w + 1, device=q.device)
-            ok = (j >= n) & (j < T)
-            ok = ok & F.pad(keep, (w, w)).unfold(1, 2 * w + 1, 1)                       # (B, T, 2w + 1)
-            logits.append(torch.einsum("bhtd,bhtdw->bhtw", qa, win[0]).mul(self.scale)
-                          .masked_fill(~ok[:, None], float("-inf")))
-            values.append(win[1])
-        r = self.rest_logit(x.to(self.rest_logit.weight.dtype)).to(acc).transpose(1, 2).unsqueeze(-1)
+        if w:  # (B, H, T, 2w + 1) against keys i - w .. i + w, one offset at a time (memory stays O(T))
+            offsets = range(-w, w + 1)
+            ok = torch.stack([_shifted(keep, o, 1) & (torch.arange(T, device=q.device) + o >= n) for o in offsets],
+                             dim=-1)                                                 # (B, T, 2w + 1)
+            logits.append(torch.stack([(qa * _shifted(ka, o, 2)).sum(-1) for o in offsets], dim=-1)
+                          .mul(self.scale).masked_fill(~ok[:, None], float("-inf")))
+            lg = token_log_gates(log_a, valid, B, T, acc)
+            b = None if lg is None else lg.cumsum(-1)
+            for e, o in enumerate(offsets):  # less the window keys' own LION terms
+                a = (fq * _shifted(fk, o, 2)).sum(-1) * ok[:, None, :, e]          # (B, H, T)
+                if b is not None and o:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), c = b - lg
+                    c = b - lg
+                    a = a * (b - _shifted(b, o, 2) if o < 0 else _shifted(c, o, 2) - c).clamp_max(0.0).exp()
+                lin = lin - a.unsqueeze(-1) * _shifted(v1, o, 2)
+        # A query whose keys are all exact has no rest; the subtraction leaves rounding noise there,
+        # which must not be read: count the rest's keys exactly and drop the pseudo-key where 0.
+        has_rest = keep[:, n:].sum(-1, keepdim=True) > (ok.sum(-1) if w else 0)        # (B, T)
+        den = lin[..., Dv:].clamp_min(0.0) + self.config.eps
+        rest = (lin[..., :Dv] / den).masked_fill(~has_rest[:, None, :, None], 0.0)
+        r = self.rest_logit(x.to(self.rest_logit.weight.dtype)).to(acc).transpose(1, 2).unsqueeze(-1) \
+            + self.rest_count_scale.to(acc).view(-1, 1, 1) * den.log()
+        # -inf where there is no rest, except at padded queries (output 0 anyway), so that no
+        # row of the softmax is all -inf (NaN, also in the backward)
+        r = r.masked_fill((~has_rest & keep)[:, None, :, None], float("-inf"))
         pi = torch.softmax(torch.cat(logits + [r], dim=-1), dim=-1)
-        y = pi[..., -1:] * rest.to(acc)
+        y = pi[..., -1:] * rest
         if n:
             y = y + pi[..., :n] @ va[:, :, :n]
-        if w:
-            y = y + torch.einsum("bhtw,bhtdw->bhtd", pi[..., n:-1], values[0])
+        for e, o in enumerate(range(-w, w + 1) if w else ()):
+            y = y + pi[..., n + e, None] * _shifted(va, o, 2)
         if valid is not None:  # a padded query reads nothing, as in the ops
             y = y * valid[:, None, :, None]
         return y.to(v.dtype)
@@ -190,3 +221,12 @@ class LionAttention(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return f"variant={c.variant}, feature_map={c.feature_map}, scaled={c.scaled}, form={c.form}"
+
+
+def _shifted(x: torch.Tensor, offset: int, dim: int) -> torch.Tensor:
+    """y with y[..., t, ...] = x[..., t + offset, ...] along ``dim``, zero (False) past either end."""
+    T = x.shape[dim]
+    pad = torch.zeros_like(x.narrow(dim, 0, min(abs(offset), T)))
+    if offset >= 0:
+        return torch.cat([x.narrow(dim, offset, T - min(offset, T)), pad], dim=dim) if offset else x
+    return torch.cat([pad, x.narrow(dim, 0, T - min(-offset, T))], dim=dim)
