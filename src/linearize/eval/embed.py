@@ -162,6 +162,15 @@ def attention_cost(lion: dict, *, heads: int, head_dim: int, hidden: int, length
     return {"forms": results, "threads": threads, "batch": 1, "heads": heads, "head_dim": head_dim}
 
 
+def _exact_text(cost: dict) -> str:
+    """', exact scores for 1 sink + a window of 2' when the layer keeps exact keys (else '')."""
+    n, w = cost.get("sinks") or 0, cost.get("window") or 0
+    if not (n or w):
+        return ""
+    parts = ([f"{n} sink(s)"] if n else []) + ([f"a window of {w} on each side"] if w else [])
+    return ", exact scores for " + " + ".join(parts)
+
+
 # ------------------------------------------------------------------------------------ the eval
 
 
@@ -216,6 +225,7 @@ def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, se
                                      threads=threads, memory_limit_gb=memory_limit_gb, progress=progress)
         out["cost"]["variant"] = lion_cfg.variant
         out["cost"]["chunk_size"] = lion_cfg.chunk_size
+        out["cost"]["sinks"], out["cost"]["window"] = lion_cfg.sinks, lion_cfg.window
     write_outputs(out_dir, STEM, out, embed_markdown, embed_figure)
     return out
 
@@ -246,7 +256,8 @@ def embed_markdown(data: dict) -> str:
         forms = list(cost["forms"])
         lengths = [r["tokens"] for r in cost["forms"][forms[0]]]
         lines += [f"## One attention layer: time / extra memory (batch 1, {cost['heads']} heads of {cost['head_dim']}, "
-                  f"{cost['threads']} thread(s), no gradient; LION-{cost['variant']}, chunk {cost['chunk_size']})", "",
+                  f"{cost['threads']} thread(s), no gradient; LION-{cost['variant']}, chunk {cost['chunk_size']}"
+                  f"{_exact_text(cost)})", "",
                   markdown_table(["tokens", *forms],
                                  [[n, *(_cell(cost["forms"][f][i]) for f in forms)] for i, n in enumerate(lengths)]),
                   ""]
