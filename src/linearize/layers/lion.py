@@ -191,11 +191,12 @@ class LionAttention(nn.Module):
             logits.append(torch.stack([(qa * _shifted(ka, o, 2)).sum(-1) for o in offsets], dim=-1)
                           .mul(self.scale).masked_fill(~ok[:, None], float("-inf")))
             lg = token_log_gates(log_a, valid, B, T, acc)
-            b = None if lg is None else lg.cumsum(-1)
+            if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
+                b = lg.cumsum(-1)
+                c = b - lg
             for e, o in enumerate(offsets):  # less the window keys' own LION terms
                 a = (fq * _shifted(fk, o, 2)).sum(-1) * ok[:, None, :, e]          # (B, H, T)
-                if b is not None and o:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), c = b - lg
-                    c = b - lg
+                if lg is not None and o:
                     a = a * (b - _shifted(b, o, 2) if o < 0 else _shifted(c, o, 2) - c).clamp_max(0.0).exp()
                 lin = lin - a.unsqueeze(-1) * _shifted(v1, o, 2)
         # A query whose keys are all exact has no rest; the subtraction leaves rounding noise there,
@@ -220,7 +221,8 @@ class LionAttention(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"variant={c.variant}, feature_map={c.feature_map}, scaled={c.scaled}, form={c.form}"
+        exact = f", sinks={c.sinks}, window={c.window}" if c.sinks or c.window else ""
+        return f"variant={c.variant}, feature_map={c.feature_map}, scaled={c.scaled}, form={c.form}{exact}"
 
 
 def _shifted(x: torch.Tensor, offset: int, dim: int) -> torch.Tensor:
