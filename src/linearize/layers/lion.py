@@ -79,9 +79,11 @@ class LionConfig:
             raise ValueError(f"scaled must be a bool, got {self.scaled!r}")
         check_positive_int("chunk_size", self.chunk_size)
         if not (isinstance(self.sinks, int) and not isinstance(self.sinks, bool) and self.sinks >= 0):
-            raise ValueError(f"sinks must be an int >= 0 (how many leading tokens get exact softmax), got {self.sinks!r}")
+            raise ValueError(f"sinks must be an int >= 0 (how many leading tokens get exact softmax), "
+                             f"got {self.sinks!r}")
         if not (isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 0):
-            raise ValueError(f"window must be an int >= 0 (exact softmax within that distance), got {self.window!r}")
+            raise ValueError(f"window must be an int >= 0 (exact softmax within that distance), "
+                             f"got {self.window!r}")
         if self.feature_dim is not None:
             check_positive_int("feature_dim", self.feature_dim)
             if self.feature_map == "hedgehog" and self.feature_dim % 2:
