@@ -749,15 +749,16 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
             DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, num_warps=4)
     elif S0 is not None:
         s_in, z_in = S0.float().contiguous(), z0.float().contiguous()
+    tma_qk = _tma(cfg, q, k)  # the normaliser pass reads q and k; the main pass also v and o
     if normalize:
         _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
-            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k),
+            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
-        STORE_CHUNKS=store_chunks, TMA=_tma(cfg, q, k, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        STORE_CHUNKS=store_chunks, TMA=tma_qk and _tma(cfg, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **common_kw)
     return o, den, S_T, z_T, (nseg, seg_len), sc, zc
 
