@@ -87,7 +87,7 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
         cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma)
     else:
         cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
-                                   dstate_bv=dstate_bv, tma=tma)
+                                   dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma)
     o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
                                    config=cfg)
     assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32

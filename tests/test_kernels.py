@@ -119,6 +119,36 @@ def test_sequence_split_follows_the_sweep():
     assert kgla._segments(1000, 64, 1, 132, cfg) == (2, 512)  # segments keep at least 8 chunks
 
 
+def test_tuning_picks_the_reverse_pass_block_per_mode():
+    """The backward's reverse-pass V-block is tuned apart for the unnormalised pass (GLA alone,
+    the plain rows) and the normalised one (Lizard's, the Lizard rows): the sweep found 64 faster
+    for the first and 128 for the second, and one setting for both cost one of them."""
+    from linearize.bench import kernels as kb
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import window as kwin
+
+    jobs = kb._tune_jobs([(16, 2048)])
+    bwd = {(mode, json.dumps(c, sort_keys=True)) for kind, mode, _, c in jobs if kind == "gla bwd"}
+    assert all(("dstate_bv" in c) == (mode == "plain") and ("dstate_bv_norm" in c) == (mode == "lizard")
+               for mode, c in ((m, json.loads(c)) for m, c in bwd))
+
+    def row(kind, mode, config, fwd, fwd_bwd):
+        return {"kind": kind, "mode": mode, "B": 16, "T": 2048, "config": config,
+                "fwd": {"median_ms": fwd}, "fwd+bwd": {"median_ms": fwd_bwd}}
+
+    rows = [row("gla bwd", "plain", {"par_warps": 8, "dstate_bv": 128}, 0.6, 2.55),
+            row("gla bwd", "plain", {"par_warps": 4, "dstate_bv": 64}, 0.6, 2.48),
+            row("gla bwd", "lizard", {"par_warps": 8, "dstate_bv_norm": 128}, 0.9, 3.45),
+            row("gla bwd", "lizard", {"par_warps": 4, "dstate_bv_norm": 64}, 0.9, 4.03)]
+    old_gla, old_win = kgla.CONFIG, kwin.CONFIG
+    try:
+        chosen = kb.apply_tuned(rows)
+        assert chosen["gla_bwd"] == {"dstate_bv": 64, "par_warps": 8, "dstate_bv_norm": 128}
+        assert (kgla.CONFIG.dstate_bv, kgla.CONFIG.dstate_bv_norm, kgla.CONFIG.par_warps) == (64, 128, 8)
+    finally:
+        kgla.CONFIG, kwin.CONFIG = old_gla, old_win
+
+
 def test_bench_rejects_bad_arguments(tmp_path):
     from linearize.bench.kernels import run_kernel_bench
 

@@ -365,7 +365,8 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring)
-GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features)
+GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
+    # stands for dstate_bv_norm in the Lizard (normalised) rows
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=8, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=64),
@@ -384,6 +385,8 @@ def _tune_jobs(shapes) -> list[tuple[str, str, tuple[int, int], dict]]:
         for c in GLA_FWD_CANDIDATES:
             jobs.append(("gla fwd", mode, (B, T), c))
         for c in GLA_BWD_CANDIDATES:
+            if mode == "lizard":
+                c = {("dstate_bv_norm" if k == "dstate_bv" else k): v for k, v in c.items()}
             jobs.append(("gla bwd", mode, (B, T), c))
     for c in WINDOW_CANDIDATES:
         jobs.append(("window", "fused", (B, T), c))
@@ -468,13 +471,17 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
             cands = [r for r in cands if r["T"] == last]
         return min(cands, key=key)["config"] if cands else {}
 
+    backward = lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"]  # noqa: E731
+    plain = best("gla bwd", backward, modes=("plain",))
     chosen = {
         "gla_fwd": best("gla fwd", lambda r: r["fwd"]["median_ms"]),
-        "gla_bwd": best("gla bwd", lambda r: r["fwd+bwd"]["median_ms"] - r["fwd"]["median_ms"]),
+        "gla_bwd": {**({"dstate_bv": plain["dstate_bv"]} if "dstate_bv" in plain else {}),
+                    **best("gla bwd", backward)},
         "window": best("window", lambda r: r["fwd+bwd"]["median_ms"]),
         "gla_seg": best("gla seg", lambda r: r["fwd+bwd"]["median_ms"]),
     }
-    # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps;
+    # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps and
+    # the normalised reverse pass's V-block; the unnormalised one comes from the plain rows;
     # par_warps_log (log-features, which no layer passes now) keeps its default
     kgla.set_config(**chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
     kwin.set_config(**chosen["window"])

@@ -608,8 +608,10 @@ class GLAKernelConfig:
     correct results at the same shapes: avoid it);
     ``par_warps`` / ``par_warps_log``: the backward's chunk pass for plain / log-features (the
     log-feature pass holds more tiles: with 4 warps it spills);
-    ``dstate_bv``: the V-block of the backward's reverse pass (its programs split V: more of
-    them run side by side);
+    ``dstate_bv`` / ``dstate_bv_norm``: the V-block of the backward's reverse pass, unnormalised /
+    normalised (its programs split V: more of them run side by side, but with the normaliser each
+    also carries dz, so splitting costs more there; H200, B16 T2048: GLA alone 2.484 ms fwd+bwd at
+    64 against 2.553 at 128, Lizard's normalised pass 4.035 at 64 against 3.450 at 128);
     ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into
     segments aims at, rounded to the nearest number of segments (the forward's main pass runs
     NV = 2 V-blocks of each, at 2 programs per multiprocessor). On an H200 at 32 heads the sweep
@@ -636,7 +638,8 @@ class GLAKernelConfig:
     den_warps: int = 4
     dstate_warps: int = 8
     dstate_stages: int = 2
-    dstate_bv: int = 128
+    dstate_bv: int = 64
+    dstate_bv_norm: int = 128
     par_warps: int = 4
     par_warps_log: int = 8
     par_stages: int = 1
@@ -807,7 +810,7 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
-    BVD = min(pow2(cfg.dstate_bv), BV)
+    BVD = min(pow2(cfg.dstate_bv_norm if normalize else cfg.dstate_bv), BV)
     NVD = BV // BVD  # a power of two (YC's last axis is read with one arange)
     yc = torch.empty(B * H, NC, NVD, **f32)
     zc_ = zc if zc is not None else dlog_g
