@@ -283,6 +283,29 @@ def test_minilm_is_the_bundled_fp32_bert(minilm):
     assert e[0] @ e[1] > e[0] @ e[2]  # the teacher is a real sentence encoder
 
 
+def test_stage2_targets_pooled_from_the_teachers_hidden_states_are_its_embeddings(minilm):
+    """Stage 2 pools its targets from the teacher's forward on each trimmed, length-bucketed batch
+    (the hidden-state term runs it anyway) instead of embedding every training sentence first: that
+    must be the embedding the evaluation compares against."""
+    from linearize.train.encoder import BucketedRows, length_buckets, tokenize_sentences
+
+    model, tokenizer = minilm
+    sents = ["A man is playing a guitar on the street.", "Someone plays an instrument.", "The stock fell.",
+             "Rain is expected over the northern hills by the end of the week, the forecast says.",
+             "She wrote three books.", "The committee met again on Tuesday to discuss the budget."]
+    rows = tokenize_sentences(tokenizer, sents, 64)
+    buckets = BucketedRows(rows, length_buckets(rows, 3, seed=0))
+    reference = embed(model, tokenizer, sents)
+    for j in range(len(buckets)):
+        b = buckets.batch([j])
+        assert b["input_ids"].shape[1] < 64  # trimmed to its longest sentence
+        with torch.no_grad():
+            hidden = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                           output_hidden_states=True).hidden_states
+        pooled = torch.nn.functional.normalize(mean_pool(hidden[-1], b["attention_mask"]), dim=-1)
+        assert_rel_close(pooled, reference[b["index"]], 1e-5)
+
+
 @pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
 def test_converted_minilm_round_trips_exactly(minilm, tmp_path, exact):
     from linearize.models.lora import add_lora

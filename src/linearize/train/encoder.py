@@ -15,7 +15,9 @@ state/*.pt, the checkpoint, summary.json, loss curves), with sentences instead o
 * stage 2, LoRA (``lora_targets``, default q/k/v and every ``dense`` projection: attention output,
   FFN and pooler) together with the LION parameters, on the sentence-embedding objective: 1 - the
   cosine similarity between the student's and the teacher's pooled, L2-normalised embeddings
-  (teacher embeddings computed once, before conversion), plus ``distill`` times the summed
+  (pooled from the teacher's forward on the same batch, which the hidden-state term runs anyway;
+  computed once before training only when ``distill`` is 0 or for the relational bank, since
+  a whole pass over the training sentences costs minutes on the CPU), plus ``distill`` times the summed
   relative MSE of every layer's hidden states against the teacher's on the same batch
   (``hidden_state_loss``; for encoders ``distill`` weighs this term, there are no logits). The
   per-token, per-layer targets give many more signals per sentence than one pooled vector: on
@@ -263,7 +265,9 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
         metrics.path.unlink()
     model.to(device).eval()
     teacher = copy.deepcopy(model)
-    train_rows.targets = _teacher_targets(teacher, train_rows, config, device, out)
+    if config.distill == 0 or bank_size:
+        # with the hidden-state term every step runs the teacher anyway and pools its own targets
+        train_rows.targets = _teacher_targets(teacher, train_rows, config, device, out)
     val_rows.targets = _teacher_targets(teacher, val_rows, config, device, None)
 
     bank = relational_bank(train_sentences, train_rows.targets, bank_size) if bank_size else None
@@ -322,17 +326,19 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
             with torch.no_grad():
                 reference = teacher(**kw).hidden_states
             student = F.normalize(mean_pool(result.last_hidden_state, batch["attention_mask"]).float(), dim=-1)
+            target = F.normalize(mean_pool(reference[-1], batch["attention_mask"]).float(), dim=-1)
             hidden = hidden_state_loss(result.hidden_states[1:], reference[1:], batch["attention_mask"])
             loss = config.distill * hidden
             extras["hidden"] = hidden.item()
-        cos = (student * batch["targets"]).sum(-1)
+        target = batch["targets"] if config.distill == 0 else target
+        cos = (student * target).sum(-1)
         loss = loss + (1 - cos).mean()
         extras["cosine"] = cos.mean().item()
         if bank is not None:
             # a batch row that is itself in the bank would see its own target at similarity 1: leave it out
             index = batch["index"]
             own = index.unsqueeze(1) == torch.arange(bank.shape[0], device=index.device).unsqueeze(0)
-            rel = relational_loss(student, batch["targets"], bank, config.relational_temperature, exclude=own)
+            rel = relational_loss(student, target, bank, config.relational_temperature, exclude=own)
             loss = loss + config.relational * rel
             extras["relational"] = rel.item()
         return loss, extras
