@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--feature-dim", type=int, default=None, help="Hedgehog F (default 2 x head_dim)")
     p.add_argument("--sinks", type=int, default=0, help="leading tokens ([CLS]) attended by exact softmax")
     p.add_argument("--window", type=int, default=0, help="exact softmax within this distance of each token")
+    p.add_argument("--asymmetric", action="store_true", help="separate decays for keys right of the query")
     p.add_argument("--val-sentences", type=int, default=256)
     p.add_argument("--eval-sentences", type=int, default=1000)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
         relational=args.relational, relational_temperature=args.relational_temperature,
         relational_bank=args.relational_bank,
         overrides={"chunk_size": args.chunk_size, **({"feature_dim": args.feature_dim} if args.feature_dim else {}),
-                   **({"sinks": args.sinks} if args.sinks else {}), **({"window": args.window} if args.window else {})},
+                   **({"sinks": args.sinks} if args.sinks else {}), **({"window": args.window} if args.window else {}),
+                   **({"asymmetric": True} if args.asymmetric else {})},
         eval_every=50, save_every=50, device="cpu", progress=True)
     wall, cpu = time.perf_counter(), time.process_time()
     run_encoder(config, resume=args.resume)

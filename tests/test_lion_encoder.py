@@ -35,27 +35,37 @@ def batch(B=3, T=20, seed=0):
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+VARIANTS = ["lit", "d", "s", "d-asym", "s-asym"]  # -asym: separate decays for keys right of the query
+
+
+def lion_config(variant: str, **kw) -> LionConfig:
+    name, _, asym = variant.partition("-")
+    return LionConfig(variant=name, asymmetric=bool(asym), **kw)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
 @pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
 def test_gradients_reach_every_lion_parameter(variant, form, exact):
     torch.manual_seed(0)
-    layer = LionAttention(LionConfig(variant=variant, chunk_size=4, **exact), H, D, HIDDEN)
+    layer = LionAttention(lion_config(variant, chunk_size=4, **exact), H, D, HIDDEN)
     q, k, v = (torch.randn(2, H, 11, D) for _ in range(3))
     x = torch.randn(2, 11, HIDDEN)
     valid = torch.ones(2, 11, dtype=torch.bool)
     valid[1, 8:] = False
     layer(q, k, v, x, valid, form=form).pow(2).sum().backward()
     names = {n for n, _ in layer.named_parameters()}
-    assert ({"gate.weight", "gate.bias"} <= names) == (variant == "s")
-    assert ("decay_logit" in names) == (variant == "d")
+    assert ({"gate.weight", "gate.bias"} <= names) == variant.startswith("s")
+    assert ("decay_logit" in names) == variant.startswith("d")
+    assert ({"gate_back.weight", "gate_back.bias"} <= names) == (variant == "s-asym")
+    assert ("decay_logit_back" in names) == (variant == "d-asym")
     assert ({"rest_logit.weight", "rest_logit.bias", "rest_count_scale"} <= names) == bool(exact)
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
 
 
-@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("sinks, window", [(1, 2), (2, 0), (0, 1)])
 def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, window):
     """Every form against the definition, written out per query i: softmax over the exact keys'
@@ -68,7 +78,7 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, win
 
     torch.manual_seed(0)
     B, T = 2, 11
-    layer = LionAttention(LionConfig(variant=variant, sinks=sinks, window=window, chunk_size=4), H, D, HIDDEN).double()
+    layer = LionAttention(lion_config(variant, sinks=sinks, window=window, chunk_size=4), H, D, HIDDEN).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
@@ -78,7 +88,8 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, win
     valid[1, 7:] = False
     with torch.no_grad():
         fq, fk = layer.phi_q(q), layer.phi_k(k)
-        M = lion_mask(layer.log_decay(x), T, valid, batch_size=B, dtype=torch.float64).expand(B, H, T, T)
+        M = lion_mask(layer.log_decay(x), T, valid, batch_size=B, dtype=torch.float64,
+                      log_a_back=layer.log_decay_back(x)).expand(B, H, T, T)
         r = layer.rest_logit(x).transpose(1, 2)
         ref = torch.zeros(B, H, T, D, dtype=torch.float64)
         for b in range(B):
@@ -118,6 +129,33 @@ def test_exact_keys_covering_a_short_sentence_leave_plain_softmax():
     assert_rel_close(y, ref, 1e-12, "short")
     y.pow(2).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("variant", ["d", "s"])
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+def test_asymmetric_decays_start_as_the_symmetric_layer_and_then_look_one_way(variant, exact):
+    """The right-side decays start equal to the left ones (the same layer as LION's symmetric
+    mask); set apart, the layer is LION with the two-sided mask (ops tests check that mask)."""
+    torch.manual_seed(0)
+    sym = LionAttention(LionConfig(variant=variant, chunk_size=4, **exact), H, D, HIDDEN).double()
+    asym = LionAttention(LionConfig(variant=variant, chunk_size=4, asymmetric=True, **exact), H, D, HIDDEN).double()
+    missing, unexpected = asym.load_state_dict(sym.state_dict(), strict=False)
+    assert not unexpected and set(missing) == ({"gate_back.weight", "gate_back.bias"} if variant == "s"
+                                               else {"decay_logit_back"})
+    q, k, v = (torch.rand(2, H, 13, D, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        assert_rel_close(asym(q, k, v, x), sym(q, k, v, x), 1e-14, "at init")
+        back = asym.gate_back.bias if variant == "s" else asym.decay_logit_back
+        back.fill_(-6.0)  # right-side decay about 0.0025: the keys right of a query fade at once
+        y = asym(q, k, v, x, form="parallel")
+        assert (y - sym(q, k, v, x)).abs().max() > 1e-3
+        for form in ("chunk", "recurrent"):
+            assert_rel_close(asym(q, k, v, x, form=form), y, 1e-12, form)
+    with pytest.raises(ValueError, match="asymmetric decays need a decay: variant 'd' or 's', not 'lit'"):
+        LionConfig(variant="lit", asymmetric=True).validate()
+    with pytest.raises(ValueError, match="asymmetric must be a bool, got 1"):
+        LionConfig(asymmetric=1).validate()
 
 
 def test_layer_forms_agree_and_decay_starts_in_range():
@@ -306,7 +344,7 @@ def test_stage2_targets_pooled_from_the_teachers_hidden_states_are_its_embedding
         assert_rel_close(pooled, reference[b["index"]], 1e-5)
 
 
-@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2, "asymmetric": True}])
 def test_converted_minilm_round_trips_exactly(minilm, tmp_path, exact):
     from linearize.models.lora import add_lora
 

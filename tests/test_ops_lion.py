@@ -235,3 +235,77 @@ def test_integer_padding_mask_is_accepted():
     a, _ = lion_chunk(q, k, v, decay("s"), valid=padding().long())
     b, _ = lion_chunk(q, k, v, decay("s"), valid=padding())
     assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------- asymmetric decays (ours)
+
+
+def explicit_two_sided_mask(log_a, log_a_back, T, b=0):
+    """Keys left of the query take the products of ``log_a``'s gates, keys right of it those of
+    ``log_a_back``, with the same index ranges as ``explicit_mask``."""
+    lower, upper = explicit_mask(log_a, T, b), explicit_mask(log_a_back, T, b)
+    return torch.where(torch.ones(T, T, dtype=torch.bool).tril(), lower, upper)
+
+
+@pytest.mark.parametrize("variant", ["d", "s"])
+def test_two_sided_mask_takes_each_sides_own_decays(variant):
+    t = 9
+    log_a, log_b = decay(variant, T=t), decay(variant, T=t, seed=5)
+    M = lion_mask(log_a, t, batch_size=B, dtype=torch.float64, log_a_back=log_b)
+    for b in range(B):
+        ref = explicit_two_sided_mask(log_a, log_b, t, b)
+        assert torch.allclose(M[min(b, M.shape[0] - 1)].expand_as(ref), ref, atol=1e-14, rtol=1e-12)
+    same = lion_mask(log_a, t, batch_size=B, dtype=torch.float64, log_a_back=log_a)
+    assert torch.allclose(same, lion_mask(log_a, t, batch_size=B, dtype=torch.float64), atol=1e-15)
+    assert not torch.allclose(M, same)  # the right side really changed
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("variant", ["d", "s"])
+@pytest.mark.parametrize("form", ["recurrent", "chunk", "parallel"])
+def test_forms_agree_with_two_sided_decays(form, variant, scaled, pad):
+    """Each form against attention under the explicit two-sided mask, states included."""
+    valid = padding() if pad else None
+    q, k, v = inputs()
+    log_a, log_b = decay(variant), decay(variant, seed=5)
+    o, state = FORMS[form](q, k, v, log_a, valid=valid, scaled=scaled, log_a_back=log_b)
+    for b in range(B):
+        keep = valid[b] if pad else torch.ones(T, dtype=torch.bool)
+        sub = lambda x: x[b, :, keep]  # noqa: E731
+        la, lb = ((x if x.dim() == 1 else x[b:b + 1, :, keep]) for x in (log_a, log_b))
+        M = explicit_two_sided_mask(la, lb, int(keep.sum()))
+        w = torch.einsum("htf,hsf->hts", sub(q), sub(k)) * M
+        ref = w @ sub(v) / ((w.sum(-1, keepdim=True) + 1e-6) if scaled else 1)
+        assert_rel_close(o[b, :, keep], ref, 1e-12, f"{form} row {b}")
+    _, ref_state = lion_parallel(q, k, v, log_a, valid=valid, scaled=scaled, log_a_back=log_b)
+    assert_state_close(state, ref_state, 1e-12)
+    _, st_sym = lion_parallel(q, k, v, log_a, valid=valid, scaled=scaled)
+    assert_rel_close(state.S_f, st_sym.S_f, 1e-12)  # left-to-right state: log_a's decays alone
+    assert not torch.allclose(state.S_b, st_sym.S_b)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_two_sided_gradients_match_the_parallel_form(form):
+    def grads(fn):
+        q, k, v = (x.requires_grad_() for x in inputs())
+        log_a, log_b = decay("s").requires_grad_(), decay("s", seed=5).requires_grad_()
+        o, st = fn(q, k, v, log_a, valid=padding(), log_a_back=log_b)
+        (o.pow(2).sum() + st.S_f.sum() + st.z_b.sum()).backward()
+        return q.grad, k.grad, v.grad, log_a.grad, log_b.grad
+
+    for name, g, g_ref in zip(["q", "k", "v", "log_a", "log_a_back"], grads(FORMS[form]), grads(lion_parallel)):
+        assert g.abs().sum() > 0, f"no gradient reaches {name}"
+        assert_rel_close(g, g_ref, 1e-10, f"grad {name}")
+
+
+@pytest.mark.parametrize("log_a, log_b, message", [
+    (None, torch.zeros(H), r"log_a_back .* needs log_a .* lion-lit has no decay"),
+    (torch.zeros(H), torch.zeros(B, H, T), r"log_a_back must have log_a's shape \(3,\), got \(2, 3, 29\)"),
+    (torch.zeros(H), torch.full((H,), 0.5), r"log_a_back must be <= 0 .* maximum of 0.5"),
+])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_bad_back_decay_is_named(form, log_a, log_b, message):
+    q, k, v = inputs(torch.float32)
+    with pytest.raises(ValueError, match=message):
+        FORMS[form](q, k, v, log_a, log_a_back=log_b)

@@ -24,6 +24,12 @@ two, LION entering as a pseudo-key with a learned logit (``LionAttention._with_e
 Lizard's and LoLCATs' recipe (exact attention where it is sharp, linear attention elsewhere)
 made bidirectional; time and state stay linear in length (2w + 1 + n exact scores per token).
 
+Asymmetric decays (ours, off by default; ``asymmetric``): LION's mask decays keys left and right
+of the query alike, but many BERT heads look one way: in MiniLM's layers 1-3, heads put 80-98% of
+the mass that falls outside [CLS] and the ±2 neighbours on one side (64 wiki sentences). With
+``asymmetric`` the keys on the right get decays of their own (a second per-head λ for d, a second
+gate for s; ``log_a_back`` of the ops), which start equal to the left ones.
+
 Initialisation (ours): the feature maps start at the identity-like map; λ_h and the gate start
 spread evenly over ``decay_init`` = (0.95, 0.99) across heads with the gate's input weights at 0,
 so -d and -s start as mildly local versions of -lit and every head keeps long memory.
@@ -68,6 +74,7 @@ class LionConfig:
     #                                            clamp = tokens past the last position reuse it; error = refuse
     sinks: int = 0                             # the first `sinks` tokens ([CLS]) get exact softmax scores
     window: int = 0                            # so do the tokens within `window` positions on either side
+    asymmetric: bool = False                   # d / s: separate decays for keys left and right of the query
 
     def validate(self) -> "LionConfig":
         for name, allowed in (("variant", LION_VARIANTS), ("feature_map", LION_FEATURE_MAPS),
@@ -77,6 +84,10 @@ class LionConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.scaled, bool):
             raise ValueError(f"scaled must be a bool, got {self.scaled!r}")
+        if not isinstance(self.asymmetric, bool):
+            raise ValueError(f"asymmetric must be a bool, got {self.asymmetric!r}")
+        if self.asymmetric and self.variant == "lit":
+            raise ValueError("asymmetric decays need a decay: variant 'd' or 's', not 'lit'")
         check_positive_int("chunk_size", self.chunk_size)
         if not (isinstance(self.sinks, int) and not isinstance(self.sinks, bool) and self.sinks >= 0):
             raise ValueError(f"sinks must be an int >= 0 (how many leading tokens get exact softmax), "
@@ -121,8 +132,12 @@ class LionAttention(nn.Module):
         self.phi_k = maps[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
         if config.variant == "d":
             self.decay_logit = nn.Parameter(_logit(_head_gammas(num_heads, config.decay_init)).float())
+            if config.asymmetric:  # starts equal to the left decay: the symmetric mask
+                self.decay_logit_back = nn.Parameter(self.decay_logit.detach().clone())
         elif config.variant == "s":
             self.gate = SigmoidGate(hidden_size, num_heads, config.decay_init)
+            if config.asymmetric:
+                self.gate_back = SigmoidGate(hidden_size, num_heads, config.decay_init)
         if config.sinks or config.window:
             self.scale = softmax_scale(scale, head_dim)
             # the log of the softmax mass of the keys LION covers, per query token and head:
@@ -135,12 +150,22 @@ class LionAttention(nn.Module):
             self.rest_count_scale = nn.Parameter(torch.ones(num_heads))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
-        """None (lit), log λ_h (H,) (d) or log a_t (B, H, T) (s), all <= 0, in fp32."""
+        """None (lit), log λ_h (H,) (d) or log a_t (B, H, T) (s), all <= 0, in fp32: the decays of
+        the keys left of the query (all keys unless ``asymmetric``)."""
         if self.config.variant == "d":
             return F.logsigmoid(self.decay_logit.float())
         if self.config.variant == "s":
             return self.gate(x)
         return None
+
+    def log_decay_back(self, x: torch.Tensor) -> torch.Tensor | None:
+        """With ``asymmetric``, the decays of the keys right of the query (``log_decay``'s shape);
+        else None (the ops then use ``log_decay`` for both sides)."""
+        if not self.config.asymmetric:
+            return None
+        if self.config.variant == "d":
+            return F.logsigmoid(self.decay_logit_back.float())
+        return self.gate_back(x)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                 valid: torch.Tensor | None = None, form: str | None = None) -> torch.Tensor:
@@ -152,6 +177,7 @@ class LionAttention(nn.Module):
         if form == "chunk":
             kw["chunk_size"] = self.config.chunk_size
         op = {"chunk": lion_chunk, "parallel": lion_parallel, "recurrent": lion_recurrent}[form]
+        kw["log_a_back"] = self.log_decay_back(x)
         if not (self.config.sinks or self.config.window):
             y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
             return y
@@ -195,7 +221,8 @@ class LionAttention(nn.Module):
             lg = token_log_gates(log_a, valid, B, T, acc)
             if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
                 b = lg.cumsum(-1)
-                c = b - lg
+                lb = lg if kw["log_a_back"] is None else token_log_gates(kw["log_a_back"], valid, B, T, acc)
+                c = lb.cumsum(-1) - lb
             for e, o in enumerate(offsets):  # less the window keys' own LION terms
                 a = (fq * _shifted(fk, o, 2)).sum(-1) * ok[:, None, :, e]          # (B, H, T)
                 if lg is not None and o:
@@ -224,6 +251,7 @@ class LionAttention(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         exact = f", sinks={c.sinks}, window={c.window}" if c.sinks or c.window else ""
+        exact += ", asymmetric=True" if c.asymmetric else ""
         return f"variant={c.variant}, feature_map={c.feature_map}, scaled={c.scaled}, form={c.form}{exact}"
 
 

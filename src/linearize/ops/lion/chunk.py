@@ -12,7 +12,9 @@ c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1
     S^F <- e^{b_end} S^F + Σ_s e^{b_end - b_s} k_s v_s^T        (left to right)
     S^B <- e^{b_end} S^B + Σ_s e^{c_s} k_s v_s^T                (right to left)
 
-(e^{b_end - c_t} = Π_{k=t..s1-1} a_k: the query's own gate is in, as in the mask.) The forward
+(e^{b_end - c_t} = Π_{k=t..s1-1} a_k: the query's own gate is in, as in the mask.) With
+``log_a_back`` the backward sweep's b_end and c (and the intra mask's upper triangle) come from
+those gates instead. The forward
 sweep keeps each chunk's intra + forward reads; the backward sweep adds its reads and writes the
 chunk's output. Without autograd the output is written in place and each chunk's reads are
 freed once used, so extra memory is O(B H (C^2 + F Dv)) plus one row sum per token.
@@ -31,16 +33,18 @@ from .naive import LionState, check_inputs, masked_inputs, selective_mask, token
 def lion_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, chunk_size: int = 64, eps: float = 1e-6,
+    log_a_back: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
-    dt, valid = check_inputs(q, k, v, log_a, valid)
+    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
     B, H, T, F = q.shape
     Dv = v.shape[-1]
     qf, kf, vf = masked_inputs(q, k, v, valid, dt)
     lg = token_log_gates(log_a, valid, B, T, dt)
+    lg_back = lg if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt)
     spans = common.chunk_spans(T, chunk_size)
     # Writing the output in place keeps inference memory flat; autograd needs out-of-place pieces.
     in_place = not (torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v) + (() if log_a is None else (log_a,))))
+        t.requires_grad for t in (q, k, v) + tuple(x for x in (log_a, log_a_back) if x is not None)))
 
     S_f, z_f = qf.new_zeros(B, H, F, Dv), qf.new_zeros(B, H, F)
     reads = []  # per chunk: (decays or None, num, den) after the intra and forward terms
@@ -51,12 +55,12 @@ def lion_chunk(
             decays, q_fwd, k_fwd = None, qc, kc
             b_end = None
         else:
-            lc = lg[:, :, s0:s1]
+            lc, lcb = lg[:, :, s0:s1], lg_back[:, :, s0:s1]
             b = lc.cumsum(-1)
-            c = b - lc
             b_end = b[:, :, -1:]
-            weights = weights * selective_mask(lc)
-            decays = (b_end, c)
+            bb = b if lg_back is lg else lcb.cumsum(-1)
+            weights = weights * selective_mask(lc, lcb)
+            decays = (bb[:, :, -1:], bb - lcb)  # the backward sweep's: its total and exclusive cumsum
             q_fwd = qc * b.exp().unsqueeze(-1)
             k_fwd = kc * (b_end - b).exp().unsqueeze(-1)
         num = weights @ vc + q_fwd @ S_f

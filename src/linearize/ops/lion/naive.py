@@ -1,7 +1,7 @@
 """Parallel LION (masked full linear attention), the mask builder and the shared input checks.
 
-Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); valid (B, T) or None;
-o (B, H, T, Dv). This form builds (B, H, T, T) tensors: a reference for test sizes and short
+Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); log_a_back None or
+log_a's shape; valid (B, T) or None; o (B, H, T, Dv). This form builds (B, H, T, T) tensors: a reference for test sizes and short
 inputs, not a way to run long ones (``lion_chunk`` is).
 """
 
@@ -51,6 +51,23 @@ def check_log_a(log_a: Optional[torch.Tensor], B: int, H: int, T: int) -> None:
         raise ValueError(f"log_a must be <= 0 (a decay in (0, 1]), got a maximum of {float(log_a.max())!r}")
 
 
+def check_log_a_back(log_a_back: Optional[torch.Tensor], log_a: Optional[torch.Tensor], B: int, H: int,
+                     T: int) -> None:
+    """``log_a_back`` (the right-to-left decays) is None or has ``log_a``'s shape and range."""
+    if log_a_back is None:
+        return
+    if log_a is None:
+        raise ValueError("log_a_back (decays of the right-to-left direction) needs log_a (those of the "
+                         "left-to-right direction); lion-lit has no decay")
+    common.check_float("log_a_back", log_a_back)
+    if log_a_back.shape != log_a.shape:
+        raise ValueError(f"log_a_back must have log_a's shape {tuple(log_a.shape)}, got {tuple(log_a_back.shape)}")
+    try:
+        check_log_a(log_a_back, B, H, T)
+    except ValueError as e:
+        raise ValueError(str(e).replace("log_a", "log_a_back", 1)) from None
+
+
 def check_valid(valid: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
     """The padding mask as (B, T) bool (True = a real token), or None; 0/1 integers are accepted."""
     if valid is None:
@@ -70,12 +87,13 @@ def check_valid(valid: Optional[torch.Tensor], B: int, T: int) -> Optional[torch
     return valid.bool()
 
 
-def check_inputs(q, k, v, log_a, valid):
+def check_inputs(q, k, v, log_a, valid, log_a_back=None):
     """Validate everything; returns (compute dtype, valid as bool or None)."""
     B, H, T, _, _ = common.check_qkv(q, k, v)
     check_log_a(log_a, B, H, T)
+    check_log_a_back(log_a_back, log_a, B, H, T)
     valid = check_valid(valid, B, T)
-    dt = common.compute_dtype(q, k, v, *([] if log_a is None else [log_a]))
+    dt = common.compute_dtype(q, k, v, *[x for x in (log_a, log_a_back) if x is not None])
     return dt, valid
 
 
@@ -101,56 +119,65 @@ def token_log_gates(log_a, valid, B: int, T: int, dt) -> Optional[torch.Tensor]:
     return lg
 
 
-def selective_mask(lg: torch.Tensor) -> torch.Tensor:
+def selective_mask(lg: torch.Tensor, lg_back: Optional[torch.Tensor] = None) -> torch.Tensor:
     """M (B, H, T, T) from per-token log gates (B, H, T): forward-lower + backward-upper - I.
 
-    With b_t = Σ_{k<=t} log a_k (forward cumsum) and c_t = Σ_{k<t} log a_k:
+    With b_t = Σ_{k<=t} log a_k (forward cumsum) and c_t = Σ_{k<t} log a'_k (a' = the gates of
+    ``lg_back``, the right-to-left direction; a' = a when it is None, LION's symmetric mask):
       lower (i >= j): log M_ij = b_i - b_j = Σ_{k=j+1..i} log a_k
-      upper (i <= j): log M_ij = c_j - c_i = Σ_{k=i..j-1} log a_k
+      upper (i <= j): log M_ij = c_j - c_i = Σ_{k=i..j-1} log a'_k
     Both give 0 on the diagonal, so choosing per triangle in log space and taking one exp is the
     sum of the two triangular masks minus I. The choice comes before the exp: the other triangle's
     value is >= 0 there and may overflow, and it is never exponentiated (nor gets a gradient).
     """
     T = lg.shape[-1]
     b = lg.cumsum(-1)
-    c = b - lg
+    lb = lg if lg_back is None else lg_back
+    c = lb.cumsum(-1) - lb
     lower = torch.ones(T, T, dtype=torch.bool, device=lg.device).tril()
     return torch.where(lower, b.unsqueeze(-1) - b.unsqueeze(-2), c.unsqueeze(-2) - c.unsqueeze(-1)).exp()
 
 
 def lion_mask(log_a: Optional[torch.Tensor], T: int, valid: Optional[torch.Tensor] = None, *,
               batch_size: int = 1, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> torch.Tensor:
+              device: torch.device | str | None = None, log_a_back: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The LION mask M, broadcastable to (B, H, T, T), in ``dtype`` (default: fp32, fp64 for fp64 ``log_a``).
 
     lit: ones (1, 1, T, T). d without padding: the Toeplitz λ_h^{|i-j|}, (1, H, T, T). s, or d with
-    padding: ``selective_mask`` of the per-token gates (a = 1 at padding), (B, H, T, T).
+    padding: ``selective_mask`` of the per-token gates (a = 1 at padding), (B, H, T, T). With
+    ``log_a_back`` the upper triangle (keys right of the query) takes those decays instead.
     """
     if isinstance(T, bool) or not isinstance(T, int) or T < 0:
         raise ValueError(f"T must be a non-negative int, got {T!r}")
     B = valid.shape[0] if valid is not None else (log_a.shape[0] if log_a is not None and log_a.dim() == 3 else batch_size)
     H = 1 if log_a is None else log_a.shape[-1 if log_a.dim() == 1 else 1]
     check_log_a(log_a, B, H, T)
+    check_log_a_back(log_a_back, log_a, B, H, T)
     valid = check_valid(valid, B, T)
     dt = dtype or (torch.float32 if log_a is None else common.compute_dtype(log_a))
     if log_a is None:
         return torch.ones(1, 1, T, T, dtype=dt, device=device if valid is None else valid.device)
     if log_a.dim() == 1 and valid is None:
         idx = torch.arange(T, device=log_a.device)
-        dist = (idx[:, None] - idx[None, :]).abs().to(dt)
-        return (dist * log_a.to(dt).view(-1, 1, 1)).exp().unsqueeze(0)
-    return selective_mask(token_log_gates(log_a, valid, B, T, dt))
+        dist = (idx[:, None] - idx[None, :]).to(dt)  # query - key: > 0 below the diagonal
+        back = log_a if log_a_back is None else log_a_back
+        log_m = torch.where(dist >= 0, dist * log_a.to(dt).view(-1, 1, 1), -dist * back.to(dt).view(-1, 1, 1))
+        return log_m.exp().unsqueeze(0)
+    return selective_mask(token_log_gates(log_a, valid, B, T, dt), token_log_gates(log_a_back, valid, B, T, dt))
 
 
-def boundary_state(k: torch.Tensor, v: torch.Tensor, lg: Optional[torch.Tensor]) -> LionState:
+def boundary_state(k: torch.Tensor, v: torch.Tensor, lg: Optional[torch.Tensor],
+                   lg_back: Optional[torch.Tensor] = None) -> LionState:
     """The forward state after the last token and the backward state at the first token, from
-    (masked, compute-dtype) k, v and per-token log gates (None for lit)."""
+    (masked, compute-dtype) k, v and per-token log gates (None for lit; ``lg_back`` those of the
+    backward direction, None = ``lg``)."""
     if lg is None:
         S, z = k.transpose(-1, -2) @ v, k.sum(2)
         return LionState(S, z, S, z)
     b = lg.cumsum(-1)
-    to_end = (b[..., -1:] - b).exp().unsqueeze(-1)  # Π_{k=j+1..T} a_k
-    from_start = (b - lg).exp().unsqueeze(-1)        # Π_{k=1..j-1} a_k
+    lb = lg if lg_back is None else lg_back
+    to_end = (b[..., -1:] - b).exp().unsqueeze(-1)       # Π_{k=j+1..T} a_k
+    from_start = (lb.cumsum(-1) - lb).exp().unsqueeze(-1)  # Π_{k=1..j-1} a'_k
     kf, kb = k * to_end, k * from_start
     return LionState(kf.transpose(-1, -2) @ v, kf.sum(2), kb.transpose(-1, -2) @ v, kb.sum(2))
 
@@ -158,17 +185,18 @@ def boundary_state(k: torch.Tensor, v: torch.Tensor, lg: Optional[torch.Tensor])
 def lion_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, eps: float = 1e-6,
+    log_a_back: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
     """o = scale((q k^T) ⊙ M) v, with M = ``lion_mask(log_a, T, valid)``: straight from the formula."""
-    dt, valid = check_inputs(q, k, v, log_a, valid)
+    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
     B, _, T, _ = q.shape
     qf, kf, vf = masked_inputs(q, k, v, valid, dt)
     if T:
-        mask = lion_mask(log_a, T, valid, batch_size=B, dtype=dt, device=q.device)
+        mask = lion_mask(log_a, T, valid, batch_size=B, dtype=dt, device=q.device, log_a_back=log_a_back)
         weights = (qf @ kf.transpose(-1, -2)) * mask  # (B, H, T, T)
         num = weights @ vf
         o = common.normalize_output(num, weights.sum(-1, keepdim=True), eps) if scaled else num
     else:
         o = vf
-    state = boundary_state(kf, vf, token_log_gates(log_a, valid, B, T, dt))
+    state = boundary_state(kf, vf, token_log_gates(log_a, valid, B, T, dt), token_log_gates(log_a_back, valid, B, T, dt))
     return o.to(v.dtype), state

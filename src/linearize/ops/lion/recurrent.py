@@ -4,7 +4,7 @@ Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); valid
 o (B, H, T, Dv).
 
     S^F_t = a_t S^F_{t-1} + k_t v_t^T        z^F_t = a_t z^F_{t-1} + k_t
-    S^B_t = a_t S^B_{t+1} + k_t v_t^T        z^B_t = a_t z^B_{t+1} + k_t
+    S^B_t = a'_t S^B_{t+1} + k_t v_t^T       z^B_t = a'_t z^B_{t+1} + k_t    (a' = a unless log_a_back)
     y_t   = q_t^T (S^F_t + S^B_t - k_t v_t^T) / q_t^T (z^F_t + z^B_t - k_t)
 
 Both states include token t, so its own term k_t v_t^T is subtracted once: the diagonal counts
@@ -26,14 +26,16 @@ from .naive import LionState, check_inputs, masked_inputs, token_log_gates
 def lion_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, eps: float = 1e-6,
+    log_a_back: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
-    dt, valid = check_inputs(q, k, v, log_a, valid)
+    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
     B, H, T, F = q.shape
     qf, kf, vf = masked_inputs(q, k, v, valid, dt)
     lg = token_log_gates(log_a, valid, B, T, dt)
-    a = None if lg is None else lg.exp().unsqueeze(-1)  # (B, H, T, 1)
+    a_fwd = None if lg is None else lg.exp().unsqueeze(-1)  # (B, H, T, 1)
+    a_bwd = a_fwd if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt).exp().unsqueeze(-1)
 
-    def step(S, z, t):
+    def step(S, z, t, a):
         if a is not None:
             S, z = a[:, :, t].unsqueeze(-1) * S, a[:, :, t] * z
         kt = kf[:, :, t]
@@ -47,12 +49,12 @@ def lion_recurrent(
     S_f, z_f = zeros()
     reads = [None] * T  # the forward reads q_t^T S^F_t, q_t^T z^F_t, freed as the backward sweep uses them
     for t in range(T):
-        S_f, z_f = step(S_f, z_f, t)
+        S_f, z_f = step(S_f, z_f, t, a_fwd)
         reads[t] = read(S_f, z_f, t)
     S_b, z_b = zeros()
     outs = [None] * T
     for t in range(T - 1, -1, -1):
-        S_b, z_b = step(S_b, z_b, t)
+        S_b, z_b = step(S_b, z_b, t, a_bwd)
         num_b, den_b = read(S_b, z_b, t)
         (num_f, den_f), reads[t] = reads[t], None
         self_w = (qf[:, :, t] * kf[:, :, t]).sum(-1, keepdim=True)  # q_t . k_t: in both sweeps, counted once
