@@ -163,6 +163,14 @@ def _exact_sentence(data: dict) -> str:
             "through LION. The timing table below includes them.")
 
 
+def _decay_sentence(c: dict) -> str:
+    """The decay setting of a record in words ('' for the default, symmetric decays)."""
+    if not c["overrides"].get("asymmetric"):
+        return ""
+    return (" Asymmetric decays (`asymmetric=True`, layers/lion.py): the keys right of a query decay by a gate "
+            "of their own, so a head can look mostly one way.")
+
+
 def _data_sentence(data: dict) -> str:
     held, trained = data["data"], data["training"]["config"]["data"]
     if trained == held:
@@ -196,7 +204,7 @@ def results_markdown(data: dict) -> str:
              f"teacher) on the pooled, L2-normalised sentence embeddings + {c['distill']:g} x the summed relative MSE "
              "of every layer's hidden states against the teacher's" + _relational_text(c) + ". Both stages draw "
              "batches of similar-length sentences (`length_buckets`: less padding, same sentences per step)."
-             + _exact_sentence(data), "",
+             + _exact_sentence(data) + _decay_sentence(c), "",
              "Stage times: " + ", ".join(f"{name} {s['steps']} steps in {s['seconds'] / 60:.1f} min"
                                          for name, s in stages.items()) + ".", "",
              "## Targets", "",
