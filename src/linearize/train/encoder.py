@@ -317,7 +317,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     def loss2(batch):
         extras = {}
         if config.distill == 0:
-            student = sentence_embeddings(model, batch)
+            student, target = sentence_embeddings(model, batch), batch["targets"]
             loss = torch.zeros((), device=student.device)
         else:
             kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
@@ -330,7 +330,6 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
             hidden = hidden_state_loss(result.hidden_states[1:], reference[1:], batch["attention_mask"])
             loss = config.distill * hidden
             extras["hidden"] = hidden.item()
-        target = batch["targets"] if config.distill == 0 else target
         cos = (student * target).sum(-1)
         loss = loss + (1 - cos).mean()
         extras["cosine"] = cos.mean().item()

@@ -1,8 +1,8 @@
 """Parallel LION (masked full linear attention), the mask builder and the shared input checks.
 
 Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); log_a_back None or
-log_a's shape; valid (B, T) or None; o (B, H, T, Dv). This form builds (B, H, T, T) tensors: a reference for test sizes and short
-inputs, not a way to run long ones (``lion_chunk`` is).
+log_a's shape; valid (B, T) or None; o (B, H, T, Dv). This form builds (B, H, T, T) tensors: a
+reference for test sizes and short inputs, not a way to run long ones (``lion_chunk`` is).
 """
 
 from __future__ import annotations
@@ -198,5 +198,6 @@ def lion_parallel(
         o = common.normalize_output(num, weights.sum(-1, keepdim=True), eps) if scaled else num
     else:
         o = vf
-    state = boundary_state(kf, vf, token_log_gates(log_a, valid, B, T, dt), token_log_gates(log_a_back, valid, B, T, dt))
+    state = boundary_state(kf, vf, token_log_gates(log_a, valid, B, T, dt),
+                           token_log_gates(log_a_back, valid, B, T, dt))
     return o.to(v.dtype), state
