@@ -119,6 +119,37 @@ def test_sequence_split_follows_the_sweep():
     assert kgla._segments(1000, 64, 1, 132, cfg) == (2, 512)  # segments keep at least 8 chunks
 
 
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_forwards_store_for_a_backward_only_when_one_can_run(monkeypatch, grad_mode):
+    """The per-chunk states (GLA) and the window's own output (fused into y_g + alpha y_w) exist only
+    for a backward; under torch.no_grad none runs, even for inputs that require grad (what autograd's
+    needs_input_grad reports). Checked at the point where the kernels' drivers get the flag."""
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import window as kwin
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(name, position):
+        def fake(*args):
+            seen[name] = args[position]
+            raise Stop
+        return fake
+
+    monkeypatch.setattr(kgla, "_fwd", record("gla", 10))
+    monkeypatch.setattr(kwin, "_fwd", record("window", 9))
+    q, k, v = (torch.rand(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    log_g = torch.full((1, 2, 8), -0.1, requires_grad=True)
+    with torch.set_grad_enabled(grad_mode):
+        with pytest.raises(Stop):
+            kgla.gla_chunk_triton(q, k, v, log_g)
+        with pytest.raises(Stop):
+            kwin.window_attn_triton(q, k, v, window=4, y_global=torch.zeros_like(v), alpha=torch.ones(2))
+    assert seen == {"gla": grad_mode, "window": grad_mode}
+
+
 def test_tuning_picks_the_reverse_pass_block_per_mode():
     """The backward's reverse-pass V-block is tuned apart for the unnormalised pass (GLA alone,
     the plain rows) and the normalised one (Lizard's, the Lizard rows): the sweep found 64 faster

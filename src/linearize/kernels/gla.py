@@ -831,8 +831,10 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
 
 class _GLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg):
-        training = any(ctx.needs_input_grad[:6])
+    def forward(ctx, q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg, grad_mode):
+        # needs_input_grad follows requires_grad alone; under torch.no_grad no backward will run,
+        # and storing the per-chunk states for it cost 0.06 of 0.59 ms at B16 T2048 on an H200
+        training = grad_mode and any(ctx.needs_input_grad[:6])
         o, den, S_T, z_T, segs, sc, zc = _fwd(q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg, training)
         ctx.save_for_backward(q, k, v, log_g, o if normalize else None, den, sc, zc)
         ctx.args = (normalize, log_space, eps, segs, cfg, S0 is not None)
@@ -848,7 +850,7 @@ class _GLAFunction(torch.autograd.Function):
         need_dstate = has_state and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
         dq, dk, dv, dlog_g, dS0, dz0 = _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate,
                                             normalize, log_space, eps, segs, cfg)
-        return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None
+        return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None, None
 
 
 def gla_chunk_triton(
@@ -859,8 +861,9 @@ def gla_chunk_triton(
     """``ops.gla.gla_chunk`` on the Triton kernels (forward and backward, initial state included).
 
     Inputs must satisfy ``supports``; the final state comes back in fp32. Differentiable in q, k,
-    v, log_g and the initial state. When a gradient is needed the forward keeps the state
-    entering every chunk (Dk * Dv values of the input dtype per chunk and head) for the backward.
+    v, log_g and the initial state. When a gradient is needed (grad mode on and an input that
+    requires one) the forward keeps the state entering every chunk (Dk * Dv values of the input
+    dtype per chunk and head) for the backward.
     """
     B, H, T, DK, DV = common.check_qkv(q, k, v)
     common.check_per_token("log_g", log_g, B, H, T, DK)
@@ -878,5 +881,5 @@ def gla_chunk_triton(
         S0, z0 = state.S, state.z
     q, k, v = (unit_last(x) for x in (q, k, v))
     o, S, z = _GLAFunction.apply(q, k, v, log_g, S0, z0, bool(normalize), bool(log_space_features),
-                                 float(eps), config or CONFIG)
+                                 float(eps), config or CONFIG, torch.is_grad_enabled())
     return o, GLAState(S, z)

@@ -361,8 +361,10 @@ class _WindowFunction(torch.autograd.Function):
     """y_w = window(q, k, v; sinks), or with y_g and alpha: y = y_g + alpha * y_w."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, yg, alpha, kmin, window, scale, cfg):
-        store_o = yg is None or any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
+    def forward(ctx, q, k, v, sinks, yg, alpha, kmin, window, scale, cfg, grad_mode):
+        # fused, o itself is only needed by a backward, which torch.no_grad rules out whatever
+        # the inputs' requires_grad (which is all needs_input_grad reflects)
+        store_o = yg is None or (grad_mode and any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5)))
         o, y, lse = _fwd(q, k, v, sinks, kmin, yg, alpha, window, scale, store_o, cfg)
         ctx.save_for_backward(q, k, v, sinks, kmin, o, lse, alpha)
         ctx.args = (window, scale, cfg, yg is not None)
@@ -375,7 +377,7 @@ class _WindowFunction(torch.autograd.Function):
         dq, dk, dv, d_sinks, d_alpha = _bwd(q, k, v, sinks, kmin, o, lse, alpha if fused else None, dy,
                                             window, scale, cfg)
         dyg = dy if fused else None
-        return dq, dk, dv, d_sinks, dyg, d_alpha, None, None, None, None
+        return dq, dk, dv, d_sinks, dyg, d_alpha, None, None, None, None, None
 
 
 def _new_state(state: Optional[WindowState], k: torch.Tensor, v: torch.Tensor, L: int, dt: torch.dtype):
@@ -439,5 +441,5 @@ def window_attn_triton(
         kmin = (-state.pos).clamp_min(0).to(torch.int32).contiguous()
     q, k, v = (unit_last(x) for x in (q, k, v))
     out = _WindowFunction.apply(q, k, v, sinks, y_global, alpha.contiguous() if alpha is not None else None,
-                                kmin, int(window), float(scale), config or CONFIG)
+                                kmin, int(window), float(scale), config or CONFIG, torch.is_grad_enabled())
     return out, _new_state(state, k, v, L, dt)
