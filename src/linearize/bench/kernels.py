@@ -286,7 +286,8 @@ def render_markdown(result: dict) -> str:
         f"Launch configs: GLA `{result.get('gla_config')}`, window `{result.get('window_config')}`.",
         "",
         f"Cells: median / mean ms over >= {result['reps']} timed calls (triton.testing.do_bench, L2 flushed "
-        "between calls).",
+        "between calls). fwd: the forward under torch.no_grad, no backward to follow (inference); fwd+bwd: "
+        "the forward with autograd (keeping what the backward reads) and the backward.",
         "",
         "| method | pass | " + " | ".join(head) + " |",
         "|---|---|" + "---|" * len(head),
