@@ -47,7 +47,7 @@ from torch import nn
 
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
-from ..ops.lion.naive import token_log_gates
+from ..ops.lion.naive import gate_cumsums, token_log_gates
 from .feature_maps import FEATURE_MAP_INITS, HedgehogFeatureMap, T2RFeatureMap
 from .gates import SigmoidGate, _head_gammas, _logit
 
@@ -220,9 +220,7 @@ class LionAttention(nn.Module):
                           .mul(self.scale).masked_fill(~ok[:, None], float("-inf")))
             lg = token_log_gates(log_a, valid, B, T, acc)
             if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
-                b = lg.cumsum(-1)
-                lb = lg if kw["log_a_back"] is None else token_log_gates(kw["log_a_back"], valid, B, T, acc)
-                c = lb.cumsum(-1) - lb
+                b, c = gate_cumsums(lg, token_log_gates(kw["log_a_back"], valid, B, T, acc))
             for e, o in enumerate(offsets):  # less the window keys' own LION terms
                 a = (fq * _shifted(fk, o, 2)).sum(-1) * ok[:, None, :, e]          # (B, H, T)
                 if lg is not None and o:

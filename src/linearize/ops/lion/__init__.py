@@ -12,8 +12,9 @@ The mask M comes from the decay ``log_a``:
 (the query's gate is in the product, the key's is not; ``d`` is ``s`` with every a_k = λ_h).
 ``log_a_back`` (ours, optional, ``log_a``'s shape): separate decays for the keys right of the
 query (the upper triangle, the backward recurrence), so a head can look mostly left or mostly
-right; None keeps LION's symmetric mask. Every entry of ``log_a`` must be finite and <= 0. The mask is built in log space as
-forward-lower + backward-upper - I, masked before the exp, so nothing overflows.
+right; None keeps LION's symmetric mask. Every entry of ``log_a`` must be finite and <= 0. The
+mask is built in log space as forward-lower + backward-upper - I, masked before the exp, so
+nothing overflows.
 
 Layout: ``q, k: (B, H, T, F)``, ``v: (B, H, T, Dv)``, output ``(B, H, T, Dv)`` in the dtype of
 ``v``; states and accumulation in fp32 (fp64 for fp64 inputs). ``valid: (B, T)`` bool (or 0/1

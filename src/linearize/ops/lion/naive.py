@@ -119,6 +119,15 @@ def token_log_gates(log_a, valid, B: int, T: int, dt) -> Optional[torch.Tensor]:
     return lg
 
 
+def gate_cumsums(lg: torch.Tensor, lg_back: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, c) from per-token log gates (B, H, T): b_t = Σ_{k<=t} log a_k, the forward gates'
+    inclusive cumsum, and c_t = Σ_{k<t} log a'_k, the backward gates' exclusive one (a' = the
+    gates of ``lg_back``; a' = a when it is None). M_ij = e^{b_i - b_j} below the diagonal and
+    e^{c_j - c_i} above it (``selective_mask``)."""
+    lb = lg if lg_back is None else lg_back
+    return lg.cumsum(-1), lb.cumsum(-1) - lb
+
+
 def selective_mask(lg: torch.Tensor, lg_back: Optional[torch.Tensor] = None) -> torch.Tensor:
     """M (B, H, T, T) from per-token log gates (B, H, T): forward-lower + backward-upper - I.
 
@@ -131,16 +140,15 @@ def selective_mask(lg: torch.Tensor, lg_back: Optional[torch.Tensor] = None) -> 
     value is >= 0 there and may overflow, and it is never exponentiated (nor gets a gradient).
     """
     T = lg.shape[-1]
-    b = lg.cumsum(-1)
-    lb = lg if lg_back is None else lg_back
-    c = lb.cumsum(-1) - lb
+    b, c = gate_cumsums(lg, lg_back)
     lower = torch.ones(T, T, dtype=torch.bool, device=lg.device).tril()
     return torch.where(lower, b.unsqueeze(-1) - b.unsqueeze(-2), c.unsqueeze(-2) - c.unsqueeze(-1)).exp()
 
 
 def lion_mask(log_a: Optional[torch.Tensor], T: int, valid: Optional[torch.Tensor] = None, *,
               batch_size: int = 1, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, log_a_back: Optional[torch.Tensor] = None) -> torch.Tensor:
+              device: torch.device | str | None = None,
+              log_a_back: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The LION mask M, broadcastable to (B, H, T, T), in ``dtype`` (default: fp32, fp64 for fp64 ``log_a``).
 
     lit: ones (1, 1, T, T). d without padding: the Toeplitz λ_h^{|i-j|}, (1, H, T, T). s, or d with
@@ -174,10 +182,9 @@ def boundary_state(k: torch.Tensor, v: torch.Tensor, lg: Optional[torch.Tensor],
     if lg is None:
         S, z = k.transpose(-1, -2) @ v, k.sum(2)
         return LionState(S, z, S, z)
-    b = lg.cumsum(-1)
-    lb = lg if lg_back is None else lg_back
-    to_end = (b[..., -1:] - b).exp().unsqueeze(-1)       # Π_{k=j+1..T} a_k
-    from_start = (lb.cumsum(-1) - lb).exp().unsqueeze(-1)  # Π_{k=1..j-1} a'_k
+    b, c = gate_cumsums(lg, lg_back)
+    to_end = (b[..., -1:] - b).exp().unsqueeze(-1)  # Π_{k=j+1..T} a_k
+    from_start = c.exp().unsqueeze(-1)               # Π_{k=1..j-1} a'_k
     kf, kb = k * to_end, k * from_start
     return LionState(kf.transpose(-1, -2) @ v, kf.sum(2), kb.transpose(-1, -2) @ v, kb.sum(2))
 
