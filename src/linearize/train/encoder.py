@@ -16,8 +16,8 @@ state/*.pt, the checkpoint, summary.json, loss curves), with sentences instead o
   FFN and pooler) together with the LION parameters, on the sentence-embedding objective: 1 - the
   cosine similarity between the student's and the teacher's pooled, L2-normalised embeddings
   (pooled from the teacher's forward on the same batch, which the hidden-state term runs anyway;
-  computed once before training only when ``distill`` is 0 or for the relational bank, since
-  a whole pass over the training sentences costs minutes on the CPU), plus ``distill`` times the summed
+  embedded before training only when ``distill`` is 0, and for the relational bank's sentences:
+  a pass over every training sentence costs minutes on the CPU), plus ``distill`` times the summed
   relative MSE of every layer's hidden states against the teacher's on the same batch
   (``hidden_state_loss``; for encoders ``distill`` weighs this term, there are no logits). The
   per-token, per-layer targets give many more signals per sentence than one pooled vector: on
@@ -265,12 +265,17 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
         metrics.path.unlink()
     model.to(device).eval()
     teacher = copy.deepcopy(model)
-    if config.distill == 0 or bank_size:
+    if config.distill == 0:
         # with the hidden-state term every step runs the teacher anyway and pools its own targets
         train_rows.targets = _teacher_targets(teacher, train_rows, config, device, out)
     val_rows.targets = _teacher_targets(teacher, val_rows, config, device, None)
 
-    bank = relational_bank(train_sentences, train_rows.targets, bank_size) if bank_size else None
+    bank = None
+    if bank_size:  # the bank needs the teacher's embeddings of its own sentences only
+        bank_rows = _subset(train_rows, bank_size)
+        bank_targets = (bank_rows.targets if bank_rows.targets is not None
+                        else _teacher_targets(teacher, bank_rows, config, device, out))
+        bank = relational_bank(train_sentences, bank_targets, bank_size)
 
     batches = BucketedRows(train_rows, length_buckets(train_rows, config.batch_size, config.seed))
     loop_config = dataclasses.replace(config, batch_size=1)  # one item of ``batches`` is a whole batch
