@@ -12,6 +12,7 @@ upstream gradient, so the errors are the kernels' own arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -109,8 +110,9 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
 
 def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, nsink: int,
                 fuse: bool = False, pad: int | None = None, bm: int | None = 16, bn: int = 16, B: int = 2,
-                H: int = 2, seed: int = 0) -> dict[str, float]:
-    """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}."""
+                H: int = 2, seed: int = 0, kv: dict | None = None) -> dict[str, float]:
+    """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}.
+    ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...)."""
     from linearize.kernels import window as kwin
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
@@ -138,6 +140,7 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
     kin = [x.to(dev).requires_grad_() for x in ins]
     k_st = WindowState(st.k.float().to(dev), st.v.float().to(dev), st.pos.to(dev)) if st is not None else None
     cfg = kwin.CONFIG if bm is None else kwin.WindowKernelConfig(bm=bm, bn=bn)
+    cfg = dataclasses.replace(cfg, **(kv or {}))
     o2, s2 = kwin.window_attn_triton(kin[0], kin[1], kin[2], window=W, sink_logits=kin[5] if nsink else None,
                                      state=k_st, y_global=kin[3] if fuse else None, alpha=kin[4] if fuse else None,
                                      config=cfg)
@@ -252,6 +255,10 @@ INTERPRETER_CASES = {
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),
     "window f32 sinks fused padded w>T": (window_case, dict(T=19, D=16, DV=16, W=25, nsink=3, fuse=True, pad=4), F32),
     "window f32 w=1 bm32": (window_case, dict(T=37, D=16, DV=16, W=1, nsink=2, bm=32, bn=16), F32),
+    "window f32 sinks padded kv blocks": (window_case, dict(T=75, D=16, DV=24, W=20, nsink=3, pad=5, bm=16, bn=16,
+                                                            kv=dict(kv_bm=16, kv_bn=32, kv_warps=2)), F32),
+    "window bf16 sinks fused kv blocks": (window_case, dict(T=75, D=16, DV=16, W=33, nsink=4, fuse=True, bm=32,
+                                                            bn=16, kv=dict(kv_bm=16, kv_bn=64)), BF16),
     "hybrid f32 lizard padded": (hybrid_case, dict(padded=True), F32),
 }
 

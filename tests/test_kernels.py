@@ -262,9 +262,14 @@ def test_gpu_gla_state_segments_extremes_dims(variant, dtype):
 @needs_cuda
 @pytest.mark.parametrize("variant, dtype", [("sinks fused padded", torch.float32),
                                             ("sinks fused padded", torch.bfloat16), ("no sinks", torch.bfloat16),
-                                            ("short", torch.bfloat16), ("w=1", torch.bfloat16)])
+                                            ("short", torch.bfloat16), ("w=1", torch.bfloat16),
+                                            ("sinks fused padded kv 64x32", torch.bfloat16),
+                                            ("sinks fused padded kv 16x64", torch.bfloat16)])
 def test_gpu_window_matches_reference(variant, dtype):
     kw = dict(T=333, D=128, DV=128, W=128, nsink=4, bm=None)
+    if " kv " in variant:  # the dk/dv pass's blocks of other tune candidates (the default is 32 x 64)
+        kv_bm, kv_bn = (int(x) for x in variant.split()[-1].split("x"))
+        kw["kv"] = dict(kv_bm=kv_bm, kv_bn=kv_bn)
     if variant == "no sinks":
         kw["nsink"] = 0
     if "fused" in variant:

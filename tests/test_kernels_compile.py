@@ -18,11 +18,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from linearize.bench.kernels import WINDOW_CANDIDATES  # noqa: E402
+
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on an H100 / H200 (227 KiB)
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
        torch.int32: "*i32"}
 
@@ -41,7 +44,8 @@ def _arg_type(value) -> str:
 
 @pytest.fixture()
 def compiled(monkeypatch):
-    """Replaces kernel launches by compilation for sm_90a; yields the list of (kernel, constexprs)."""
+    """Replaces kernel launches by compilation for sm_90a; yields the list of (kernel, constexprs,
+    shared memory in bytes)."""
     done: list[tuple[str, dict]] = []
     seen: set = set()
 
@@ -62,8 +66,8 @@ def compiled(monkeypatch):
                tuple(sorted(options.items())))
         if key not in seen:
             seen.add(key)
-            triton.compile(ASTSource(self, sig, constexprs=consts), target=HOPPER, options=options)
-            done.append((self.fn.__name__, {params[i[0]].name: v for i, v in consts.items()}))
+            kernel = triton.compile(ASTSource(self, sig, constexprs=consts), target=HOPPER, options=options)
+            done.append((self.fn.__name__, {params[i[0]].name: v for i, v in consts.items()}, kernel.metadata.shared))
 
     monkeypatch.setattr(JITFunction, "run", compile_instead)
     yield done
@@ -87,7 +91,11 @@ def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments
     o, s = kgla.gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space,
                                  state=state if segments else None, config=cfg)
     _backward(o + s.S.sum() + s.z.sum(), q, k, v, log_g, *state)
-    names = {name for name, _ in compiled}
+    with torch.no_grad():  # the inference forward: no chunk states stored
+        kgla.gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space,
+                              state=state if segments else None, config=cfg)
+    names = {name for name, *_ in compiled}
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
     expected = {"_gla_fwd_kernel", "_gla_bwd_dstate_kernel", "_gla_bwd_chunk_kernel"}
     expected |= {"_gla_den_kernel"} if normalize else set()
     expected |= {"_gla_fwd_state_kernel", "_gla_scan_kernel", "_gla_bwd_state_kernel"} if segments else set()
@@ -95,8 +103,14 @@ def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_window_kernels_compile_for_hopper(compiled, fused):
+@pytest.mark.parametrize("candidate", [None] + [i for i, c in enumerate(WINDOW_CANDIDATES) if "kv_bn" in c])
+def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypatch):
+    """The default config and every tune candidate with its own dk/dv blocks compile for sm_90a
+    within the shared memory a block may have there."""
     from linearize.kernels import window as kwin
+
+    if candidate is not None:
+        monkeypatch.setattr(kwin, "CONFIG", dataclasses.replace(kwin.CONFIG, **WINDOW_CANDIDATES[candidate]))
 
     B, H, T, D = 1, 2, 256, 128
     q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -107,7 +121,8 @@ def test_window_kernels_compile_for_hopper(compiled, fused):
                      alpha=torch.ones(H, requires_grad=True))
     y, _ = kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, **extra)
     _backward(y, q, k, v, sinks, *extra.values())
-    assert {name for name, _ in compiled} == {"_win_fwd_kernel", "_win_bwd_dq_kernel", "_win_bwd_dkdv_kernel"}
+    assert {name for name, _, _ in compiled} == {"_win_fwd_kernel", "_win_bwd_dq_kernel", "_win_bwd_dkdv_kernel"}
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
 
 
 def test_compile_check_catches_a_type_error(compiled):
@@ -147,5 +162,5 @@ def test_decode_step_kernels_compile_for_hopper(compiled, arch, method, kw):
         dec.step()
         norm = model.model.layers[0].input_layernorm
         launch_rmsnorm(torch.zeros(2, 1, norm.weight.shape[0], dtype=torch.bfloat16), norm.weight, 1e-6)
-    names = {name for name, _ in compiled}
+    names = {name for name, *_ in compiled}
     assert {"_lizard_prep_kernel", "_lizard_state_kernel", "_rmsnorm_kernel"} <= names, names

@@ -374,12 +374,19 @@ GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plai
     dict(par_warps=8, par_stages=1, dstate_warps=4, dstate_bv=64),
 )
 WINDOW_CANDIDATES = (
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2),
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3),
-)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json)
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4),
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=64, kv_bn=32, kv_warps=4),
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2, kv_bm=32, kv_bn=64, kv_warps=4),
+    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=16, kv_bn=64, kv_warps=4),
+)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json). The dk/dv
+# pass's own blocks (kv_*; the second row is the shared 64 x 32 of before), two sweeps on an H200 at B16
+# T2048, fwd+bwd of the window alone (docs/results/kernels-h200-sweep3.json): 32 x 64 with 4 warps 2.393 /
+# 2.406 ms against 2.509 / 2.524; 16 x 64 2.592; 32 x 32 2.713; 16 x 32 2.678; 64 x 64 2.612 (4 warps) /
+# 2.850 (8); 32 x 64 with 2 warps 3.291 or 2 stages 2.529; 64 x 128 4.255 and 32 x 128 2.960 (8 warps).
+TUNE_KINDS = ("gla fwd", "gla bwd", "window", "gla seg")
 
 
-def _tune_jobs(shapes) -> list[tuple[str, str, tuple[int, int], dict]]:
+def _tune_jobs(shapes, kinds: Sequence[str] = TUNE_KINDS) -> list[tuple[str, str, tuple[int, int], dict]]:
     jobs = []
     B, T = shapes[0]
     for mode in ("plain", "lizard"):
@@ -394,21 +401,27 @@ def _tune_jobs(shapes) -> list[tuple[str, str, tuple[int, int], dict]]:
     for shape in shapes[1:]:
         for fill in (1, 2, 4):
             jobs.append(("gla seg", "lizard", shape, dict(fill=fill)))
-    return jobs
+    return [j for j in jobs if j[0] in kinds]
 
 
 def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
-                        part: int = 0, parts: int = 1, compile_only: bool = False, reps: int = 20) -> dict:
+                        part: int = 0, parts: int = 1, compile_only: bool = False, reps: int = 20,
+                        kinds: Sequence[str] = TUNE_KINDS) -> dict:
     """Time the candidate launch configs (``*_CANDIDATES``) of the kernels at ``shapes[0]`` and the
-    sequence-split fill at the other shapes; ``compile_only`` runs each job of partition ``part``
-    of ``parts`` once (to fill Triton's cache from several processes before timing in one)."""
+    sequence-split fill at the other shapes (``kinds``: which of ``TUNE_KINDS``); ``compile_only``
+    runs each job of partition ``part`` of ``parts`` once (to fill Triton's cache from several
+    processes before timing in one). A candidate that fails (e.g. more shared memory than the GPU
+    has) gets its error in place of the times."""
+    unknown = sorted(set(kinds) - set(TUNE_KINDS))
+    if unknown:
+        raise ValueError(f"unknown tune kinds {unknown}; allowed: {list(TUNE_KINDS)}")
     import dataclasses
 
     from ..kernels import gla as kgla
     from ..kernels import window as kwin
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    jobs = _tune_jobs([tuple(s) for s in shapes])[part::parts]
+    jobs = _tune_jobs([tuple(s) for s in shapes], kinds)[part::parts]
     rows = []
     inputs: dict = {}
     for kind, mode, (B, T), cand in jobs:
@@ -554,13 +567,14 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--part", type=int, default=0)
     p.add_argument("--parts", type=int, default=1)
     p.add_argument("--tuned", default=None, help="bench: first apply the fastest configs of this tune.json")
+    p.add_argument("--kinds", default=",".join(TUNE_KINDS), help="tune: which sweeps (default: %(default)s)")
     a = p.parse_args(argv)
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     except ValueError:
         raise SystemExit(f"--shapes must look like 16x2048,4x8192, got {a.shapes!r}")
     if a.what == "tune":
-        tune_kernel_configs(a.out, shapes, a.part, a.parts, a.compile_only, a.reps)
+        tune_kernel_configs(a.out, shapes, a.part, a.parts, a.compile_only, a.reps, kinds=a.kinds.split(","))
     elif a.what == "profile":
         profile_kernels(a.out, shapes[0])
     else:

@@ -250,15 +250,26 @@ def _win_bwd_dkdv_kernel(
 
 @dataclass(frozen=True)
 class WindowKernelConfig:
-    """Query block BM, key block BN (powers of two >= 16) and launch settings per pass."""
+    """Query block BM, key block BN (powers of two >= 16) and launch settings per pass.
+
+    ``bm`` / ``bn`` serve the forward and the backward's dq pass (a query block visiting key
+    blocks); ``kv_bm`` / ``kv_bn`` / ``kv_warps`` the dk/dv pass (a key block visiting query
+    blocks), None meaning the same as ``bm`` / ``bn`` / ``bwd_warps``. The dk/dv pass reads the
+    query and output-gradient tiles of every query block whose window meets its keys, about
+    (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
+    # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 ms in two sweeps, against 2.509 /
+    # 2.524 with the dk/dv pass on the shared 64 x 32; docs/results/kernels-h200-sweep3.json)
     bm: int = 64
     bn: int = 32
     fwd_warps: int = 4
     fwd_stages: int = 3
     bwd_warps: int = 4
     bwd_stages: int = 3
+    kv_bm: Optional[int] = 32
+    kv_bn: Optional[int] = 64
+    kv_warps: Optional[int] = 4
 
 
 CONFIG = WindowKernelConfig()
@@ -287,19 +298,22 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: boo
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def _geometry(window: int, T: int, cfg: WindowKernelConfig):
-    """(BM, BN, key blocks a query block visits, query blocks a key block visits): the most
-    over all block positions (the pattern repeats every BM * BN tokens)."""
-    BM, BN = cfg.bm, cfg.bn
-    nkb = max((m0 + BM - 1) // BN - max(m0 - window + 1, 0) // BN + 1 for m0 in range(0, BM * (BN + 1) + window, BM))
-    nqb = max((n0 + BN + window - 2) // BM - n0 // BM + 1 for n0 in range(0, BN * (BM + 1), BN))
-    return BM, BN, nkb, nqb
+def _key_blocks(window: int, BM: int, BN: int) -> int:
+    """Key blocks a query block of BM visits: the most over all block positions (the pattern
+    repeats every BM * BN tokens)."""
+    return max((m0 + BM - 1) // BN - max(m0 - window + 1, 0) // BN + 1 for m0 in range(0, BM * (BN + 1) + window, BM))
+
+
+def _query_blocks(window: int, BM: int, BN: int) -> int:
+    """Query blocks a key block of BN visits (the most over all block positions)."""
+    return max((n0 + BN + window - 2) // BM - n0 // BM + 1 for n0 in range(0, BN * (BM + 1), BN))
 
 
 def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bool, cfg: WindowKernelConfig):
     B, H, T, D = q.shape
     DV = v.shape[-1]
-    BM, BN, nkb, _ = _geometry(window, T, cfg)
+    BM, BN = cfg.bm, cfg.bn
+    nkb = _key_blocks(window, BM, BN)
     nmb = math.ceil(T / BM)
     dev = q.device
     fuse = yg is not None
@@ -324,8 +338,9 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None)."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
-    BM, BN, nkb, nqb = _geometry(window, T, cfg)
-    nmb, nnb = math.ceil(T / BM), math.ceil(T / BN)
+    BM, BN = cfg.bm, cfg.bn
+    KV_BM, KV_BN = cfg.kv_bm or BM, cfg.kv_bn or BN
+    nmb, nnb = math.ceil(T / BM), math.ceil(T / KV_BN)
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
     dy = dy.to(v.dtype).contiguous()
@@ -339,19 +354,20 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
     strides = (*strides_bht(q), *strides_bht(k), *strides_bht(v))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    geo = dict(W=window, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), BM=BM, BN=BN)
+    geo = dict(W=window, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV))
     launch = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     dummy = delta
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,
         alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
         dalpha if alpha is not None else dummy, *strides, T, H, max(nsink, 1), nmb, scale * LOG2E, scale,
-        BS=BS, NKB=nkb, HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None, HAS_ALPHA=alpha is not None,
-        PREC=prec, **geo, **launch)
+        BM=BM, BN=BN, BS=BS, NKB=_key_blocks(window, BM, BN), HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None,
+        HAS_ALPHA=alpha is not None, PREC=prec, **geo, **launch)
     _win_bwd_dkdv_kernel[(nnb, B * H)](
         q, k, v, kmin if kmin is not None else dummy, dy, lse, alpha if alpha is not None else dummy, delta,
-        dk, dv, *strides, T, H, scale * LOG2E, scale, NQB=nqb, HAS_KMIN=kmin is not None,
-        HAS_ALPHA=alpha is not None, PREC=prec, **geo, **launch)
+        dk, dv, *strides, T, H, scale * LOG2E, scale, BM=KV_BM, BN=KV_BN, NQB=_query_blocks(window, KV_BM, KV_BN),
+        HAS_KMIN=kmin is not None, HAS_ALPHA=alpha is not None, PREC=prec, **geo,
+        **{**launch, "num_warps": cfg.kv_warps or cfg.bwd_warps})
     d_sinks = dsink.view(B, H, nmb, BS)[..., :nsink].sum((0, 2)).to(sinks.dtype) if nsink else None
     d_alpha = dalpha.view(B, H, nmb).sum((0, 2)).to(alpha.dtype) if alpha is not None else None
     return dq, dk, dv, d_sinks, d_alpha
