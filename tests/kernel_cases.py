@@ -259,9 +259,6 @@ INTERPRETER_CASES = {
                                                             kv=dict(kv_bm=16, kv_bn=32, kv_warps=2)), F32),
     "window bf16 sinks fused kv blocks": (window_case, dict(T=75, D=16, DV=16, W=33, nsink=4, fuse=True, bm=32,
                                                             bn=16, kv=dict(kv_bm=16, kv_bn=64)), BF16),
-    "window f32 sinks fused padded dq blocks": (window_case, dict(T=75, D=16, DV=16, W=20, nsink=3, fuse=True, pad=6,
-                                                                  bm=16, bn=16, kv=dict(dq_bm=32, dq_bn=16,
-                                                                                        dq_warps=2)), F32),
     "hybrid f32 lizard padded": (hybrid_case, dict(padded=True), F32),
 }
 

@@ -378,15 +378,6 @@ WINDOW_CANDIDATES = (
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=64, kv_bn=32, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2, kv_bm=32, kv_bn=64, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=16, kv_bn=64, kv_warps=4),
-    # the dq pass's own blocks (dq_*): taller query blocks re-read fewer key / value rows per query
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4,
-         dq_bm=128, dq_bn=32, dq_warps=8),
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4,
-         dq_bm=64, dq_bn=64, dq_warps=4),
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4,
-         dq_bm=128, dq_bn=64, dq_warps=8),
-    dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4,
-         dq_bm=64, dq_bn=32, dq_warps=8),
 )  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json). The dk/dv
 # pass's own blocks (kv_*; the second row is the shared 64 x 32 of before), two sweeps on an H200 at B16
 # T2048, fwd+bwd of the window alone (docs/results/kernels-h200-sweep3.json): 32 x 64 with 4 warps 2.393 /

@@ -252,13 +252,11 @@ def _win_bwd_dkdv_kernel(
 class WindowKernelConfig:
     """Query block BM, key block BN (powers of two >= 16) and launch settings per pass.
 
-    ``bm`` / ``bn`` serve the forward; ``dq_bm`` / ``dq_bn`` / ``dq_warps`` the backward's dq
-    pass (a query block visiting key blocks) and ``kv_bm`` / ``kv_bn`` / ``kv_warps`` its dk/dv
-    pass (a key block visiting query blocks), None meaning the same as ``bm`` / ``bn`` /
-    ``bwd_warps``. The dk/dv pass reads the query and output-gradient tiles of every query block
-    whose window meets its keys, about (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks
-    read less per key (the dq pass likewise reads about (w + dq_bm + dq_bn) / dq_bm key and value
-    rows per query)."""
+    ``bm`` / ``bn`` serve the forward and the backward's dq pass (a query block visiting key
+    blocks); ``kv_bm`` / ``kv_bn`` / ``kv_warps`` the dk/dv pass (a key block visiting query
+    blocks), None meaning the same as ``bm`` / ``bn`` / ``bwd_warps``. The dk/dv pass reads the
+    query and output-gradient tiles of every query block whose window meets its keys, about
+    (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 ms in two sweeps, against 2.509 /
@@ -272,9 +270,6 @@ class WindowKernelConfig:
     kv_bm: Optional[int] = 32
     kv_bn: Optional[int] = 64
     kv_warps: Optional[int] = 4
-    dq_bm: Optional[int] = None
-    dq_bn: Optional[int] = None
-    dq_warps: Optional[int] = None
 
 
 CONFIG = WindowKernelConfig()
@@ -343,8 +338,8 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None)."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
-    BM, BN = cfg.dq_bm or cfg.bm, cfg.dq_bn or cfg.bn
-    KV_BM, KV_BN = cfg.kv_bm or cfg.bm, cfg.kv_bn or cfg.bn
+    BM, BN = cfg.bm, cfg.bn
+    KV_BM, KV_BN = cfg.kv_bm or BM, cfg.kv_bn or BN
     nmb, nnb = math.ceil(T / BM), math.ceil(T / KV_BN)
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -367,7 +362,7 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
         alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
         dalpha if alpha is not None else dummy, *strides, T, H, max(nsink, 1), nmb, scale * LOG2E, scale,
         BM=BM, BN=BN, BS=BS, NKB=_key_blocks(window, BM, BN), HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None,
-        HAS_ALPHA=alpha is not None, PREC=prec, **geo, **{**launch, "num_warps": cfg.dq_warps or cfg.bwd_warps})
+        HAS_ALPHA=alpha is not None, PREC=prec, **geo, **launch)
     _win_bwd_dkdv_kernel[(nnb, B * H)](
         q, k, v, kmin if kmin is not None else dummy, dy, lse, alpha if alpha is not None else dummy, delta,
         dk, dv, *strides, T, H, scale * LOG2E, scale, BM=KV_BM, BN=KV_BN, NQB=_query_blocks(window, KV_BM, KV_BN),
