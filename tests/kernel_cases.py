@@ -256,9 +256,9 @@ INTERPRETER_CASES = {
     "window f32 sinks fused padded w>T": (window_case, dict(T=19, D=16, DV=16, W=25, nsink=3, fuse=True, pad=4), F32),
     "window f32 w=1 bm32": (window_case, dict(T=37, D=16, DV=16, W=1, nsink=2, bm=32, bn=16), F32),
     "window f32 sinks padded kv blocks": (window_case, dict(T=75, D=16, DV=24, W=20, nsink=3, pad=5, bm=16, bn=16,
-                                                            kv=dict(kv_bm=16, kv_bn=32, kv_warps=2)), F32),
+                                                            kv=dict(kv_bm=32, kv_bn=16, kv_warps=2)), F32),
     "window bf16 sinks fused kv blocks": (window_case, dict(T=75, D=16, DV=16, W=33, nsink=4, fuse=True, bm=32,
-                                                            bn=16, kv=dict(kv_bm=16, kv_bn=64)), BF16),
+                                                            bn=16, kv=dict(kv_bm=32, kv_bn=64)), BF16),
     "hybrid f32 lizard padded": (hybrid_case, dict(padded=True), F32),
 }
 
