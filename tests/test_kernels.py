@@ -229,7 +229,6 @@ GPU_GLA = {
     "bf16 norm log": dict(normalize=True, log_space=True),
     "bf16 norm plain": dict(normalize=True, log_space=False),
     "bf16 unnorm plain": dict(normalize=False, log_space=False),
-    "bf16 norm plain den split": dict(normalize=True, log_space=False, den_bk=64),
 }
 
 
@@ -244,8 +243,7 @@ def test_gpu_gla_matches_reference(name, T):
 
 @needs_cuda
 @pytest.mark.parametrize("variant, dtype", [("state+segments", torch.float32), ("state+segments", torch.bfloat16),
-                                            ("extreme+segments", torch.bfloat16), ("dims 100x72", torch.bfloat16),
-                                            ("state+segments den split", torch.bfloat16)])
+                                            ("extreme+segments", torch.bfloat16), ("dims 100x72", torch.bfloat16)])
 def test_gpu_gla_state_segments_extremes_dims(variant, dtype):
     kw = dict(normalize=True, log_space=True, T=700, DK=128, DV=128, B=1, H=2, chunk=None)
     if "state" in variant:
@@ -257,8 +255,6 @@ def test_gpu_gla_state_segments_extremes_dims(variant, dtype):
     if variant.startswith("dims"):
         kw["DK"], kw["DV"] = (int(x) for x in variant.split()[1].split("x"))
         kw["state"] = True
-    if "den split" in variant:
-        kw["den_bk"] = 64
     err = gla_case("cuda", dtype, **kw)
     assert_errors(err, KTOL[dtype], f"gla {variant} {dtype}")
 

@@ -364,10 +364,6 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
-    # the normaliser pass on feature blocks (its programs each add a part of den)
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, den_bk=64),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, den_bk=64),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, den_bk=32),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring)
 GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv

@@ -384,18 +384,13 @@ def _gla_den_kernel(
     T, H, SEG_LEN, NSEG, NC,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
-    """Grid (feature blocks, segments, B*H): the normaliser den_t = Q~_t . z + rowsum(A)_t (fp32,
-    (B*H, T)), i.e. the same recurrence with values 1, carrying z (Dk) alone; also the final z
-    and, with STORE_CHUNKS, the z entering every chunk and the final z, ZC (B*H, NC + 1, Dk)
-    fp32. Kept out of the main forward kernel, whose registers the (Dk, Dv) state and the tiles
-    already fill. den is a sum over features (rowsum(A)_t = sum_f phi(q)_tf sum_s e^{b_t - b_s}
-    phi(k)_sf), so the features may be cut into blocks of BK, each program adding its part with
-    an atomic add into a zeroed DEN (SPLIT); two parts add in either order to the same value."""
-    i_kb = tl.program_id(0)
-    i_seg = tl.program_id(1)
-    i_bh = tl.program_id(2)
+    """Grid (segments, B*H): the normaliser den_t = Q~_t . z + rowsum(A)_t (fp32, (B*H, T)),
+    i.e. the same recurrence with values 1, carrying z (Dk) alone; also the final z and, with
+    STORE_CHUNKS, the z entering every chunk and the final z, ZC (B*H, NC + 1, Dk) fp32. Kept out of the main
+    forward kernel, whose registers the (Dk, Dv) state and the tiles already fill."""
+    i_seg = tl.program_id(0)
+    i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     dt = Q.dtype.element_ty
@@ -403,7 +398,7 @@ def _gla_den_kernel(
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
     DEN += i_bh.to(tl.int64) * T
-    ok = i_kb * BK + tl.arange(0, BK)
+    ok = tl.arange(0, BK)
     ot = tl.arange(0, BT)
     mk = ok < DK
     if HAS_INIT:
@@ -423,17 +418,13 @@ def _gla_den_kernel(
         if STORE_CHUNKS:
             ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
             tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK + ok, z, mask=mk & (ci < NC))
-        q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, i_kb * BK, rows, ok, mt, mk, sqt, neg, TMA), LOG)
-        k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, i_kb * BK, rows, ok, mt, mk, skt, neg, TMA), LOG)
+        q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, 0, rows, ok, mt, mk, sqt, neg, TMA), LOG)
+        k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it (a block's part of
-        # A when SPLIT)
+        # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
         den = tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b) + tl.sum(a.to(tl.float32), 1)
-        if SPLIT:
-            tl.atomic_add(DEN + rows, den, mask=mt, sem="relaxed")
-        else:
-            tl.store(DEN + rows, den, mask=mt)
+        tl.store(DEN + rows, den, mask=mt)
         z = z * tl.exp(b_end) + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
     tl.store(Z_OUT + i_bh.to(tl.int64) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
     if STORE_CHUNKS:
@@ -627,8 +618,6 @@ class GLAKernelConfig:
     found 2 segments best at B4 T8192 (1.10 ms against 1.15 for 3) and 9 at B1 T32768 (1.48
     against 1.67 for 5 and 1.52 for 17; docs/results/kernels-h200-sweep2.json): fill 2 gives 2 and 8;
     ``seg_chunks``: forces the segment length in chunks (tests);
-    ``den_bk``: the normaliser pass's feature block (its programs split the features, adding
-    their parts of den; 128 keeps one program per batch x head at Dk 128);
     ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
@@ -647,7 +636,6 @@ class GLAKernelConfig:
     fwd_warps: int = 4
     fwd_stages: int = 2
     den_warps: int = 4
-    den_bk: int = 128
     dstate_warps: int = 8
     dstate_stages: int = 2
     dstate_bv: int = 64
@@ -739,9 +727,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
     o = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev)
-    BKD = min(pow2(cfg.den_bk), BK)  # the normaliser pass's feature block
-    NKD = math.ceil(DK / BKD)
-    den = (torch.zeros if NKD > 1 else torch.empty)(B * H, T, **f32) if normalize else None
+    den = torch.empty(B * H, T, **f32) if normalize else None
     S_T = torch.empty(B, H, DK, DV, **f32)
     z_T = torch.empty(B, H, DK, **f32) if normalize else (
         z0.float().clone() if z0 is not None else torch.zeros(B, H, DK, **f32))
@@ -768,10 +754,10 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         s_in, z_in = S0.float().contiguous(), z0.float().contiguous()
     tma_qk = _tma(cfg, q, k)  # the normaliser pass reads q and k; the main pass also v and o
     if normalize:
-        _gla_den_kernel[(NKD, nseg, B * H)](
+        _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
-            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk, SPLIT=NKD > 1,
-            num_warps=cfg.den_warps, num_stages=2, **{**common_kw, "BK": BKD})
+            T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
+            num_warps=cfg.den_warps, num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
