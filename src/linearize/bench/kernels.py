@@ -358,13 +358,16 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
 # ----------------------------------------------------------------------------- launch-config sweep
 
 GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=8),
-    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=4),
-    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=4),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4, tma=False),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=4),
-)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=1),
+    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=2),
+    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=2),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
+)  # the normaliser pass's warps (sweep3, Lizard's gated fwd at B16 T2048): 2 -> 0.709 ms, 4 -> 0.845-0.849,
+# 8 -> 0.890, 1 -> 0.891; splitting its features over programs (blocks of 64 or 32, parts of den added
+# atomically) lost: 0.748-1.135  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring)
 GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
     # stands for dstate_bv_norm in the Lizard (normalised) rows
