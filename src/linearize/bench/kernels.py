@@ -357,18 +357,19 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
 
 # ----------------------------------------------------------------------------- launch-config sweep
 
-GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=1),
-    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=2),
-    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=2),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
-)  # the normaliser pass's warps (sweep3, Lizard's gated fwd at B16 T2048): 2 -> 0.709 ms, 4 -> 0.845-0.849,
-# 8 -> 0.890, 1 -> 0.891; splitting its features over programs (blocks of 64 or 32, parts of den added
-# atomically) lost: 0.748-1.135  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
-# so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring)
+GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps; the tune shape (B16 T2048) takes
+    # den_warps_full (the normaliser pass with >= 3 programs per multiprocessor)
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=2),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=4),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=1),
+    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps_full=2),
+    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps_full=2),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=2, tma=False),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps_full=2),
+)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
+# so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring). Splitting
+# the normaliser pass's features over programs (blocks of 64 or 32, parts of den added atomically) lost
+# too (sweep3: 0.748-1.135 ms against 0.709 for Lizard's gated forward at B16 T2048)
 GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
     # stands for dstate_bv_norm in the Lizard (normalised) rows
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),

@@ -618,6 +618,13 @@ class GLAKernelConfig:
     found 2 segments best at B4 T8192 (1.10 ms against 1.15 for 3) and 9 at B1 T32768 (1.48
     against 1.67 for 5 and 1.52 for 17; docs/results/kernels-h200-sweep2.json): fill 2 gives 2 and 8;
     ``seg_chunks``: forces the segment length in chunks (tests);
+    ``den_warps`` / ``den_warps_full``: the normaliser pass's warps, the second when it has at
+    least 3 programs (segments x batch x heads) per multiprocessor. Its programs each walk their
+    segment's chunks one after another; with many of them, fewer warps each let more run side by
+    side, with few, more warps speed each one. H200, Lizard's gated forward (sweep3): at B16
+    T2048 (512 programs on 132 multiprocessors) 0.709 ms with 2 warps against 0.849 with 4, 0.891
+    with 1 and 0.890 with 8; at B4 T8192 and B1 T32768 (256 programs) 1.003 / 1.233 with 4
+    against 1.045 / 1.274 with 2;
     ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
@@ -635,7 +642,8 @@ class GLAKernelConfig:
     fwd_bv: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
-    den_warps: int = 2  # H200, B16 T2048, Lizard's gated forward: 0.709 ms against 0.849 with 4 (sweep3)
+    den_warps: int = 4
+    den_warps_full: int = 2
     dstate_warps: int = 8
     dstate_stages: int = 2
     dstate_bv: int = 64
@@ -683,6 +691,11 @@ def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for the descriptors that kernels build on the device (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _den_warps(cfg: GLAKernelConfig, programs: int, sms: int) -> int:
+    """The normaliser pass's warps for ``programs`` programs on ``sms`` multiprocessors."""
+    return cfg.den_warps_full if programs >= 3 * sms else cfg.den_warps
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
@@ -757,7 +770,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
-            num_warps=cfg.den_warps, num_stages=2, **common_kw)
+            num_warps=_den_warps(cfg, nseg * B * H, device_sms(q)), num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
