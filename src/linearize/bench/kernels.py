@@ -372,11 +372,13 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps; the tune shap
 # too (sweep3: 0.748-1.135 ms against 0.709 for Lizard's gated forward at B16 T2048)
 GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
     # stands for dstate_bv_norm in the Lizard (normalised) rows
+    dict(par_warps=4, par_stages=1, dstate_warps=4, dstate_bv=128),
+    dict(par_warps=4, par_stages=1, dstate_warps=4, dstate_bv=64),
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=128),
-    dict(par_warps=8, par_stages=1, dstate_warps=8, dstate_bv=128),
     dict(par_warps=4, par_stages=1, dstate_warps=8, dstate_bv=64),
-    dict(par_warps=8, par_stages=1, dstate_warps=4, dstate_bv=64),
-)
+    dict(par_warps=8, par_stages=1, dstate_warps=4, dstate_bv=128),
+)  # sweep3 (B16 T2048, Lizard's op / GLA alone): par_stages 2 3.363 / 2.561, dstate_stages 3 3.253 / 2.399,
+# dstate_warps 2 4.162-13.36, dstate_bv 32 3.902 / 2.645: all lost to dstate_warps 4 at 128 (3.115 / 2.399)
 WINDOW_CANDIDATES = (
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=64, kv_bn=32, kv_warps=4),

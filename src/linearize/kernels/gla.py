@@ -610,8 +610,12 @@ class GLAKernelConfig:
     log-feature pass holds more tiles: with 4 warps it spills);
     ``dstate_bv`` / ``dstate_bv_norm``: the V-block of the backward's reverse pass, unnormalised /
     normalised (its programs split V: more of them run side by side, but with the normaliser each
-    also carries dz, so splitting costs more there; H200, B16 T2048: GLA alone 2.484 ms fwd+bwd at
-    64 against 2.553 at 128, Lizard's normalised pass 4.035 at 64 against 3.450 at 128);
+    also carries dz, so splitting costs more there). With 8 warps 64 was faster unnormalised (H200,
+    B16 T2048: GLA alone 2.484 ms fwd+bwd against 2.553 at 128; Lizard's normalised op 4.035 at 64
+    against 3.450); with ``dstate_warps`` 4, 128 wins in both modes at every bench shape (sweep3:
+    GLA alone 2.399 / 2.653 / 2.738 ms at B16 T2048 / B4 T8192 / B1 T32768 against 2.488 / 2.746 /
+    2.949 with 8 warps and 64; Lizard's op 3.115 / 3.705 / 4.021 against 3.360 / 3.908 / 4.389
+    with 8 warps and 128; 2 warps lost, 4.16-13.4);
     ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into
     segments aims at, rounded to the nearest number of segments (the forward's main pass runs
     NV = 2 V-blocks of each, at 2 programs per multiprocessor). On an H200 at 32 heads the sweep
@@ -644,9 +648,9 @@ class GLAKernelConfig:
     fwd_stages: int = 2
     den_warps: int = 4
     den_warps_full: int = 2
-    dstate_warps: int = 8
+    dstate_warps: int = 4
     dstate_stages: int = 2
-    dstate_bv: int = 64
+    dstate_bv: int = 128
     dstate_bv_norm: int = 128
     par_warps: int = 4
     par_warps_log: int = 8
