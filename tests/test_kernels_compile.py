@@ -46,7 +46,7 @@ def _arg_type(value) -> str:
 def compiled(monkeypatch):
     """Replaces kernel launches by compilation for sm_90a; yields the list of (kernel, constexprs,
     shared memory in bytes)."""
-    done: list[tuple[str, dict]] = []
+    done: list[tuple[str, dict, int]] = []
     seen: set = set()
 
     def compile_instead(self, *args, grid, warmup, **kwargs):

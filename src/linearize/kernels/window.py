@@ -261,8 +261,8 @@ class WindowKernelConfig:
     blocks at 32 or more.)"""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
-    # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 ms in two sweeps, against 2.509 /
-    # 2.524 with the dk/dv pass on the shared 64 x 32; docs/results/kernels-h200-sweep3.json)
+    # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
+    # 2.509 / 2.524 / 2.523 with the dk/dv pass on the shared 64 x 32; docs/results/kernels-h200-sweep3.json)
     bm: int = 64
     bn: int = 32
     fwd_warps: int = 4
