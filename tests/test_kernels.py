@@ -164,8 +164,9 @@ def test_normaliser_pass_warps_follow_its_programs_per_multiprocessor():
 
 def test_tuning_picks_the_reverse_pass_block_per_mode():
     """The backward's reverse-pass V-block is tuned apart for the unnormalised pass (GLA alone,
-    the plain rows) and the normalised one (Lizard's, the Lizard rows): the sweep found 64 faster
-    for the first and 128 for the second, and one setting for both cost one of them."""
+    the plain rows) and the normalised one (Lizard's, the Lizard rows): with 8 warps a sweep found
+    64 faster for the first and 128 for the second, so one setting for both cost one of them. The
+    rows here are made up to make the two picks differ."""
     from linearize.bench import kernels as kb
     from linearize.kernels import gla as kgla
     from linearize.kernels import window as kwin

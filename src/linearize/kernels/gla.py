@@ -738,7 +738,8 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     BT, BK = _chunk(cfg, q.dtype), pow2(DK)
     BV = min(pow2(cfg.fwd_bv), pow2(DV))
     NV = math.ceil(DV / BV)
-    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
+    sms = device_sms(q)
+    nseg, seg_len = _segments(T, BT, B * H, sms, cfg)
     NC = math.ceil(T / BT)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
@@ -774,7 +775,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
-            num_warps=_den_warps(cfg, nseg * B * H, device_sms(q)), num_stages=2, **common_kw)
+            num_warps=_den_warps(cfg, nseg * B * H, sms), num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
         q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,

@@ -15,8 +15,9 @@ c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1
 (e^{b_end - c_t} = Π_{k=t..s1-1} a_k: the query's own gate is in, as in the mask.) With
 ``log_a_back`` the backward sweep's b_end and c (and the intra mask's upper triangle) come from
 those gates instead. The forward sweep keeps each chunk's intra + forward reads; the backward
-sweep adds its reads and writes the chunk's output. Without autograd the output is written in place and each chunk's reads are
-freed once used, so extra memory is O(B H (C^2 + F Dv)) plus one row sum per token.
+sweep adds its reads and writes the chunk's output. Without autograd the output is written in
+place and each chunk's reads are freed once used, so extra memory is O(B H (C^2 + F Dv)) plus
+one row sum per token.
 """
 
 from __future__ import annotations
