@@ -519,3 +519,56 @@ def test_length_buckets_cover_every_row_once_and_cut_padding():
 
     random_batches = [list(range(i, min(i + 32, 500))) for i in range(0, 500, 32)]
     assert padding(buckets) < 1.2 < 1.5 < padding(random_batches)
+
+
+def _is_run_of(part: list[str], whole: list[str]) -> bool:
+    return any(whole[i:i + len(part)] == part for i in range(len(whole) - len(part) + 1))
+
+
+def test_sentence_variants_are_crops_and_spans_of_the_given_sentences():
+    from linearize.train.encoder import MAX_WORDS, MIN_WORDS, sentence_variants
+
+    sentences = [f"sentence {i} " + " ".join(f"w{i}_{j}" for j in range(n))
+                 for i, n in enumerate([3, 6, 10, 25, 70, 40, 12])]
+    words = [s.split() for s in sentences]
+    variants = sentence_variants(sentences, 400, seed=3)
+    assert len(variants) == 400 and variants == sentence_variants(sentences, 400, seed=3)
+    assert variants != sentence_variants(sentences, 400, seed=4)
+    crops = spans = 0
+    for v in variants:
+        w = v.split()
+        assert MIN_WORDS <= len(w) <= MAX_WORDS, v
+        assert v not in sentences
+        if any(_is_run_of(w, s) for s in words):  # a crop: part of one sentence, at least half of it
+            crops += 1
+            assert any(_is_run_of(w, s) and 2 * len(w) >= len(s) for s in words), v
+        else:  # a span: a sentence's tail, then another's head
+            spans += 1
+            assert any(w[:i] == a[len(a) - i:] and _is_run_of(w[i:], b[:len(w) - i]) and w[i:] == b[:len(w) - i]
+                       for i in range(1, len(w)) for a in words for b in words), v
+    assert crops > 100 and spans > 100
+    assert sentence_variants(sentences, 0) == []
+    with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
+        sentence_variants(sentences, -1)
+    with pytest.raises(ValueError, match="no sentence of at least 5 words"):
+        sentence_variants(["too short here"], 3)
+
+
+def test_variants_fill_only_what_the_stages_would_repeat(minilm):
+    from linearize.train import TrainConfig
+    from linearize.train.encoder import tokenize_sentences, with_variants
+
+    _, tokenizer = minilm
+    sentences = [f"The {c} house number {i} stood near the old river bank." for i in range(10) for c in ("red", "blue")]
+    rows = tokenize_sentences(tokenizer, sentences, 32)
+    config = TrainConfig(method="lion-s", variants=2)
+    same, extra = with_variants(rows, sentences, 15, config, tokenizer)  # no repetition needed: nothing added
+    assert same is rows and extra == 0
+    more, extra = with_variants(rows, sentences, 50, config, tokenizer)
+    assert extra == 30 and len(more) == 50 and torch.equal(more.input_ids[:20], rows.input_ids)
+    capped, extra = with_variants(rows, sentences, 500, config, tokenizer)  # at most 2 per sentence
+    assert extra == 40 and len(capped) == 60
+    off, extra = with_variants(rows, sentences, 500, TrainConfig(method="lion-s"), tokenizer)
+    assert off is rows and extra == 0
+    with pytest.raises(ValueError, match="variants must be an integer >= 0, got -1"):
+        TrainConfig(method="lion-s", variants=-1).validate()
