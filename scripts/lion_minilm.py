@@ -59,8 +59,6 @@ def main(argv=None) -> int:
     p.add_argument("--sinks", type=int, default=0, help="leading tokens ([CLS]) attended by exact softmax")
     p.add_argument("--window", type=int, default=0, help="exact softmax within this distance of each token")
     p.add_argument("--asymmetric", action="store_true", help="separate decays for keys right of the query")
-    p.add_argument("--variants", type=int, default=0, help="up to this many crops / spans per training sentence, "
-                   "used where the stages would otherwise repeat sentences")
     p.add_argument("--val-sentences", type=int, default=256)
     p.add_argument("--eval-sentences", type=int, default=1000)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
         stage2_tokens=args.stage2_tokens, stage1_lr=args.stage1_lr, stage2_lr=args.stage2_lr,
         lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank, distill=args.distill,
         relational=args.relational, relational_temperature=args.relational_temperature,
-        relational_bank=args.relational_bank, variants=args.variants,
+        relational_bank=args.relational_bank,
         overrides={"chunk_size": args.chunk_size, **({"feature_dim": args.feature_dim} if args.feature_dim else {}),
                    **({"sinks": args.sinks} if args.sinks else {}), **({"window": args.window} if args.window else {}),
                    **({"asymmetric": True} if args.asymmetric else {})},
@@ -175,16 +173,12 @@ def _decay_sentence(c: dict) -> str:
 
 def _data_sentence(data: dict) -> str:
     held, trained = data["data"], data["training"]["config"]["data"]
-    n = data["training"]["config"].get("variants", 0)
-    extra = (f" Where the stages would show a sentence again they see new inputs instead (`variants={n}`, "
-             "train/encoder.py): crops of at least half a training sentence and spans across two, up to "
-             f"{n} per sentence; the teacher embeds each one." if n else "")
     if trained == held:
         return (f"Data: `{held}`, sentences of 5-64 words; ~10% held out by a hash of the text and never trained "
-                "on." + extra)
+                "on.")
     return (f"Training data: `{trained}`; held-out test sentences: those of `{held}` (5-64 words) whose hash puts "
             "them in the test split, never trained on whatever the training sources (the split is a hash of the "
-            "sentence's text)." + extra)
+            "sentence's text).")
 
 
 def _met(ok: bool) -> str:

@@ -52,8 +52,6 @@ class TrainConfig:
     relational: float = 0.0              # encoders: weight of KL(teacher || student) similarities to a bank; 0 = off
     relational_temperature: float = 0.05  # encoders: softmax temperature of the relational term
     relational_bank: int = 4096          # encoders: teacher embeddings of training sentences in the bank
-    variants: int = 0                    # encoders: up to this many new inputs per training sentence (crops and
-    #                                      spans across two sentences), drawn where the stages would repeat sentences
     mu_schedule: str = "ramp"            # liza only: constant | ramp 0.01 -> 0.5 | cyclic | switch
     mu_steps: int = 100
 
@@ -87,7 +85,7 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "lora_rank", "mu_steps", "eval_every",
                      "save_every", "max_nonfinite", "val_rows", "relational_bank"):
             _positive_int(self, name)
-        for name in ("stage1_tokens", "stage2_tokens", "warmup_steps", "plateau_patience", "variants"):
+        for name in ("stage1_tokens", "stage2_tokens", "warmup_steps", "plateau_patience"):
             _non_negative_int(self, name)
         for name in ("block_size", "early_stop_patience"):
             if getattr(self, name) is not None:

@@ -148,39 +148,6 @@ def load_sentences(source: str, *, split: str | None = None, max_sentences: int 
     return sentences[:max_sentences] if max_sentences else sentences
 
 
-def sentence_variants(sentences: Sequence[str], count: int, seed: int = 0) -> list[str]:
-    """``count`` new inputs made only of the words of ``sentences`` (the training sentences), in
-    turn a crop (a contiguous run of at least half of one sentence's words) and a span across two
-    (the end of one sentence, then the start of another), each of ``MIN_WORDS``..``MAX_WORDS``
-    words and about a sentence long on average; seeded, so a resumed run rebuilds the same ones.
-
-    Why: distillation needs inputs, not labels (the teacher embeds each one), and on a small text
-    the stages would otherwise show each sentence several times; the record's student agreed with
-    the teacher's neighbours on 0.89 of its training sentences and on 0.85 of held-out ones
-    (docs/results/lion-minilm.md). Only training sentences are cut, so no held-out words enter.
-    """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be an int >= 0, got {count!r}")
-    words = [s.split() for s in sentences]
-    if count and not any(len(w) >= MIN_WORDS for w in words):
-        raise ValueError(f"no sentence of at least {MIN_WORDS} words to make variants from")
-    rng = random.Random(seed)
-    out: list[str] = []
-    while len(out) < count:
-        a = words[rng.randrange(len(words))]
-        if len(out) % 2 == 0 and len(a) > MIN_WORDS:  # a crop: at least half the words, never all
-            size = rng.randint(max(MIN_WORDS, (len(a) + 1) // 2), len(a) - 1)
-            start = rng.randint(0, len(a) - size)
-            new = a[start:start + size][:MAX_WORDS]
-        else:  # a span across two: a's tail, then b's head
-            b = words[rng.randrange(len(words))]
-            new = (a[rng.randint(1, len(a) - 1):] if len(a) > 1 else a) + b[:rng.randint(1, max(len(b) - 1, 1))]
-            new = new[:MAX_WORDS]
-        if len(new) >= MIN_WORDS:
-            out.append(" ".join(new))
-    return out
-
-
 @dataclass
 class SentenceRows:
     """Tokenized sentences for the loop: ``input_ids`` (N, L) long, ``attention_mask`` (N, L), right
@@ -250,21 +217,6 @@ def _subset(rows: SentenceRows, n: int) -> SentenceRows:
     return SentenceRows(rows.input_ids[:n], rows.attention_mask[:n], None if rows.targets is None else rows.targets[:n])
 
 
-def with_variants(rows: SentenceRows, sentences: Sequence[str], needed: int, config: TrainConfig,
-                  tokenizer) -> tuple[SentenceRows, int]:
-    """``rows`` (the first ``len(rows)`` of ``sentences``, tokenized) followed by as many
-    ``sentence_variants`` of them as the stages need beyond them (``needed`` rows in all), at most
-    ``config.variants`` per sentence; and how many were added. The variants come after the
-    sentences, so the relational bank's rows stay sentences."""
-    extra = min(max(needed - len(rows), 0), config.variants * len(rows))
-    if not extra:
-        return rows, 0
-    new = tokenize_sentences(tokenizer, sentence_variants(sentences[:len(rows)], extra, config.seed),
-                             rows.input_ids.shape[1])
-    return SentenceRows(torch.cat([rows.input_ids, new.input_ids]),
-                        torch.cat([rows.attention_mask, new.attention_mask])), extra
-
-
 # ------------------------------------------------------------------------------------------ run
 
 
@@ -302,9 +254,8 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     needed = max(steps(config.stage1_tokens), steps(config.stage2_tokens)) * config.batch_size * config.grad_accum
     bank_size = min(len(train_rows), config.relational_bank) if config.relational > 0 else 0
     train_rows = _subset(train_rows, min(len(train_rows), max(needed, bank_size, 1)))
-    train_rows, extra = with_variants(train_rows, train_sentences, needed, config, tokenizer)
     _log(config, f"data: {len(train_rows)} training sentences ({train_rows.num_tokens:,} tokens, {mean_len:.1f} "
-                 f"per sentence{f'; {extra} of them variants' if extra else ''}), {len(val_rows)} validation sentences")
+                 f"per sentence), {len(val_rows)} validation sentences")
 
     out.mkdir(parents=True, exist_ok=True)
     if not (out / CONFIG_FILE).is_file():
