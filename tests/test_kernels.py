@@ -150,18 +150,6 @@ def test_forwards_store_for_a_backward_only_when_one_can_run(monkeypatch, grad_m
     assert seen == {"gla": grad_mode, "window": grad_mode}
 
 
-def test_normaliser_pass_warps_follow_its_programs_per_multiprocessor():
-    """Fewer warps per program where the pass has >= 3 programs per multiprocessor (the H200
-    sweep's B16 T2048, 512 programs on 132), the other setting where it has fewer (256)."""
-    from linearize.kernels import gla as kgla
-
-    cfg = kgla.GLAKernelConfig(den_warps=4, den_warps_full=2)
-    assert kgla._den_warps(cfg, 16 * 32, 132) == 2
-    assert kgla._den_warps(cfg, 396, 132) == 2
-    assert kgla._den_warps(cfg, 395, 132) == 4
-    assert kgla._den_warps(cfg, 2 * 4 * 32, 132) == 4
-
-
 def test_tuning_picks_the_reverse_pass_block_per_mode():
     """The backward's reverse-pass V-block is tuned apart for the unnormalised pass (GLA alone,
     the plain rows) and the normalised one (Lizard's, the Lizard rows): with 8 warps a sweep found

@@ -357,15 +357,14 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
 
 # ----------------------------------------------------------------------------- launch-config sweep
 
-GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps; the tune shape (B16 T2048) takes
-    # den_warps_full (the normaliser pass with >= 3 programs per multiprocessor)
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=2),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=4),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=1),
-    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps_full=2),
-    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps_full=2),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps_full=2, tma=False),
-    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps_full=2),
+GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=4),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=1),
+    dict(fwd_bv=64, fwd_warps=8, fwd_stages=2, den_warps=2),
+    dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=2),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
+    dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring). Splitting
 # the normaliser pass's features over programs (blocks of 64 or 32, parts of den added atomically) lost

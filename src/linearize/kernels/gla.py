@@ -294,17 +294,19 @@ def _gla_bwd_state_kernel(
 
 @triton.jit
 def _gla_fwd_kernel(
-    Q, K, V, G, O, DEN, S_IN, S_OUT, SC,
+    Q, K, V, G, O, DEN_IN, DEN, S_IN, S_OUT, SC,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Grid (V-blocks, segments, B*H): o (divided by den + eps, den from ``_gla_den_kernel``, when
-    NORM) and the final state; with STORE_CHUNKS also the state entering every chunk and the
-    final state, SC (B*H, NC + 1, Dk, Dv) in the input dtype, for the backward. (A variant
-    computing den here, carrying z beside S, ran 1.6x slower on an H200: more registers spilled.)"""
+    """Grid (V-blocks, segments, B*H): o (divided by den + eps when NORM: DEN_IN's inter-chunk
+    part from ``_gla_den_kernel`` plus rowsum(A), which this pass holds anyway; the V-block 0
+    program stores the whole den in DEN for the backward) and the final state; with STORE_CHUNKS
+    also the state entering every chunk and the final state, SC (B*H, NC + 1, Dk, Dv) in the input
+    dtype, for the backward. (A variant computing all of den here, carrying z beside S, ran 1.6x
+    slower on an H200: more registers spilled.)"""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -316,6 +318,7 @@ def _gla_fwd_kernel(
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
     O += i_bh.to(tl.int64) * T * DV
+    DEN_IN += i_bh.to(tl.int64) * T
     DEN += i_bh.to(tl.int64) * T
 
     ok = tl.arange(0, BK)
@@ -362,8 +365,10 @@ def _gla_fwd_kernel(
         a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
         num = tl.dot(q_ph, S.to(dt), input_precision=PREC) * tl.exp(b)[:, None]
         num = tl.dot(a, v, num, input_precision=PREC)
-        if NORM:
-            num = num / (tl.load(DEN + rows, mask=mt, other=1.0) + eps)[:, None]
+        if NORM:  # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
+            den = tl.load(DEN_IN + rows, mask=mt, other=1.0) + tl.sum(a.to(tl.float32), 1)
+            tl.store(DEN + rows, den, mask=mt & (i_v == 0))
+            num = num / (den + eps)[:, None]
         if TMA:
             o_desc.store([t_start + c * BT, i_v * BV], num.to(dt))
         else:
@@ -385,15 +390,15 @@ def _gla_den_kernel(
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Grid (segments, B*H): the normaliser den_t = Q~_t . z + rowsum(A)_t (fp32, (B*H, T)),
-    i.e. the same recurrence with values 1, carrying z (Dk) alone; also the final z and, with
-    STORE_CHUNKS, the z entering every chunk and the final z, ZC (B*H, NC + 1, Dk) fp32. Kept out of the main
+    """Grid (segments, B*H): the normaliser's inter-chunk part Q~_t . z (fp32, (B*H, T); the
+    main pass adds rowsum(A)_t, the intra-chunk part, from the A it computes anyway), i.e. the same
+    recurrence with values 1, carrying z (Dk) alone; also the final z and, with STORE_CHUNKS, the
+    z entering every chunk and the final z, ZC (B*H, NC + 1, Dk) fp32. Kept out of the main
     forward kernel, whose registers the (Dk, Dv) state and the tiles already fill."""
     i_seg = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    dt = Q.dtype.element_ty
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
@@ -421,10 +426,7 @@ def _gla_den_kernel(
         q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, 0, rows, ok, mt, mk, sqt, neg, TMA), LOG)
         k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        # rowsum of A rounded to the dot dtype, as the numerator's A @ v uses it
-        a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * _intra_decay(b, ot)).to(dt)
-        den = tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b) + tl.sum(a.to(tl.float32), 1)
-        tl.store(DEN + rows, den, mask=mt)
+        tl.store(DEN + rows, tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b), mask=mt)
         z = z * tl.exp(b_end) + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
     tl.store(Z_OUT + i_bh.to(tl.int64) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
     if STORE_CHUNKS:
@@ -622,13 +624,13 @@ class GLAKernelConfig:
     found 2 segments best at B4 T8192 (1.10 ms against 1.15 for 3) and 9 at B1 T32768 (1.48
     against 1.67 for 5 and 1.52 for 17; docs/results/kernels-h200-sweep2.json): fill 2 gives 2 and 8;
     ``seg_chunks``: forces the segment length in chunks (tests);
-    ``den_warps`` / ``den_warps_full``: the normaliser pass's warps, the second when it has at
-    least 3 programs (segments x batch x heads) per multiprocessor. Its programs each walk their
-    segment's chunks one after another; with many of them, fewer warps each let more run side by
-    side, with few, more warps speed each one. H200, Lizard's gated forward (sweep3): at B16
-    T2048 (512 programs on 132 multiprocessors) 0.709 ms with 2 warps against 0.849 with 4, 0.891
-    with 1 and 0.890 with 8; at B4 T8192 and B1 T32768 (256 programs) 1.003 / 1.233 with 4
-    against 1.045 / 1.274 with 2;
+    ``den_warps``: the normaliser pass's warps. Its programs each walk their segment's chunks one
+    after another, now carrying z and forming phi(q).z only (the main pass adds rowsum(A)). H200,
+    Lizard's gated forward (docs/results/kernels-h200-den-split.json): 2 warps fastest at every
+    bench shape, 0.685 / 0.974 / 1.195 ms at B16 T2048 / B4 T8192 / B1 T32768 against 0.718 /
+    1.002 / 1.227 with 4, 0.696 / 1.006 / 1.231 with 1 and 0.890 / 1.055 / 1.282 with 8. (Before
+    that split the pass also formed A, and 4 warps won where it had fewer than 3 programs per
+    multiprocessor: a rule this setting no longer needs.)
     ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
@@ -646,8 +648,7 @@ class GLAKernelConfig:
     fwd_bv: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
-    den_warps: int = 4
-    den_warps_full: int = 2
+    den_warps: int = 2
     dstate_warps: int = 4
     dstate_stages: int = 2
     dstate_bv: int = 128
@@ -695,11 +696,6 @@ def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for the descriptors that kernels build on the device (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _den_warps(cfg: GLAKernelConfig, programs: int, sms: int) -> int:
-    """The normaliser pass's warps for ``programs`` programs on ``sms`` multiprocessors."""
-    return cfg.den_warps_full if programs >= 3 * sms else cfg.den_warps
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
@@ -770,14 +766,18 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
             DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, num_warps=4)
     elif S0 is not None:
         s_in, z_in = S0.float().contiguous(), z0.float().contiguous()
+    # the main pass reads the normaliser pass's part and stores the whole den: in place where one
+    # program per chunk does both, else into a buffer of its own (the other V-blocks still read)
+    den_in = den if NV == 1 or not normalize else torch.empty_like(den)
     tma_qk = _tma(cfg, q, k)  # the normaliser pass reads q and k; the main pass also v and o
     if normalize:
         _gla_den_kernel[(nseg, B * H)](
-            q, k, log_g, den, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
+            q, k, log_g, den_in, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
-            num_warps=_den_warps(cfg, nseg * B * H, sms), num_stages=2, **common_kw)
+            num_warps=cfg.den_warps, num_stages=2, **common_kw)
     _gla_fwd_kernel[(NV, nseg, B * H)](
-        q, k, v, log_g, o, den if normalize else o, s_in if has_init else o, S_T, sc if store_chunks else o,
+        q, k, v, log_g, o, den_in if normalize else o, den if normalize else o, s_in if has_init else o, S_T,
+        sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
         STORE_CHUNKS=store_chunks, TMA=tma_qk and _tma(cfg, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **common_kw)
