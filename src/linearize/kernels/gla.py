@@ -734,8 +734,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     BT, BK = _chunk(cfg, q.dtype), pow2(DK)
     BV = min(pow2(cfg.fwd_bv), pow2(DV))
     NV = math.ceil(DV / BV)
-    sms = device_sms(q)
-    nseg, seg_len = _segments(T, BT, B * H, sms, cfg)
+    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
     NC = math.ceil(T / BT)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
