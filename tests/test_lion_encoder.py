@@ -111,6 +111,33 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, sinks, win
             assert_rel_close(layer(q, k, v, x, valid, form=form), ref, 1e-12, form)
 
 
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+def test_auto_form_runs_parallel_on_short_inputs_and_chunks_long_ones(exact, monkeypatch):
+    """The default form, "auto", takes the parallel form up to AUTO_PARALLEL_MAX tokens (faster for
+    sentences) and the chunk form beyond (linear memory), with the result of either."""
+    from linearize.layers import lion as lion_mod
+
+    calls = []
+    for name in ("lion_chunk", "lion_parallel"):
+        real = getattr(lion_mod, name)
+        monkeypatch.setattr(lion_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    real_dense = LionAttention._with_exact_parallel
+    monkeypatch.setattr(LionAttention, "_with_exact_parallel",
+                        lambda self, *a: calls.append("lion_parallel") or real_dense(self, *a))
+    assert LionConfig().form == "auto"
+    torch.manual_seed(0)
+    layer = LionAttention(LionConfig(variant="s", chunk_size=16, **exact), H, D, HIDDEN).double()
+    limit = lion_mod.AUTO_PARALLEL_MAX
+    for T, picked in ((limit, "lion_parallel"), (limit + 1, "lion_chunk")):
+        q, k, v = (torch.randn(1, H, T, D, dtype=torch.float64) for _ in range(3))
+        x = torch.randn(1, T, HIDDEN, dtype=torch.float64)
+        calls.clear()
+        y = layer(q, k, v, x)
+        assert calls == [picked], (T, calls)
+        other = "chunk" if picked == "lion_parallel" else "parallel"
+        assert_rel_close(y, layer(q, k, v, x, form=other), 1e-12, f"T={T}")
+
+
 def test_exact_keys_covering_a_short_sentence_leave_plain_softmax():
     """When every key of a query is exact (a 5-token sentence, window 4), LION has nothing left:
     the output is the teacher's softmax attention over the valid keys, and gradients stay finite

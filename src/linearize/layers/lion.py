@@ -47,12 +47,18 @@ from torch import nn
 
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
-from ..ops.lion.naive import gate_cumsums, token_log_gates
+from ..ops.lion.naive import gate_cumsums, lion_mask, token_log_gates
 from .feature_maps import FEATURE_MAP_INITS, HedgehogFeatureMap, T2RFeatureMap
 from .gates import SigmoidGate, _head_gammas, _logit
 
 LION_VARIANTS = ("lit", "d", "s")
-LION_FORMS = ("chunk", "parallel", "recurrent")
+LION_FORMS = ("auto", "chunk", "parallel", "recurrent")
+# "auto": the parallel form up to this many tokens, the chunk form beyond. On 2 CPU threads (12
+# heads of 32, lion-s, 1024 tokens per call) the parallel form ran a layer 1.1-2.5x faster than the
+# chunk form up to 128 tokens (forward, and forward + backward; pure or with exact keys), and
+# slower from 256 on: 1.1-2.4x at 256, 1.8-12x beyond (scripts/lion_forms_short.py,
+# docs/results/lion-forms-short.md).
+AUTO_PARALLEL_MAX = 128
 LION_FEATURE_MAPS = ("hedgehog", "t2r")
 POSITION_POLICIES = ("clamp", "error")
 
@@ -67,7 +73,8 @@ class LionConfig:
     feature_init: str = "identity"
     scaled: bool = True                        # divide each row by its sum (the softmax-like form)
     decay_init: tuple[float, float] = (0.95, 0.99)  # initial λ_h (d) / a_t (s), spread over the heads
-    form: str = "chunk"                        # which of the three equivalent forms the layer runs
+    form: str = "auto"                         # which of the three equivalent forms the layer runs
+    #                                            (auto: parallel up to AUTO_PARALLEL_MAX tokens, else chunk)
     chunk_size: int = 64
     eps: float = 1e-6
     positions: str = "clamp"                   # inputs longer than the teacher's absolute positions:
@@ -173,6 +180,8 @@ class LionAttention(nn.Module):
         form = self.config.form if form is None else form
         if form not in LION_FORMS:
             raise ValueError(f"form must be one of {LION_FORMS}, got {form!r}")
+        if form == "auto":
+            form = "parallel" if q.shape[2] <= AUTO_PARALLEL_MAX else "chunk"
         kw = {"valid": valid, "scaled": self.config.scaled, "eps": self.config.eps}
         if form == "chunk":
             kw["chunk_size"] = self.config.chunk_size
@@ -181,6 +190,8 @@ class LionAttention(nn.Module):
         if not (self.config.sinks or self.config.window):
             y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
             return y
+        if form == "parallel":
+            return self._with_exact_parallel(q, k, v, x, valid)
         return self._with_exact(op, kw, q, k, v, x, valid)
 
     def _with_exact(self, op, kw, q, k, v, x, valid) -> torch.Tensor:
@@ -231,17 +242,52 @@ class LionAttention(nn.Module):
         has_rest = keep[:, n:].sum(-1, keepdim=True) > (ok.sum(-1) if w else 0)        # (B, T)
         den = lin[..., Dv:].clamp_min(0.0) + self.config.eps
         rest = (lin[..., :Dv] / den).masked_fill(~has_rest[:, None, :, None], 0.0)
-        r = self.rest_logit(x.to(self.rest_logit.weight.dtype)).to(acc).transpose(1, 2).unsqueeze(-1) \
-            + self.rest_count_scale.to(acc).view(-1, 1, 1) * den.log()
-        # -inf where there is no rest, except at padded queries (output 0 anyway), so that no
-        # row of the softmax is all -inf (NaN, also in the backward)
-        r = r.masked_fill((~has_rest & keep)[:, None, :, None], float("-inf"))
+        r = self._rest_logit(x, den, has_rest, keep)
         pi = torch.softmax(torch.cat(logits + [r], dim=-1), dim=-1)
         y = pi[..., -1:] * rest
         if n:
             y = y + pi[..., :n] @ va[:, :, :n]
         for e, o in enumerate(range(-w, w + 1) if w else ()):
             y = y + pi[..., n + e, None] * _shifted(va, o, 2)
+        if valid is not None:  # a padded query reads nothing, as in the ops
+            y = y * valid[:, None, :, None]
+        return y.to(v.dtype)
+
+    def _rest_logit(self, x: torch.Tensor, den: torch.Tensor, has_rest: torch.Tensor,
+                    keep: torch.Tensor) -> torch.Tensor:
+        """The rest pseudo-key's logit r (B, H, T, 1) from LION's row sum over the rest ``den``
+        (B, H, T, 1, eps included): w_h.x + c_h + γ_h log den. -inf where a query has no rest,
+        except at padded queries (output 0 anyway), so that no row of the softmax is all -inf
+        (NaN, also in the backward)."""
+        r = self.rest_logit(x.to(self.rest_logit.weight.dtype)).to(den.dtype).transpose(1, 2).unsqueeze(-1) \
+            + self.rest_count_scale.to(den.dtype).view(-1, 1, 1) * den.log()
+        return r.masked_fill((~has_rest & keep)[:, None, :, None], float("-inf"))
+
+    def _with_exact_parallel(self, q, k, v, x, valid) -> torch.Tensor:
+        """``_with_exact`` with (B, H, T, T) tensors, as ``lion_parallel`` computes LION: the rest's
+        weights M_ij φq_i.φk_j over the keys that are neither sinks nor in the window, and the exact
+        keys' scores, masked per (query, key) pair. Quadratic in T, but a few batched products
+        instead of the recurrences and a loop over the window's offsets: the fast form for short
+        inputs (sentences), and a second, independent computation of the same mix for the tests."""
+        B, H, T, Dv = v.shape
+        n, w = min(self.config.sinks, T), self.config.window
+        acc = compute_dtype(q)
+        keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
+        idx = torch.arange(T, device=q.device)
+        exact = (idx < n)[None, :] | ((idx[:, None] - idx[None, :]).abs() <= w if w else False)  # (T, T)
+        exact_ok = exact & keep[:, None, :]                                                   # (B, T, T)
+        rest_ok = ~exact & keep[:, None, :]
+        M = lion_mask(self.log_decay(x), T, valid, batch_size=B, dtype=acc, device=q.device,
+                      log_a_back=self.log_decay_back(x))
+        a = (self.phi_q(q).to(acc) @ self.phi_k(k).to(acc).transpose(-1, -2)) * M * rest_ok[:, None]
+        va = v.to(acc)
+        den = a.sum(-1, keepdim=True) + self.config.eps                                      # (B, H, T, 1)
+        has_rest = rest_ok.any(-1)                                                            # (B, T)
+        rest = ((a @ va) / den).masked_fill(~has_rest[:, None, :, None], 0.0)
+        r = self._rest_logit(x, den, has_rest, keep)
+        logits = (q.to(acc) @ k.to(acc).transpose(-1, -2) * self.scale).masked_fill(~exact_ok[:, None], float("-inf"))
+        pi = torch.softmax(torch.cat([logits, r], dim=-1), dim=-1)
+        y = pi[..., :T] @ va + pi[..., T:] * rest
         if valid is not None:  # a padded query reads nothing, as in the ops
             y = y * valid[:, None, :, None]
         return y.to(v.dtype)
