@@ -118,12 +118,18 @@ def test_auto_form_runs_parallel_on_short_inputs_and_chunks_long_ones(exact, mon
     from linearize.layers import lion as lion_mod
 
     calls = []
+
+    def spy(name, real):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return run
+
     for name in ("lion_chunk", "lion_parallel"):
-        real = getattr(lion_mod, name)
-        monkeypatch.setattr(lion_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    real_dense = LionAttention._with_exact_parallel
+        monkeypatch.setattr(lion_mod, name, spy(name, getattr(lion_mod, name)))
+    # with exact keys the parallel form is the layer's own (B, H, T, T) mix
     monkeypatch.setattr(LionAttention, "_with_exact_parallel",
-                        lambda self, *a: calls.append("lion_parallel") or real_dense(self, *a))
+                        spy("lion_parallel", LionAttention._with_exact_parallel))
     assert LionConfig().form == "auto"
     torch.manual_seed(0)
     layer = LionAttention(LionConfig(variant="s", chunk_size=16, **exact), H, D, HIDDEN).double()

@@ -274,7 +274,8 @@ class LionAttention(nn.Module):
         acc = compute_dtype(q)
         keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
         idx = torch.arange(T, device=q.device)
-        exact = (idx < n)[None, :] | ((idx[:, None] - idx[None, :]).abs() <= w if w else False)  # (T, T)
+        near = (idx[:, None] - idx[None, :]).abs() <= w if w else torch.zeros(T, T, dtype=torch.bool, device=q.device)
+        exact = (idx < n)[None, :] | near                                                    # (T, T)
         exact_ok = exact & keep[:, None, :]                                                   # (B, T, T)
         rest_ok = ~exact & keep[:, None, :]
         M = lion_mask(self.log_decay(x), T, valid, batch_size=B, dtype=acc, device=q.device,
