@@ -4,6 +4,7 @@ squared error of the rest's output (the keys that are neither [CLS] nor within 2
 against the teacher's softmax over the same keys, as a share of a uniform average's error, for
 the checkpoint's trained Hedgehog features (with and without its decays), the second-order Taylor
 kernel 1 + t s + (t s)^2 / 2 of the scaled scores s (Based's map, no training), and exp(t s).
+First it prints where the teacher's attention mass goes ([CLS], [SEP], the window, the rest).
 Quoted in docs/results/lion-minilm-trials.json (session of 2026-11-22).
 
     .venv/bin/python scripts/lion_rest_kernels.py runs/lion-minilm-s-v4
@@ -37,6 +38,30 @@ def teacher_layer_inputs(teacher, enc) -> dict[int, torch.Tensor]:
     return xs
 
 
+def attention_mass(teacher, enc) -> None:
+    """Where the teacher's softmax mass goes, per layer (mean over valid queries and heads): [CLS],
+    [SEP] (the last real token), the other keys within 2 of the query, and the rest."""
+    with torch.no_grad():
+        attentions = teacher(**enc, output_attentions=True).attentions
+    valid = enc["attention_mask"].bool()
+    B, T = valid.shape
+    sep = valid.sum(1) - 1
+    idx = torch.arange(T)
+    for li, a in enumerate(attentions):                      # (B, H, T, T)
+        H = a.shape[1]
+        m_cls = a[..., 0]
+        m_sep = a.gather(3, sep.view(B, 1, 1, 1).expand(B, H, T, 1)).squeeze(-1)
+        near = ((idx[:, None] - idx[None, :]).abs() <= WINDOW) & (idx[None, :] != 0)
+        near = near[None] & (idx[None, None, :] != sep.view(B, 1, 1))   # (B, T, T)
+        m_near = (a * near[:, None]).sum(-1)
+        q = valid[:, None, :].expand(B, H, T)
+
+        def mean(m):
+            return ((m * q).sum() / q.sum()).item()
+        print(f"layer {li}: mass on [CLS] {mean(m_cls):.3f}, [SEP] {mean(m_sep):.3f}, "
+              f"within {WINDOW} {mean(m_near):.3f}, rest {mean(1 - m_cls - m_sep - m_near):.3f}", flush=True)
+
+
 def main(checkpoint: str) -> None:
     torch.set_num_threads(2)
     model, tok = linearize.load(checkpoint)
@@ -45,6 +70,8 @@ def main(checkpoint: str) -> None:
               return_tensors="pt")
     valid = enc["attention_mask"].bool()
     B, T = valid.shape
+    teacher.set_attn_implementation("eager")  # SDPA returns no attention weights
+    attention_mass(teacher, enc)
     xs = teacher_layer_inputs(teacher, enc)
     idx = torch.arange(T)
     exact = (idx < SINKS)[None, :] | ((idx[:, None] - idx[None, :]).abs() <= WINDOW)
