@@ -98,6 +98,7 @@ def test_run_embed_eval_writes_the_three_files(tmp_path):
     assert set(saved["cost"]["forms"]) == {"sdpa", "parallel", "recurrent", "chunk"}
     md = (tmp_path / "out" / "embed.md").read_text()
     assert "lion-d untrained" in md and "| 64 |" in md and data["method"] == "lion-d"
+    assert saved["teacher_seconds"] > 0 and f"(softmax attention) took {saved['teacher_seconds']:.1f} s" in md
 
 
 def test_run_embed_eval_rejects_a_causal_checkpoint_and_too_few_sentences(tmp_path):
@@ -120,6 +121,9 @@ def test_markdown_states_where_chunk_beats_sdpa():
             "cost": cost, "environment": {"device": "cpu", "torch": "2", "command": "x"}}
     md = embed_markdown(data)
     assert "faster than SDPA softmax at: 16384 tokens" in md and "skipped (needs about 48 GiB)" in md
+    assert "(softmax attention) took" not in md  # a record from before the teacher was timed
+    md = embed_markdown({**data, "teacher_seconds": 0.5})
+    assert "the teacher minilm-l6 (softmax attention) took 0.5 s" in md
 
 
 @pytest.mark.slow

@@ -196,7 +196,9 @@ def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, se
 
     teacher, tokenizer = load_teacher(meta["base"]["name"], device=device)
     kw = {"batch_size": batch_size, "max_length": max_length, "device": device}
+    start = time.perf_counter()
     t_emb = embed(teacher, tokenizer, held_out, **kw)
+    teacher_seconds = time.perf_counter() - start
     del teacher
     rows = []
     for label, get in (("trained", lambda: load(checkpoint, device=device)[0]),
@@ -214,7 +216,7 @@ def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, se
         del model
     out = {"checkpoint": str(checkpoint), "method": meta["method"], "base": meta["base"]["name"], "data": data,
            "sentences": len(held_out), "max_length": max_length, "quality": rows,
-           "tokens_per_sentence": None, "environment": environment(device)}
+           "tokens_per_sentence": None, "teacher_seconds": teacher_seconds, "environment": environment(device)}
     enc = tokenizer(held_out, truncation=True, max_length=max_length)["input_ids"]
     out["tokens_per_sentence"] = sum(map(len, enc)) / len(enc)
     if timing and lion_cfg is not None:
@@ -251,6 +253,9 @@ def embed_markdown(data: dict) -> str:
              markdown_table(["model", "mean cosine", "min cosine", "NN agreement", "seconds"],
                             [[f"{data['method']} {name}", r["mean_cosine"], r["min_cosine"], r["nn_agreement"],
                               round(r["seconds"], 1)] for name, r in q.items()]), ""]
+    if data.get("teacher_seconds") is not None:  # records written before it was measured lack it
+        lines += [f"Seconds: embedding all {data['sentences']} sentences (batches of similar length); the teacher "
+                  f"{data['base']} (softmax attention) took {data['teacher_seconds']:.1f} s.", ""]
     cost = data.get("cost")
     if cost:
         forms = list(cost["forms"])
