@@ -101,6 +101,39 @@ def test_run_embed_eval_writes_the_three_files(tmp_path):
     assert saved["teacher_seconds"] > 0 and f"(softmax attention) took {saved['teacher_seconds']:.1f} s" in md
 
 
+@pytest.mark.slow
+def test_run_embed_eval_scores_a_lora_checkpoint_with_its_adapters_merged(tmp_path, monkeypatch):
+    """The trained row runs the checkpoint with LoRA folded into its projections (as deployed):
+    no LoRA layer reaches the embedding, and the figures are those of the unmerged model."""
+    from peft.tuners.lora import LoraLayer
+
+    import linearize.eval.embed as embed_mod
+    from linearize.models.encoder import embed
+    from linearize.models.lora import add_lora
+    from linearize.train.encoder import ENCODER_LORA_TARGETS
+
+    teacher, tokenizer = linearize.load_teacher("minilm-l6")
+    model = linearize.convert(copy.deepcopy(teacher), "lion-s", chunk_size=16)
+    add_lora(model, rank=4, alpha=8.0, targets=list(ENCODER_LORA_TARGETS))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)  # a trained adapter is not zero
+    linearize.save(model, tmp_path / "ckpt")
+    corpus = str(write_corpus(tmp_path))
+    seen = []
+    monkeypatch.setattr(embed_mod, "embed", lambda m, *a, **k: seen.append(m) or embed(m, *a, **k))
+    data = run_embed_eval(str(tmp_path / "ckpt"), corpus, tmp_path / "out", sentences=40, timing=False,
+                          progress=False)
+    assert len(seen) == 3 and not any(isinstance(x, LoraLayer) for x in seen[1].modules())
+    held_out = load_sentences(corpus, split="test", max_sentences=40)
+    expected = embedding_quality(embed(model, tokenizer, held_out), embed(teacher, tokenizer, held_out))
+    trained = data["quality"][0]
+    assert trained["mean_cosine"] == pytest.approx(expected["mean_cosine"], abs=1e-5)
+    assert trained["mean_cosine"] != pytest.approx(data["quality"][1]["mean_cosine"], abs=1e-4)  # LoRA counts
+
+
 def test_run_embed_eval_rejects_a_causal_checkpoint_and_too_few_sentences(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "linearize.json").write_text(json.dumps({"format_version": 1, "method": "lizard"}))
