@@ -388,7 +388,7 @@ def _gla_den_kernel(
     sqb, sqh, sqt, skb, skh, skt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    LOG: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (segments, B*H): the normaliser's inter-chunk part Q~_t . z (fp32, (B*H, T); the
     main pass adds rowsum(A)_t, the intra-chunk part, from the A it computes anyway), i.e. the same
@@ -747,7 +747,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     sc = torch.empty(B * H, NC + 1, DK, DV, dtype=q.dtype, device=dev) if store_chunks else None
     zc = torch.empty(B * H, NC + 1, DK, **f32) if store_chunks and normalize else None
     sq, sk, sv, sg = strides_bht(q), strides_bht(k), strides_bht(v), strides_bht(log_g)
-    common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space, PREC=prec)
+    common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space)  # the normaliser pass forms no dot: no PREC
     has_init = S0 is not None or nseg > 1
     s_in = z_in = None
     if nseg > 1:  # the state entering every segment: each segment's own state, then a scan
@@ -756,7 +756,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         g_seg = torch.empty(B * H, nseg, **f32)
         _gla_fwd_state_kernel[(NV, nseg - 1, B * H)](
             k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, NORM=normalize,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+            PREC=prec, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
         if S0 is not None:
             S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
         BVS = min(32, pow2(DV))
@@ -778,8 +778,8 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         q, k, v, log_g, o, den_in if normalize else o, den if normalize else o, s_in if has_init else o, S_T,
         sc if store_chunks else o,
         *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
-        STORE_CHUNKS=store_chunks, TMA=tma_qk and _tma(cfg, v, o), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **common_kw)
+        STORE_CHUNKS=store_chunks, TMA=tma_qk and _tma(cfg, v, o), PREC=prec, num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_stages, **common_kw)
     return o, den, S_T, z_T, (nseg, seg_len), sc, zc
 
 
