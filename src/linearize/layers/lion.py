@@ -182,16 +182,17 @@ class LionAttention(nn.Module):
             raise ValueError(f"form must be one of {LION_FORMS}, got {form!r}")
         if form == "auto":
             form = "parallel" if q.shape[2] <= AUTO_PARALLEL_MAX else "chunk"
+        exact = bool(self.config.sinks or self.config.window)
+        if exact and form == "parallel":
+            return self._with_exact_parallel(q, k, v, x, valid)
         kw = {"valid": valid, "scaled": self.config.scaled, "eps": self.config.eps}
         if form == "chunk":
             kw["chunk_size"] = self.config.chunk_size
         op = {"chunk": lion_chunk, "parallel": lion_parallel, "recurrent": lion_recurrent}[form]
         kw["log_a_back"] = self.log_decay_back(x)
-        if not (self.config.sinks or self.config.window):
+        if not exact:
             y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
             return y
-        if form == "parallel":
-            return self._with_exact_parallel(q, k, v, x, valid)
         return self._with_exact(op, kw, q, k, v, x, valid)
 
     def _with_exact(self, op, kw, q, k, v, x, valid) -> torch.Tensor:
