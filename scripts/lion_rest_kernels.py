@@ -24,25 +24,24 @@ DATA = "/work/shared/data/wiki_demo.txt,/work/shared/data/c4_demo.jsonl"
 SINKS, WINDOW = 1, 2
 
 
-def teacher_layer_inputs(teacher, enc) -> dict[int, torch.Tensor]:
-    """The hidden states entering each attention layer of the teacher, (B, T, hidden)."""
+def teacher_forward(teacher, enc) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """One forward of the teacher: the hidden states entering each attention layer, (B, T,
+    hidden), and each layer's softmax attention weights, (B, H, T, T)."""
     xs, hooks = {}, []
     for i, layer in enumerate(teacher.encoder.layer):
         def grab(module, args, kwargs, i=i):
             xs[i] = (args[0] if args else kwargs["hidden_states"]).detach()
         hooks.append(layer.attention.self.register_forward_pre_hook(grab, with_kwargs=True))
     with torch.no_grad():
-        teacher(**enc)
+        attentions = teacher(**enc, output_attentions=True).attentions
     for h in hooks:
         h.remove()
-    return xs
+    return xs, attentions
 
 
-def attention_mass(teacher, enc) -> None:
+def attention_mass(attentions, enc) -> None:
     """Where the teacher's softmax mass goes, per layer (mean over valid queries and heads): [CLS],
     [SEP] (the last real token), the other keys within 2 of the query, and the rest."""
-    with torch.no_grad():
-        attentions = teacher(**enc, output_attentions=True).attentions
     valid = enc["attention_mask"].bool()
     B, T = valid.shape
     sep = valid.sum(1) - 1
@@ -71,8 +70,8 @@ def main(checkpoint: str) -> None:
     valid = enc["attention_mask"].bool()
     B, T = valid.shape
     teacher.set_attn_implementation("eager")  # SDPA returns no attention weights
-    attention_mass(teacher, enc)
-    xs = teacher_layer_inputs(teacher, enc)
+    xs, attentions = teacher_forward(teacher, enc)
+    attention_mass(attentions, enc)
     idx = torch.arange(T)
     exact = (idx < SINKS)[None, :] | ((idx[:, None] - idx[None, :]).abs() <= WINDOW)
     rest = ~exact[None] & valid[:, None, :]              # (B, T, T): the keys LION covers
