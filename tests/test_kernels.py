@@ -108,15 +108,17 @@ def test_tensor_descriptors_only_where_tma_allows_them():
 
 
 def test_sequence_split_follows_the_sweep():
-    """Segments per (batch * head) at 32 heads on 132 multiprocessors (an H200): the counts the
-    sweep found fastest (2 at B4 T8192, about 9 at B1 T32768), none where the batch fills the GPU."""
+    """Segments per (batch * head) at 32 heads on 132 multiprocessors (an H200), with the main
+    pass's 2 V-blocks: the counts the sweeps found fastest (about 9 at B1 T32768, 1 at B4 T8192),
+    none where the main pass's programs fill the GPU."""
     from linearize.kernels import gla as kgla
 
     cfg = kgla.GLAKernelConfig()
-    assert kgla._segments(2048, 64, 16 * 32, 132, cfg) == (1, 2048)
-    assert kgla._segments(8192, 64, 4 * 32, 132, cfg) == (2, 4096)
-    assert kgla._segments(32768, 64, 32, 132, cfg) == (8, 4096)
-    assert kgla._segments(1000, 64, 1, 132, cfg) == (2, 512)  # segments keep at least 8 chunks
+    assert kgla._segments(2048, 64, 16 * 32, 132, cfg, v_blocks=2) == (1, 2048)
+    assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=2) == (1, 8192)
+    assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=1) == (2, 4096)  # 128 programs on 132
+    assert kgla._segments(32768, 64, 32, 132, cfg, v_blocks=2) == (8, 4096)
+    assert kgla._segments(1000, 64, 1, 132, cfg, v_blocks=2) == (2, 512)  # segments keep at least 8 chunks
 
 
 @pytest.mark.parametrize("grad_mode", [True, False])

@@ -621,8 +621,11 @@ class GLAKernelConfig:
     ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into
     segments aims at, rounded to the nearest number of segments (the forward's main pass runs
     NV = 2 V-blocks of each, at 2 programs per multiprocessor). On an H200 at 32 heads the sweep
-    found 2 segments best at B4 T8192 (1.10 ms against 1.15 for 3) and 9 at B1 T32768 (1.48
-    against 1.67 for 5 and 1.52 for 17; docs/results/kernels-h200-sweep2.json): fill 2 gives 2 and 8;
+    found 9 segments best at B1 T32768 (1.48 against 1.67 for 5 and 1.52 for 17;
+    docs/results/kernels-h200-sweep2.json): fill 2 gives 8. There is no split where batch * heads *
+    NV reaches the multiprocessors (see ``_segments``): at B4 T8192 (256 main-pass programs on 132)
+    one segment beat fill 2's two (Lizard's gated op 0.880 / 3.621 ms fwd / fwd+bwd against 0.972 /
+    3.727; docs/results/kernels-h200-den-segments.json, rows ``fill``);
     ``seg_chunks``: forces the segment length in chunks (tests);
     ``den_warps``: the normaliser pass's warps. Its programs each walk their segment's chunks one
     after another, now carrying z and forming phi(q).z only (the main pass adds rowsum(A)). H200,
@@ -702,11 +705,16 @@ def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
     return min(cfg.chunk, 32) if dtype == torch.float32 else cfg.chunk
 
 
-def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig) -> tuple[int, int]:
-    """(number of segments, segment length in tokens, a whole number of chunks) for T tokens."""
+def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig, v_blocks: int = 1) -> tuple[int, int]:
+    """(number of segments, segment length in tokens, a whole number of chunks) for T tokens, with
+    ``programs`` = batch * heads and ``v_blocks`` the forward main pass's programs per (batch, head).
+    No split where those programs already give every multiprocessor one: the pre-pass and the scan
+    of a split then cost more than its extra programs buy."""
     n_chunks = max(1, math.ceil(T / BT))
     if cfg.seg_chunks is not None:
         seg_chunks = cfg.seg_chunks
+    elif programs * v_blocks >= sms:
+        seg_chunks = n_chunks
     else:
         want = round(cfg.fill * sms / max(1, programs))
         nseg = max(1, min(want, n_chunks // 8))  # keep segments at least 8 chunks long
@@ -734,7 +742,7 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     BT, BK = _chunk(cfg, q.dtype), pow2(DK)
     BV = min(pow2(cfg.fwd_bv), pow2(DV))
     NV = math.ceil(DV / BV)
-    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
+    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg, v_blocks=NV)
     NC = math.ceil(T / BT)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
