@@ -114,16 +114,22 @@ def _rows(x, log_decay):
 
 
 @triton.jit
-def _carry(S, z, f, x, w, log_decay, b_end, NORM: tl.constexpr, PREC: tl.constexpr):
+def _carry(S, f, x, log_decay, b_end, PREC: tl.constexpr):
     """One chunk of a state recurrence, with the decays as row scales (factors <= 1):
-    S <- e^{b_end} S + f^T diag(e^{log_decay}) x and, with NORM, z <- e^{b_end} z + f^T (w e^{log_decay}).
-    Forward: f = phi(k), x = v, w = 1, log_decay = b_end - b; backward: f = phi(q), x = dn, w = dd,
-    log_decay = b."""
-    decay = tl.exp(b_end)
-    S = S * decay + tl.dot(tl.trans(f), _rows(x, log_decay).to(f.dtype), input_precision=PREC)
-    if NORM:
-        z = z * decay + tl.sum(f.to(tl.float32) * (w * tl.exp(log_decay))[:, None], 0)
-    return S, z
+    S <- e^{b_end} S + f^T diag(e^{log_decay}) x. Forward: f = phi(k), x = v, log_decay = b_end - b;
+    backward: f = phi(q), x = dn, log_decay = b."""
+    return S * tl.exp(b_end) + tl.dot(tl.trans(f), _rows(x, log_decay).to(f.dtype), input_precision=PREC)
+
+
+@triton.jit
+def _carry_z(z, f, w, log_decay, b_end):
+    """The normaliser's part of a state recurrence: z <- e^{b_end} z + f^T (w e^{log_decay}).
+    Forward: f = phi(k), w = 1, log_decay = b_end - b; backward: f = phi(q), w = dd, log_decay = b.
+    The forward's segment pre-pass runs it in a program of its own: beside the matrix carry this
+    reduction over the chunk's rows cost more than the matrix did (H200, one sequence of 32K tokens,
+    0.42 ms against 0.16 without z; 0.34 split). The backward's reverse passes tried the same and
+    lost (docs/results/kernels-h200-carry-split.json)."""
+    return z * tl.exp(b_end) + tl.sum(f.to(tl.float32) * (w * tl.exp(log_decay))[:, None], 0)
 
 
 @triton.jit
@@ -163,11 +169,12 @@ def _grad_out(DO, O, DEN, rows, ov, mt, mv, DV: tl.constexpr, eps, NORM: tl.cons
 def _gla_fwd_state_kernel(
     K, V, G, S_SEG, Z_SEG, G_SEG,
     skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
-    T, H, SEG_LEN, NSEG,
+    T, H, SEG_LEN, NSEG, NV,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+    LOG: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (V-blocks, NSEG - 1, B*H): the state each segment builds from zero, and its total log-decay."""
+    """Grid (NV V-blocks (+ 1 when normalised), NSEG - 1, B*H): the state each segment builds from zero, and
+    its total log-decay; the program after the V-blocks, if any, builds z."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -182,23 +189,30 @@ def _gla_fwd_state_kernel(
     mk = ok < DK
     mv = ov < DV
     neg = float("-inf") if LOG else 0.0
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    z = tl.zeros([BK], dtype=tl.float32)
     g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
-    for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
-        rows = t_start + c * BT + ot
-        mt = rows < t_stop
-        k = _load_rows(K, rows, ok, mt, mk, skt, neg)
-        v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
-        b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
-        S, z = _carry(S, z, _phi(k, LOG), v, 1.0, r_end, b_end, NORM, PREC)
-        g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
-    tl.store(S_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=mk[:, None] & mv[None, :])
-    tl.store(Z_SEG + st * DK + ok, z, mask=mk & (i_v == 0))
-    tl.store(G_SEG + st, g_total, mask=i_v == 0)
+    if i_v == NV:  # normalised: z
+        z = tl.zeros([BK], dtype=tl.float32)
+        for c in range(0, SEG_LEN // BT):
+            rows = t_start + c * BT + ot
+            mt = rows < t_stop
+            b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+            z = _carry_z(z, _phi(_load_rows(K, rows, ok, mt, mk, skt, neg), LOG), 1.0, r_end, b_end)
+        tl.store(Z_SEG + st * DK + ok, z, mask=mk)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
+            rows = t_start + c * BT + ot
+            mt = rows < t_stop
+            k = _load_rows(K, rows, ok, mt, mk, skt, neg)
+            v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
+            b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+            S = _carry(S, _phi(k, LOG), v, r_end, b_end, PREC)
+            g_total += b_end
+        tl.store(S_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=mk[:, None] & mv[None, :])
+        tl.store(G_SEG + st, g_total, mask=i_v == 0)
 
 
 @triton.jit
@@ -284,7 +298,10 @@ def _gla_bwd_state_kernel(
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, 0)
-        dS, dz = _carry(dS, dz, _phi(q, LOG), dn, dd, b, b_end, NORM, PREC)
+        q_ph = _phi(q, LOG)
+        dS = _carry(dS, q_ph, dn, b, b_end, PREC)
+        if NORM:
+            dz = _carry_z(dz, q_ph, dd, b, b_end)
         g_total += b_end
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     tl.store(DS_SEG + st * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=mk[:, None] & mv[None, :])
@@ -373,7 +390,7 @@ def _gla_fwd_kernel(
             o_desc.store([t_start + c * BT, i_v * BV], num.to(dt))
         else:
             tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
-        S, _ = _carry(S, 0.0, k_ph, v, 1.0, r_end, b_end, False, PREC)
+        S = _carry(S, k_ph, v, r_end, b_end, PREC)
 
     last = i_seg == NSEG - 1
     tl.store(S_OUT + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=m2 & last)
@@ -427,7 +444,7 @@ def _gla_den_kernel(
         k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
         tl.store(DEN + rows, tl.sum(q_ph.to(tl.float32) * z[None, :], 1) * tl.exp(b), mask=mt)
-        z = z * tl.exp(b_end) + tl.sum(k_ph.to(tl.float32) * tl.exp(r_end)[:, None], 0)
+        z = _carry_z(z, k_ph, 1.0, r_end, b_end)
     tl.store(Z_OUT + i_bh.to(tl.int64) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
     if STORE_CHUNKS:
         tl.store(ZC + (i_bh.to(tl.int64) * (NC + 1) + NC) * DK + ok, z, mask=mk & (i_seg == NSEG - 1))
@@ -500,7 +517,10 @@ def _gla_bwd_dstate_kernel(
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, BVF if NVD > 1 else 0)
         if NORM:
             tl.store(DDEN + rows, dd, mask=mt & first_v)
-        dS, dz = _carry(dS, dz, _phi(q, LOG), dn, dd, b, b_end, NORM, PREC)
+        q_ph = _phi(q, LOG)
+        dS = _carry(dS, q_ph, dn, b, b_end, PREC)
+        if NORM:
+            dz = _carry_z(dz, q_ph, dd, b, b_end)
     if STORE_DS0:
         first = i_seg == 0
         tl.store(DS0 + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], dS, mask=m2 & first)
@@ -762,8 +782,8 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         s_in = torch.empty(B * H, nseg, DK, DV, **f32)
         z_in = torch.zeros(B * H, nseg, DK, **f32)
         g_seg = torch.empty(B * H, nseg, **f32)
-        _gla_fwd_state_kernel[(NV, nseg - 1, B * H)](
-            k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, NORM=normalize,
+        _gla_fwd_state_kernel[(NV + int(normalize), nseg - 1, B * H)](
+            k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, NV, DV=DV, BV=BV,
             PREC=prec, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
         if S0 is not None:
             S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
