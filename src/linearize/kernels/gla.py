@@ -125,10 +125,11 @@ def _carry(S, f, x, log_decay, b_end, PREC: tl.constexpr):
 def _carry_z(z, f, w, log_decay, b_end):
     """The normaliser's part of a state recurrence: z <- e^{b_end} z + f^T (w e^{log_decay}).
     Forward: f = phi(k), w = 1, log_decay = b_end - b; backward: f = phi(q), w = dd, log_decay = b.
-    The forward's segment pre-pass runs it in a program of its own: beside the matrix carry this
-    reduction over the chunk's rows cost more than the matrix did (H200, one sequence of 32K tokens,
-    0.42 ms against 0.16 without z; 0.34 split). The backward's reverse passes tried the same and
-    lost (docs/results/kernels-h200-carry-split.json)."""
+    The forward's segment pre-pass runs it in a launch of its own: beside the matrix carry this
+    reduction over the chunk's rows cost more than the matrix did (H200, one sequence of 32K tokens:
+    the pre-pass took 0.42 ms with z, 0.16 without, and Lizard's gated forward 1.19 ms, against
+    1.12 with z in programs of its own in the same launch and 1.07 in a launch of its own). The
+    backward's reverse passes tried the same and lost (docs/results/kernels-h200-carry-split.json)."""
     return z * tl.exp(b_end) + tl.sum(f.to(tl.float32) * (w * tl.exp(log_decay))[:, None], 0)
 
 
@@ -169,12 +170,13 @@ def _grad_out(DO, O, DEN, rows, ov, mt, mv, DV: tl.constexpr, eps, NORM: tl.cons
 def _gla_fwd_state_kernel(
     K, V, G, S_SEG, Z_SEG, G_SEG,
     skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
-    T, H, SEG_LEN, NSEG, NV,
+    T, H, SEG_LEN, NSEG,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, PREC: tl.constexpr,
+    LOG: tl.constexpr, PREC: tl.constexpr, Z_ONLY: tl.constexpr,
 ):
-    """Grid (NV V-blocks (+ 1 when normalised), NSEG - 1, B*H): the state each segment builds from zero, and
-    its total log-decay; the program after the V-blocks, if any, builds z."""
+    """Grid (V-blocks, NSEG - 1, B*H): the state each segment builds from zero, and its total
+    log-decay; with Z_ONLY (grid (1, NSEG - 1, B*H)) the normaliser's z instead, in a launch of its
+    own (in the same launch, its programs took the registers and shared memory of the others)."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -193,7 +195,7 @@ def _gla_fwd_state_kernel(
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
     st = (i_bh * NSEG + i_seg).to(tl.int64)
-    if i_v == NV:  # normalised: z
+    if Z_ONLY:
         z = tl.zeros([BK], dtype=tl.float32)
         for c in range(0, SEG_LEN // BT):
             rows = t_start + c * BT + ot
@@ -782,9 +784,11 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
         s_in = torch.empty(B * H, nseg, DK, DV, **f32)
         z_in = torch.zeros(B * H, nseg, DK, **f32)
         g_seg = torch.empty(B * H, nseg, **f32)
-        _gla_fwd_state_kernel[(NV + int(normalize), nseg - 1, B * H)](
-            k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, NV, DV=DV, BV=BV,
-            PREC=prec, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+        for z_only in (False, True) if normalize else (False,):
+            _gla_fwd_state_kernel[(1 if z_only else NV, nseg - 1, B * H)](
+                k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, PREC=prec,
+                Z_ONLY=z_only, num_warps=cfg.den_warps if z_only else cfg.fwd_warps, num_stages=cfg.fwd_stages,
+                **common_kw)
         if S0 is not None:
             S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
         BVS = min(32, pow2(DV))
