@@ -45,9 +45,10 @@ Passes. Forward: [den kernel: the normaliser, carrying z alone] -> main kernel, 
 gradient is needed it also stores the state entering each chunk (input dtype). Backward: one
 reverse pass carrying dS (one small product per chunk) stores dS per chunk and dd, then one
 program per chunk computes dq, dk, dv and d log_g with no loop (fully parallel).
-When batch*heads is too small to fill the GPU, the sequence is cut into segments: a pre-pass
-computes each segment's own state, a scan turns them into the state entering each segment, and
-the segments run in parallel (the backward does the same for dS from the end).
+When the main pass's (batch*head, V-block) programs are fewer than the GPU's multiprocessors,
+the sequence is cut into segments: a pre-pass computes each segment's own state (normalised, z in
+a launch of its own), a scan turns them into the state entering each segment, and the segments
+run in parallel (the backward does the same for dS from the end).
 """
 
 from __future__ import annotations
