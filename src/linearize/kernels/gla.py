@@ -129,8 +129,9 @@ def _carry_z(z, f, w, log_decay, b_end):
     The forward's segment pre-pass runs it in a launch of its own: beside the matrix carry this
     reduction over the chunk's rows cost more than the matrix did (H200, one sequence of 32K tokens:
     the pre-pass took 0.42 ms with z, 0.16 without, and Lizard's gated forward 1.19 ms, against
-    1.12 with z in programs of its own in the same launch and 1.07 in a launch of its own). The
-    backward's reverse passes tried the same and lost (docs/results/kernels-h200-carry-split.json)."""
+    1.12 with z in programs of its own in the same launch and 1.07 in a launch of its own). In the
+    backward's reverse passes, dz in programs of its own in the same launch lost; a launch of its
+    own there is not measured (docs/results/kernels-h200-carry-split.json)."""
     return z * tl.exp(b_end) + tl.sum(f.to(tl.float32) * (w * tl.exp(log_decay))[:, None], 0)
 
 
@@ -192,7 +193,6 @@ def _gla_fwd_state_kernel(
     mk = ok < DK
     mv = ov < DV
     neg = float("-inf") if LOG else 0.0
-    g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
     st = (i_bh * NSEG + i_seg).to(tl.int64)
@@ -206,6 +206,7 @@ def _gla_fwd_state_kernel(
         tl.store(Z_SEG + st * DK + ok, z, mask=mk)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
+        g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
         for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
             rows = t_start + c * BT + ot
             mt = rows < t_stop
