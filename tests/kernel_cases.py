@@ -181,11 +181,12 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
         valid[1, -3:] = False  # right padding
     dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
     from linearize.kernels import gla as kgla
+    from linearize.kernels import lizard as kliz
     from linearize.kernels import window as kwin
 
     calls = {"0": 0, "1": 0}
     flag = "0"
-    gla_apply, win_apply = kgla._GLAFunction.apply, kwin._WindowFunction.apply
+    gla_apply, win_apply, liz_apply = kgla._GLAFunction.apply, kwin._WindowFunction.apply, kliz._LizardFunction.apply
 
     def counting(apply):
         def run(*args):
@@ -196,6 +197,7 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
     outs = {}
     before = os.environ.get("LINEARIZE_KERNELS")
     kgla._GLAFunction.apply, kwin._WindowFunction.apply = counting(gla_apply), counting(win_apply)
+    kliz._LizardFunction.apply = counting(liz_apply)
     try:
         for flag in ("0", "1"):
             os.environ["LINEARIZE_KERNELS"] = flag
@@ -207,6 +209,7 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
                           [t.grad for t in ins])
     finally:
         kgla._GLAFunction.apply, kwin._WindowFunction.apply = gla_apply, win_apply
+        kliz._LizardFunction.apply = liz_apply
         if before is None:
             os.environ.pop("LINEARIZE_KERNELS", None)
         else:
@@ -216,12 +219,98 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
            "global.z": rel_rms(s1["global"].z, s0["global"].z), "local.k": rel_rms(s1["local"].k, s0["local"].k),
            "local.v": rel_rms(s1["local"].v, s0["local"].v),
            "local.pos": 0.0 if torch.equal(s1["local"].pos, s0["local"].pos) else float("inf"),
-           # both kernels ran with LINEARIZE_KERNELS=1 (gated + fused window) and none with 0
-           "kernel calls": 0.0 if calls == {"0": 0, "1": 2} else float("inf")}
+           # with LINEARIZE_KERNELS=1 Lizard's one op (no padding) or the two kernels (gated +
+           # window with the combine, padding), none with 0
+           "kernel calls": 0.0 if calls == {"0": 0, "1": 2 if padded else 1} else float("inf")}
     for n in p0:
         err["d" + n] = rel_rms(p1[n], p0[n])
     for n, a, b in zip(("q", "k", "v", "q_rope", "k_rope", "x"), i1, i0):
         err["d" + n] = rel_rms(a, b)
+    return err
+
+
+def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D: int, W: int, nsink: int,
+                log_space: bool = False, state: bool = False, pad: int | None = None, seg_chunks: int | None = None,
+                chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
+                seed: int = 0) -> dict[str, float]:
+    """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
+    states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
+    the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
+    ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
+    ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
+    configs users get (else chunks of 16 and V-blocks of 16)."""
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import lizard as kliz
+    from linearize.ops.gla import GLAState, gla_parallel
+    from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
+
+    g = _gen(seed)
+    if log_space:
+        fq = F.log_softmax(torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) * 2, -1)
+        fk = F.log_softmax(torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) * 2, -1)
+    else:
+        fq, fk = (torch.rand(B, H, T, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64)
+    log_g = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) * 3 + 2)
+    qw, kw = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    alpha = torch.randn(H, generator=g, dtype=torch.float64)
+    sinks = torch.randn(H, nsink, generator=g, dtype=torch.float64) if nsink else None
+    dy = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64).to(dtype).double()
+    dS = torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64)
+    dz = torch.randn(B, H, DK, generator=g, dtype=torch.float64)
+    ins = [x.to(dtype) for x in (fq, fk, v)] + [log_g.float()] + [x.to(dtype) for x in (qw, kw)] + [alpha.float()]
+    ins += [sinks.float()] if nsink else []
+    if state:
+        ins += [torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64),
+                torch.rand(B, H, DK, generator=g, dtype=torch.float64) * 3]
+    names = ["dphi_q", "dphi_k", "dv", "dlog_g", "dq_w", "dk_w", "dalpha"] + (["dsinks"] if nsink else [])
+    names += ["dS0", "dz0"] if state else []
+    L = cache_len(W, False)
+    w_st = None
+    if pad is not None:
+        w_st = WindowState(torch.zeros(B, H, L, D, dtype=torch.float64), torch.zeros(B, H, L, DV, dtype=torch.float64),
+                           torch.tensor([-pad] + [0] * (B - 1)))
+
+    def run(xs, lizard):
+        it = iter(xs)
+        fq_, fk_, v_, lg_, qw_, kw_, al_ = (next(it) for _ in range(7))
+        sk_ = next(it) if nsink else None
+        st_ = GLAState(next(it), next(it)) if state else None
+        if lizard:
+            return kliz.lizard_attention(fq_, fk_, v_, lg_, qw_, kw_, al_, window=W, sink_logits=sk_,
+                                         log_space_features=log_space, state=st_, window_state=ws_dev,
+                                         config=kliz.LizardKernelConfig(window_first=first, overlap_fwd=overlap,
+                                                                        overlap_bwd=overlap))
+        y_g, s_g = gla_parallel(fq_, fk_, v_, lg_, log_space_features=log_space, state=st_)
+        y_w, s_w = window_attn_parallel(qw_, kw_, v_, window=W, sink_logits=sk_, state=w_st)
+        return y_g + al_[:, None, None] * y_w, s_g, s_w
+
+    ref = [x.double().requires_grad_() for x in ins]
+    y, sg, sw = run(ref, False)
+    ((y * dy).sum() + (sg.S * dS).sum() + (sg.z * dz).sum()).backward()
+
+    dev = torch.device(device)
+    kin = [x.to(dev).requires_grad_() for x in ins]
+    if state:  # the kernels take the state in fp32
+        kin[-2:] = [x.detach().float().requires_grad_() for x in kin[-2:]]
+    ws_dev = WindowState(w_st.k.to(dtype).to(dev), w_st.v.to(dtype).to(dev), w_st.pos.to(dev)) if pad else None
+    old = kgla.set_config(seg_chunks=seg_chunks, **({} if chunk is None else dict(chunk=chunk, fwd_bv=16)))
+    try:
+        calls = []
+        fn_apply = kliz._LizardFunction.apply
+        kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
+        y2, sg2, sw2 = run(kin, True)
+        assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
+        ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
+         + (sg2.z.double() * dz.to(dev)).sum()).backward()
+    finally:
+        kliz._LizardFunction.apply = fn_apply
+        kgla.set_config(**dataclasses.asdict(old))
+    err = {"y": rel_rms(y2.cpu(), y), "S": rel_rms(sg2.S.cpu(), sg.S), "z": rel_rms(sg2.z.cpu(), sg.z),
+           "window.k": rel_rms(sw2.k.cpu(), sw.k), "window.v": rel_rms(sw2.v.cpu(), sw.v),
+           "window.pos": 0.0 if torch.equal(sw2.pos.cpu(), sw.pos) else float("inf")}
+    for name, a, b in zip(names, kin, ref):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
     return err
 
 
@@ -260,6 +349,19 @@ INTERPRETER_CASES = {
     "window bf16 sinks fused kv blocks": (window_case, dict(T=75, D=16, DV=16, W=33, nsink=4, fuse=True, bm=32,
                                                             bn=16, kv=dict(kv_bm=32, kv_bn=64)), BF16),
     "hybrid f32 lizard padded": (hybrid_case, dict(padded=True), F32),
+    "hybrid f32 lizard": (hybrid_case, dict(padded=False), F32),
+    "lizard f32 sinks state": (lizard_case, dict(T=45, DK=16, DV=24, D=16, W=20, nsink=4, state=True), F32),
+    "lizard f32 sinks state window first": (lizard_case, dict(T=45, DK=16, DV=24, D=16, W=20, nsink=4, state=True,
+                                                              first=True), F32),
+    "lizard bf16 sinks window first": (lizard_case, dict(T=45, DK=16, DV=16, D=32, W=20, nsink=4, first=True), BF16),
+    "lizard bf16 sinks": (lizard_case, dict(T=45, DK=16, DV=16, D=32, W=20, nsink=4), BF16),
+    "lizard f32 log segments padded": (lizard_case, dict(T=70, DK=20, DV=16, D=16, W=33, nsink=2, log_space=True,
+                                                         seg_chunks=2, pad=5), F32),
+    "lizard f32 log segments padded window first": (lizard_case, dict(T=70, DK=20, DV=16, D=16, W=33, nsink=2,
+                                                                      log_space=True, seg_chunks=2, pad=5, first=True),
+                                                    F32),
+    "lizard f32 no sinks v-blocks": (lizard_case, dict(T=37, DK=16, DV=32, D=24, W=5, nsink=0), F32),
+    "lizard f32 w=1": (lizard_case, dict(T=37, DK=16, DV=16, D=16, W=1, nsink=2), F32),
 }
 
 

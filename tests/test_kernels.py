@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_cases import INTERPRETER_CASES, KTOL, gla_case, hybrid_case, rel_rms, window_case
+from kernel_cases import INTERPRETER_CASES, KTOL, gla_case, hybrid_case, lizard_case, rel_rms, window_case
 
 HERE = Path(__file__).resolve().parent
 CUDA = torch.cuda.is_available()
@@ -285,6 +285,31 @@ def test_gpu_window_matches_reference(variant, dtype):
         kw["W"] = 1
     err = window_case("cuda", dtype, **kw)
     assert_errors(err, KTOL[dtype], f"window {variant} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant, dtype", [("plain", torch.bfloat16), ("plain first", torch.bfloat16),
+                                            ("plain state first", torch.float32),
+                                            ("log segments padded first", torch.bfloat16),
+                                            ("log segments padded", torch.bfloat16),
+                                            ("plain state segments first one stream", torch.bfloat16),
+                                            ("short first", torch.bfloat16)])
+def test_gpu_lizard_one_op_matches_reference(variant, dtype):
+    """lizard_attention as one op, in both orders ("first": the window kernel first, the gated
+    main pass combining, the other gated passes on a second stream; else the gated forward first),
+    the backwards on two streams unless "one stream", at Lizard's widths: 128 features, head dim
+    128, window 128, 4 sink logits."""
+    kw = dict(T=1000, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3,
+              log_space="log" in variant, state="state" in variant, overlap="one stream" not in variant,
+              first="first" in variant)
+    if "segments" in variant:
+        kw["seg_chunks"] = 3
+    if "padded" in variant:
+        kw["pad"] = 17
+    if variant.startswith("short"):
+        kw["T"] = 50
+    err = lizard_case("cuda", dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"lizard {variant} {dtype}")
 
 
 @needs_cuda

@@ -125,6 +125,31 @@ def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypat
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
 
 
+@pytest.mark.parametrize("window_first", [False, True])
+def test_lizard_one_op_compiles_for_hopper(compiled, window_first):
+    """Lizard's one op in either order (window first: the gated main pass with the combine in its
+    epilogue), training and inference forwards, and its backward."""
+    from linearize.kernels import lizard as kliz
+
+    B, H, T, D = 1, 2, 256, 128
+    fq, fk, v, qw, kw = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(5))
+    log_g = torch.zeros(B, H, T, requires_grad=True)
+    alpha, sinks = torch.ones(H, requires_grad=True), torch.zeros(H, 4, requires_grad=True)
+    cfg = kliz.LizardKernelConfig(window_first=window_first)
+    kw_ = dict(window=128, sink_logits=sinks, scale=None, normalize=True, log_space_features=False, state=None,
+               eps=1e-6, window_state=None, config=cfg)
+    y, _, _ = kliz._lizard_one_op(fq, fk, v, log_g, qw, kw, alpha, **kw_)
+    _backward(y, fq, fk, v, log_g, qw, kw, alpha, sinks)
+    with torch.no_grad():
+        kliz._lizard_one_op(fq, fk, v, log_g, qw, kw, alpha, **kw_)
+    names = {name for name, *_ in compiled}
+    combined = [c for name, c, _ in compiled if name == "_gla_fwd_kernel" and c["COMBINE"]]
+    assert bool(combined) == window_first, [c for name, c, _ in compiled if name == "_gla_fwd_kernel"]
+    assert {"_gla_fwd_kernel", "_gla_den_kernel", "_win_fwd_kernel", "_gla_bwd_chunk_kernel",
+            "_win_bwd_dkdv_kernel"} <= names, names
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
+
+
 def test_compile_check_catches_a_type_error(compiled):
     """The check has teeth: a kernel whose branches disagree on a type fails to compile."""
     import triton.language as tl

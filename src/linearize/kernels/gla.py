@@ -315,19 +315,21 @@ def _gla_bwd_state_kernel(
 
 @triton.jit
 def _gla_fwd_kernel(
-    Q, K, V, G, O, DEN_IN, DEN, S_IN, S_OUT, SC,
+    Q, K, V, G, O, DEN_IN, DEN, S_IN, S_OUT, SC, OW, ALPHA, Y,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr,
+    COMBINE: tl.constexpr, STORE_O: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (V-blocks, segments, B*H): o (divided by den + eps when NORM: DEN_IN's inter-chunk
     part from ``_gla_den_kernel`` plus rowsum(A), which this pass holds anyway; the V-block 0
     program stores the whole den in DEN for the backward) and the final state; with STORE_CHUNKS
     also the state entering every chunk and the final state, SC (B*H, NC + 1, Dk, Dv) in the input
     dtype, for the backward. (A variant computing all of den here, carrying z beside S, ran 1.6x
-    slower on an H200: more registers spilled.)"""
+    slower on an H200: more registers spilled.) With COMBINE (Lizard) it also writes
+    Y = o + alpha_h * OW, OW (B*H, T, Dv) being the window branch's output, and o itself only
+    with STORE_O."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -339,6 +341,8 @@ def _gla_fwd_kernel(
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
     G += i_b.to(tl.int64) * sgb + i_h.to(tl.int64) * sgh
     O += i_bh.to(tl.int64) * T * DV
+    OW += i_bh.to(tl.int64) * T * DV
+    Y += i_bh.to(tl.int64) * T * DV
     DEN_IN += i_bh.to(tl.int64) * T
     DEN += i_bh.to(tl.int64) * T
 
@@ -355,12 +359,15 @@ def _gla_fwd_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     neg = float("-inf") if LOG else 0.0
-    q_desc, k_desc, v_desc = Q, K, V  # unused unless TMA
+    q_desc, k_desc, v_desc, ow_desc, y_desc = Q, K, V, OW, Y  # unused unless TMA
     if TMA:  # tensor descriptors: the copy engine makes the addresses, no offset tiles held in registers
         q_desc = tl.make_tensor_descriptor(Q, shape=[T, DK], strides=[sqt, 1], block_shape=[BT, BK])
         k_desc = tl.make_tensor_descriptor(K, shape=[T, DK], strides=[skt, 1], block_shape=[BT, BK])
         v_desc = tl.make_tensor_descriptor(V, shape=[T, DV], strides=[svt, 1], block_shape=[BT, BV])
         o_desc = tl.make_tensor_descriptor(O, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
+        if COMBINE:
+            ow_desc = tl.make_tensor_descriptor(OW, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
+            y_desc = tl.make_tensor_descriptor(Y, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
         if STORE_CHUNKS and DK == BK:
             sc_desc = tl.make_tensor_descriptor(SC + i_bh.to(tl.int64) * (NC + 1) * DK * DV, shape=[(NC + 1) * DK, DV],
                                                 strides=[DV, 1], block_shape=[BK, BV])
@@ -390,10 +397,19 @@ def _gla_fwd_kernel(
             den = tl.load(DEN_IN + rows, mask=mt, other=1.0) + tl.sum(a.to(tl.float32), 1)
             tl.store(DEN + rows, den, mask=mt & (i_v == 0))
             num = num / (den + eps)[:, None]
-        if TMA:
-            o_desc.store([t_start + c * BT, i_v * BV], num.to(dt))
-        else:
-            tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt), mask=mt[:, None] & mv[None, :])
+        if STORE_O:
+            if TMA:
+                o_desc.store([t_start + c * BT, i_v * BV], num.to(dt))
+            else:
+                tl.store(O + rows[:, None].to(tl.int64) * DV + ov[None, :], num.to(dt),
+                         mask=mt[:, None] & mv[None, :])
+        if COMBINE:
+            ow = _load_tile(ow_desc, OW, t_start + c * BT, i_v * BV, rows, ov, mt, mv, DV, 0.0, TMA)
+            y = num + tl.load(ALPHA + i_h).to(tl.float32) * ow.to(tl.float32)
+            if TMA:
+                y_desc.store([t_start + c * BT, i_v * BV], y.to(dt))
+            else:
+                tl.store(Y + rows[:, None].to(tl.int64) * DV + ov[None, :], y.to(dt), mask=mt[:, None] & mv[None, :])
         S = _carry(S, k_ph, v, r_end, b_end, PREC)
 
     last = i_seg == NSEG - 1
@@ -758,20 +774,44 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Ten
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
-         store_chunks: bool):
-    """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
+@dataclass
+class FwdPlan:
+    """What a forward's main pass needs from the passes before it (``fwd_prologue``): the chunk
+    and block sizes, the segments, the state entering each segment (or None), the normaliser's
+    inter-chunk part, and the buffers the main pass fills."""
+    BT: int
+    BK: int
+    BV: int
+    NV: int
+    nseg: int
+    seg_len: int
+    NC: int
+    prec: str
+    has_init: bool
+    s_in: Optional[torch.Tensor]  # (B*H, nseg, Dk, Dv) fp32, or the initial state
+    den: Optional[torch.Tensor]  # (B*H, T) fp32: the whole den, for the backward
+    den_in: Optional[torch.Tensor]  # (B*H, T) fp32: the normaliser pass's inter-chunk part
+    S_T: torch.Tensor
+    z_T: torch.Tensor
+    sc: Optional[torch.Tensor]  # (B*H, NC + 1, Dk, Dv), input dtype: the state entering every chunk
+    zc: Optional[torch.Tensor]  # (B*H, NC + 1, Dk) fp32
+    tma_qk: bool
+
+
+def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: GLAKernelConfig,
+                 store_chunks: bool, bv: int) -> FwdPlan:
+    """Everything of the forward before its main pass, for a main pass of V-blocks of ``bv``:
+    with segments, each segment's own state and the scan; when normalised, the normaliser pass."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK = _chunk(cfg, q.dtype), pow2(DK)
-    BV = min(pow2(cfg.fwd_bv), pow2(DV))
+    BV = min(pow2(bv), pow2(DV))
     NV = math.ceil(DV / BV)
     nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg, v_blocks=NV)
     NC = math.ceil(T / BT)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=dev)
     den = torch.empty(B * H, T, **f32) if normalize else None
     S_T = torch.empty(B, H, DK, DV, **f32)
     z_T = torch.empty(B, H, DK, **f32) if normalize else (
@@ -808,13 +848,40 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
             q, k, log_g, den_in, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
-    _gla_fwd_kernel[(NV, nseg, B * H)](
-        q, k, v, log_g, o, den_in if normalize else o, den if normalize else o, s_in if has_init else o, S_T,
-        sc if store_chunks else o,
-        *sq, *sk, *sv, *sg, T, H, seg_len, nseg, NC, eps, DV=DV, BV=BV, NORM=normalize, HAS_INIT=has_init,
-        STORE_CHUNKS=store_chunks, TMA=tma_qk and _tma(cfg, v, o), PREC=prec, num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_stages, **common_kw)
-    return o, den, S_T, z_T, (nseg, seg_len), sc, zc
+    return FwdPlan(BT, BK, BV, NV, nseg, seg_len, NC, prec, has_init, s_in, den, den_in, S_T, z_T, sc, zc, tma_qk)
+
+
+def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+             store_chunks: bool, ow: Optional[torch.Tensor] = None, alpha: Optional[torch.Tensor] = None,
+             store_o: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The forward's main pass after ``fwd_prologue``; returns (o or None, y or None). With ``ow``
+    (the window branch's output, (B, H, T, Dv) contiguous) and ``alpha`` (H,) it also writes
+    Lizard's y = o + alpha_h * ow, and o only with ``store_o`` (a backward reads it)."""
+    B, H, T, DK = q.shape
+    DV = v.shape[-1]
+    combine = ow is not None
+    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=q.device) if store_o or not combine else None
+    y = torch.empty(B, H, T, DV, dtype=v.dtype, device=q.device) if combine else None
+    any_out = o if o is not None else y
+    tma = p.tma_qk and _tma(cfg, v, any_out, *((ow, y) if combine else ()))
+    _gla_fwd_kernel[(p.NV, p.nseg, B * H)](
+        q, k, v, log_g, any_out if o is None else o, p.den_in if normalize else any_out,
+        p.den if normalize else any_out, p.s_in if p.has_init else any_out, p.S_T,
+        p.sc if store_chunks else any_out, ow if combine else any_out, alpha if combine else any_out,
+        y if combine else any_out,
+        *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, p.seg_len, p.nseg, p.NC, eps,
+        DK=DK, DV=DV, BK=p.BK, BV=p.BV, BT=p.BT, LOG=log_space, NORM=normalize, HAS_INIT=p.has_init,
+        STORE_CHUNKS=store_chunks, COMBINE=combine, STORE_O=o is not None, TMA=tma, PREC=p.prec,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    return o, y
+
+
+def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+         store_chunks: bool):
+    """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
+    p = fwd_prologue(q, k, v, log_g, S0, z0, normalize, log_space, cfg, store_chunks, cfg.fwd_bv)
+    o, _ = fwd_main(q, k, v, log_g, p, normalize, log_space, eps, cfg, store_chunks)
+    return o, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
 
 
 def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
@@ -904,18 +971,9 @@ class _GLAFunction(torch.autograd.Function):
         return dq, dk, dv, dlog_g, dS0, dz0, None, None, None, None, None
 
 
-def gla_chunk_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
-    log_space_features: bool = False, state: Optional[GLAState] = None, eps: float = 1e-6,
-    config: Optional[GLAKernelConfig] = None,
-) -> tuple[torch.Tensor, GLAState]:
-    """``ops.gla.gla_chunk`` on the Triton kernels (forward and backward, initial state included).
-
-    Inputs must satisfy ``supports``; the final state comes back in fp32. Differentiable in q, k,
-    v, log_g and the initial state. When a gradient is needed (grad mode on and an input that
-    requires one) the forward keeps the state entering every chunk (Dk * Dv values of the input
-    dtype per chunk and head) for the backward.
-    """
+def gla_chunk_checks(q, k, v, log_g, eps, state: Optional[GLAState]) -> tuple:
+    """``gla_chunk_triton``'s input checks (clear errors naming the value); returns the initial
+    state's (S0, z0), or (None, None)."""
     B, H, T, DK, DV = common.check_qkv(q, k, v)
     common.check_per_token("log_g", log_g, B, H, T, DK)
     if not supports(q, k, v, log_g):
@@ -930,6 +988,22 @@ def gla_chunk_triton(
         common.check_state_tensor("S", state.S, (B, H, DK, DV))
         common.check_state_tensor("z", state.z, (B, H, DK))
         S0, z0 = state.S, state.z
+    return S0, z0
+
+
+def gla_chunk_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
+    log_space_features: bool = False, state: Optional[GLAState] = None, eps: float = 1e-6,
+    config: Optional[GLAKernelConfig] = None,
+) -> tuple[torch.Tensor, GLAState]:
+    """``ops.gla.gla_chunk`` on the Triton kernels (forward and backward, initial state included).
+
+    Inputs must satisfy ``supports``; the final state comes back in fp32. Differentiable in q, k,
+    v, log_g and the initial state. When a gradient is needed (grad mode on and an input that
+    requires one) the forward keeps the state entering every chunk (Dk * Dv values of the input
+    dtype per chunk and head) for the backward.
+    """
+    S0, z0 = gla_chunk_checks(q, k, v, log_g, eps, state)
     q, k, v = (unit_last(x) for x in (q, k, v))
     o, S, z = _GLAFunction.apply(q, k, v, log_g, S0, z0, bool(normalize), bool(log_space_features),
                                  float(eps), config or CONFIG, torch.is_grad_enabled())

@@ -5,24 +5,195 @@
 Shapes: phi_q, phi_k (B, H, T, F) features (what the Lizard layer passes: Hedgehog's, rounded
 once from fp32), or log-features with ``log_space_features``; v (B, H, T, Dv); log_g (B, H, T);
 q_w, k_w (B, H, T, D) the window's queries/keys (RoPE already applied by the caller); alpha (H,);
-sink_logits (H, m) or None.
-Returns y (B, H, T, Dv) in the dtype of v, the gated branch's state and the window's state.
+sink_logits (H, m) or None. Returns y (B, H, T, Dv) in the dtype of v, the gated branch's state
+and the window's.
 
-On CUDA with the kernels enabled this is the gated kernel followed by the window kernel with
-the combine fused into its epilogue; elsewhere the torch ops and a torch combine, which is the
-same computation ``layers.hybrid.HybridAttention`` runs for Lizard without padding.
+On CUDA with the kernels enabled this is one autograd op (``_LizardFunction``). Forward: the
+window kernel writes its output o_w, and the gated main pass adds alpha_h * o_w in its epilogue
+and writes y. The gated passes before that main pass (segment pre-pass and scan, normaliser)
+need nothing from the window, so they run on a second CUDA stream beside it (``overlap_fwd``);
+they walk their chunks one after another in few programs, and the window's many short programs
+fill the rest of the GPU. Backward: the two branches' own kernels (``gla._bwd`` and
+``window._bwd``), the gated ones on the second stream (``overlap_bwd``), fed what the forward
+stores when a gradient is needed. Elsewhere the torch ops and a torch combine, the same
+computation ``layers.hybrid.HybridAttention`` runs for Lizard.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from ..ops import common
 from ..ops.gla import GLAState
 from ..ops.window_attn import WindowState
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
-from . import gla_chunk, window_attn_sum
+from . import gla_applies, gla_chunk, window_applies, window_attn_sum
+from .dispatch import unit_last
+
+@dataclass
+class LizardKernelConfig:
+    """How ``lizard_attention`` runs on the kernels (each pass takes its own launch settings from
+    ``gla.CONFIG`` and ``window.CONFIG``).
+
+    ``window_first``: the forward runs the window kernel first and combines in the gated main
+    pass's epilogue, so that the gated passes before that main pass (segment pre-pass, scan,
+    normaliser) depend on nothing the window does and can run beside it (``overlap_fwd``).
+    Else the gated forward runs first and the window kernel combines in its epilogue. The
+    combine costs the gated main pass more than it costs the window kernel, whose loads hide
+    behind its many programs, so the order pays only where those gated passes leave most of the
+    GPU idle for long. None (auto): window first when the sequence is split into segments (a
+    pre-pass and a scan run) or the normaliser has fewer (batch x head) programs than the GPU
+    has multiprocessors. On an H200 (bf16, 32 heads; docs/results/kernels-h200-lizard-order.json)
+    that rule picked the faster order at all six shapes measured: window first, forward
+    1.386 -> 1.302 ms at B4 T8192 and 1.550 -> 1.502 at B1 T32768; gated first, 1.216 against
+    1.329 at B16 T2048 and 2.333 against 2.538 at B16 T4096; level at B8 T4096.
+    ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream.
+    ``overlap_bwd``: the gated backward runs on that stream beside the window's backward
+    (forward + backward 5.499 -> 5.433 ms at B16 T2048, 6.00 -> 5.59 at B4 T8192 in the
+    gated-first order).
+    ``side_priority``: that stream's priority (lower is higher; CUDA clamps it to its range):
+    its sequential programs must start first, or they queue behind the window's (priority 0
+    lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192)."""
+
+    window_first: Optional[bool] = None
+    overlap_fwd: bool = True
+    overlap_bwd: bool = True
+    side_priority: int = -1
+
+
+CONFIG = LizardKernelConfig()
+_SIDE_STREAMS: dict = {}
+
+
+def set_config(**changes) -> LizardKernelConfig:
+    """Replace fields of the module-wide config (benchmarks, tests); returns the old one."""
+    global CONFIG
+    old = CONFIG
+    CONFIG = replace(CONFIG, **changes)
+    return old
+
+
+def _side_stream(x: torch.Tensor, wanted: bool, priority: int) -> Optional["torch.cuda.Stream"]:
+    """The device's second stream of that priority (made once), or None off CUDA or when not wanted."""
+    if not (wanted and x.is_cuda):
+        return None
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), priority)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
+    return _SIDE_STREAMS[key]
+
+
+@contextlib.contextmanager
+def _fork(side):
+    """Run the block on ``side`` (after the work queued so far on the current stream), or inline."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(side, *tensors) -> None:
+    """The current stream waits for ``side``; tensors made there are marked as used here, so the
+    allocator does not hand their memory back to ``side`` while this stream still reads them."""
+    if side is None:
+        return
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(main)
+
+
+def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.Tensor) -> bool:
+    """``cfg.window_first``, or when None: whether ``gla._fwd`` would cut the sequence into
+    segments, or give the normaliser fewer (batch x head) programs than there are multiprocessors."""
+    if cfg.window_first is not None:
+        return cfg.window_first
+    from . import gla as kgla
+
+    B, H, T, _ = phi_q.shape
+    BT = kgla._chunk(gcfg, phi_q.dtype)
+    NV = -(-v.shape[-1] // min(kgla.pow2(gcfg.fwd_bv), kgla.pow2(v.shape[-1])))
+    sms = kgla.device_sms(phi_q)
+    nseg, _ = kgla._segments(T, BT, B * H, sms, gcfg, v_blocks=NV)
+    return nseg > 1 or B * H < sms
+
+
+def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize: bool, log_space: bool,
+         eps: float, window: int, scale: float, store: bool, cfg: LizardKernelConfig):
+    """Returns y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc (o_g, o_w, sc, zc None unless ``store``)."""
+    from . import gla as kgla
+    from . import window as kwin
+
+    gcfg = kgla.CONFIG
+    if _window_first(cfg, gcfg, phi_q, v):
+        side = _side_stream(v, cfg.overlap_fwd, cfg.side_priority)
+        with _fork(side):
+            p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
+        o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, kwin.CONFIG)
+        _join(side, p.s_in, p.den, p.den_in, p.S_T, p.z_T, p.sc, p.zc)
+        o_g, y = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store, ow=o_w,
+                               alpha=alpha, store_o=store)
+    else:
+        p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
+        o_g, _ = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store)
+        o_w, y, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, o_g, alpha, window, scale, store, kwin.CONFIG)
+    return y, o_g, o_w, lse, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
+
+
+class _LizardFunction(torch.autograd.Function):
+    """y = gla(phi_q, phi_k, v, log_g; S0, z0) + alpha * window(q_w, k_w, v; sinks), and the gated
+    branch's final state; the backward is the two branches' own backward kernels."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
+                window, scale, cfg, grad_mode):
+        store = grad_mode and any(ctx.needs_input_grad[:10])
+        y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
+            phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window, scale,
+            store, cfg)
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, o_g, o_w, lse, den, sc, zc)
+        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg)
+        ctx.set_materialize_grads(False)
+        return y, S_T, z_T
+
+    @staticmethod
+    def backward(ctx, dy, dS_T, dz_T):
+        from . import gla as kgla
+        from . import window as kwin
+
+        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, o_g, o_w, lse, den, sc, zc = ctx.saved_tensors
+        normalize, log_space, eps, window, scale, segs, has_state, cfg = ctx.args
+        if dy is None:
+            dy = torch.zeros_like(v)
+        need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
+        side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
+        with _fork(side):
+            g_grads = kgla._bwd(phi_q, phi_k, v, log_g, o_g if normalize else None, den, sc, zc, dy, dS_T, dz_T,
+                                need_dstate, normalize, log_space, eps, segs, kgla.CONFIG)
+        dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, o_w, lse, alpha, dy, window, scale,
+                                                       kwin.CONFIG)
+        _join(side, *g_grads)
+        dq, dk, dv, dlog_g, dS0, dz0 = g_grads
+        return (dq, dk, dv + dv_w, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
+                None, None, None, None, None, None, None, None)
+
+
+def one_op_applies(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
+                   q_w: torch.Tensor, k_w: torch.Tensor, alpha: torch.Tensor, sink_logits: Optional[torch.Tensor],
+                   state: Optional[GLAState], window_state: Optional[WindowState] = None) -> bool:
+    """Whether ``lizard_attention`` runs as one op (``_LizardFunction``) for these inputs: both
+    branches' kernels apply, and q_w, k_w, v share a dtype."""
+    return (gla_applies(phi_q, phi_k, v, log_g, state)
+            and window_applies(q_w, k_w, v, sink_logits=sink_logits, state=window_state, fresh_state=True)
+            and isinstance(alpha, torch.Tensor) and alpha.is_cuda == v.is_cuda
+            and q_w.dtype == v.dtype and q_w.shape[:3] == v.shape[:3])
 
 
 def lizard_attention(
@@ -30,13 +201,22 @@ def lizard_attention(
     q_w: torch.Tensor, k_w: torch.Tensor, alpha: torch.Tensor, *, window: int = 128,
     sink_logits: Optional[torch.Tensor] = None, scale: Optional[float] = None, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
-    eps: float = 1e-6,
+    eps: float = 1e-6, window_state: Optional[WindowState] = None, config: Optional[LizardKernelConfig] = None,
 ) -> tuple[torch.Tensor, GLAState, WindowState]:
-    """Lizard's attention output and the two branch states (see the module docstring)."""
+    """Lizard's attention output and the two branch states (see the module docstring).
+
+    ``window_state``: None, or a fresh window state (``pos <= 0`` in every row: its cache is never
+    seen, and a row at -p starts with p tokens of left padding, invisible to the window; the
+    caller zeroes the padding's features and gates for the gated branch)."""
+    cfg = config or CONFIG
+    if one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
+        return _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
+                              scale=scale, normalize=normalize, log_space_features=log_space_features,
+                              state=state, eps=eps, window_state=window_state, config=cfg)
     y_g, g_state = gla_chunk(phi_q, phi_k, v, log_g, normalize=normalize, log_space_features=log_space_features,
                              state=state, chunk_size=chunk_size, eps=eps)
     fused = window_attn_sum(q_w, k_w, v, y_g, alpha, window=window, scale=scale, sink_logits=sink_logits,
-                            chunk_size=chunk_size)
+                            state=window_state, chunk_size=chunk_size, fresh_state=True)
     if fused is not None:
         y, w_state = fused
         return y, g_state, w_state
@@ -45,6 +225,36 @@ def lizard_attention(
         got = tuple(alpha.shape) if isinstance(alpha, torch.Tensor) else type(alpha).__name__
         raise ValueError(f"alpha must have shape ({H},), got {got}")
     y_w, w_state = _window_chunk_torch(q_w, k_w, v, window=window, scale=scale, sink_logits=sink_logits,
-                                       chunk_size=chunk_size)
+                                       state=window_state, chunk_size=chunk_size)
     y = y_g + alpha[:, None, None].to(y_g.dtype) * y_w
     return y.to(v.dtype), g_state, w_state
+
+
+def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logits, scale, normalize,
+                   log_space_features, state, eps, window_state, config) -> tuple[torch.Tensor, GLAState, WindowState]:
+    """The checks of both branches, then ``_LizardFunction``."""
+    from . import window as kwin
+    from .gla import gla_chunk_checks
+
+    B, H, T, DK, DV = common.check_qkv(phi_q, phi_k, v)
+    S0, z0 = gla_chunk_checks(phi_q, phi_k, v, log_g, eps, state)
+    common.check_qkv(q_w, k_w, v)
+    L = kwin.check_window(window, False)
+    kwin.check_sinks(H, q_w.shape[-1], DV, sink_logits, None, None)
+    if tuple(alpha.shape) != (H,):
+        raise ValueError(f"alpha must have shape ({H},), got {tuple(alpha.shape)}")
+    kmin = None
+    if window_state is not None:
+        common.check_state_tensor("k", window_state.k, (B, H, L, q_w.shape[-1]))
+        common.check_state_tensor("v", window_state.v, (B, H, L, DV))
+        kwin.check_pos(window_state.pos, B)
+        kmin = (-window_state.pos).clamp_min(0).to(torch.int32).contiguous()
+    scale = common.softmax_scale(scale, q_w.shape[-1])
+    sinks = sink_logits.contiguous() if sink_logits is not None and sink_logits.shape[1] > 0 else None
+    phi_q, phi_k, v, q_w, k_w = (unit_last(x) for x in (phi_q, phi_k, v, q_w, k_w))
+    y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
+                                    bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
+                                    config, torch.is_grad_enabled())
+    dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
+    w_state = kwin._new_state(window_state, k_w, v, L, dt)
+    return y, GLAState(S, z), w_state

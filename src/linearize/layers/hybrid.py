@@ -171,6 +171,9 @@ class HybridAttention(nn.Module):
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
                 log_g = self._log_gates(k, x, valid)
+                lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid)
+                if lizard is not None:
+                    return lizard
                 # kernels.gla_chunk: the Triton kernels on CUDA where they apply, else ops.gla.gla_chunk
                 fn = gla_recurrent if step else kernels.gla_chunk
                 y_g, state["global"] = fn(fq, fk, v_lin, log_g,
@@ -208,6 +211,25 @@ class HybridAttention(nn.Module):
             y = (1 - self.mu) * y_w + self.mu * y_g
         else:
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
+        return y.to(v.dtype), state
+
+    def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid) -> tuple | None:
+        """Lizard (gated + window with v2 sinks, summed) as the kernels' one op (both branches and
+        the combine, the gated passes overlapping the window's on a second stream) where it
+        applies: a prefill without padding whose window starts fresh; None elsewhere."""
+        c = self.config
+        wkw = self._window_kwargs()
+        if (step or valid is not None or "local" in state or c.local_rule != "window" or c.combine != "sum"
+                or wkw["softcap"] is not None or "sink_k" in wkw):
+            return None
+        from ..kernels.lizard import lizard_attention, one_op_applies
+
+        sinks = wkw.get("sink_logits")
+        if not one_op_applies(fq, fk, v, log_g, lq, lk, self.alpha, sinks, state.get("global")):
+            return None
+        y, state["global"], state["local"] = lizard_attention(
+            fq, fk, v, log_g, lq, lk, self.alpha, window=c.window, sink_logits=sinks, scale=self.scale,
+            state=state.get("global"), chunk_size=c.chunk_size)
         return y.to(v.dtype), state
 
     def _full_softmax(self, q, k, v, cache, valid):
