@@ -2,7 +2,8 @@
 side by side, in one run.
 
     python3 scripts/lizard_order_probe.py OUT.json [--shapes 16x2048,4x8192,1x32768]
-        [--configs window_first:overlap_fwd:overlap_bwd:side_priority,...]   (window_first "a": auto)
+        [--configs window_first:overlap_fwd:overlap_bwd:side_priority,...]   (window_first "a": auto;
+        a config "two": one_op=False, the two autograd ops of the code before 805d262)
 
 For each shape, the inputs of ``linearize bench kernels`` (bf16, 32 heads, head dim 128, 128 Hedgehog
 features, window 128, 4 sink logits); each cell is the median ms of do_bench (L2 flushed), forward
@@ -24,7 +25,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shapes", default="16x2048,4x8192,1x32768")
-    ap.add_argument("--configs", default="0:0:0:-1,0:0:1:-1,1:1:1:-1,a:1:1:-1")
+    ap.add_argument("--configs", default="two,0:0:0:-1,0:1:1:-1,1:1:1:-1,a:1:1:-1")
     a = ap.parse_args(argv)
     from linearize.bench.kernels import _cell, _fwd_bwd, _shape_inputs
     from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
@@ -32,6 +33,9 @@ def main(argv=None) -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     configs = []
     for c in a.configs.split(","):
+        if c == "two":
+            configs.append(LizardKernelConfig(one_op=False))
+            continue
         first, ofwd, obwd, prio = c.split(":")
         configs.append(LizardKernelConfig(window_first=None if first == "a" else bool(int(first)),
                                           overlap_fwd=bool(int(ofwd)), overlap_bwd=bool(int(obwd)),

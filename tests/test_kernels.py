@@ -313,6 +313,34 @@ def test_gpu_lizard_one_op_matches_reference(variant, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("window_first", [False, True])
+def test_gpu_lizard_one_op_streams_raise_no_warning(window_first):
+    """The second and third streams stay out of autograd's way: no warning of a gradient
+    accumulator on another stream (which would also sync every backward), training or not."""
+    import warnings
+
+    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, T, D = 1, 2, 300, 64
+    fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
+    v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
+    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
+    leaves = [x.requires_grad_() for x in (fq, fk, v, qw, kw, lg)]
+    alpha = torch.ones(H, device="cuda", requires_grad=True)
+    cfg = LizardKernelConfig(window_first=window_first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            y, _, w_state = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+            y.float().sum().backward()
+        with torch.no_grad():
+            y2, _, w_state2 = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+        torch.cuda.synchronize()
+    assert torch.equal(y.detach(), y2) and torch.equal(w_state.k.detach(), w_state2.k)
+
+
+@needs_cuda
 @pytest.mark.parametrize("padded, dtype", [(False, torch.float32), (True, torch.bfloat16)])
 def test_gpu_hybrid_layer_kernels_match_torch_path(padded, dtype):
     # kernels on vs off in the same dtype: the torch path is the reference

@@ -553,10 +553,11 @@ def _gla_bwd_chunk_kernel(
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    NVD: tl.constexpr, LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+    NVD: tl.constexpr, LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, DV_ADD: tl.constexpr,
 ):
     """Grid (NC, B*H), one chunk each, no loop: dq, dk, dv and d log_g from the state S (and z)
-    entering the chunk and the state gradient dS (and dz) leaving it.
+    entering the chunk and the state gradient dS (and dz) leaving it. With DV_ADD, dv is added
+    to what DV_ holds.
 
     Gate gradient: with db_j = phi(q_j).dphi(q_j) - phi(k_j).dphi(k_j), d log_g_i = sum_{j >= i}
     db_j (+ the final state's term). Split at the chunk end: the part after the chunk is the
@@ -606,6 +607,8 @@ def _gla_bwd_chunk_kernel(
     a = (tl.dot(q_ph, tl.trans(k_ph), input_precision=PREC) * p).to(dt)
     dv = tl.dot(k_ph, dS, input_precision=PREC) * tl.exp(r_end)[:, None]
     dv = tl.dot(tl.trans(a), dn_c, dv, input_precision=PREC)
+    if DV_ADD:
+        dv += tl.load(DV_ + tok[:, None] * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
     tl.store(DV_ + tok[:, None] * DV + ov[None, :], dv.to(DV_.dtype.element_ty), mask=mt[:, None] & mv[None, :])
     m = ((tl.dot(dn_c, tl.trans(v), input_precision=PREC) + dd[:, None]) * p).to(dt)
     # queries: dphi(q) = M phi(k) + e^b (dn S^T + dd z^T)
@@ -884,9 +887,29 @@ def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, c
     return o, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
 
 
-def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-         eps: float, segs: tuple[int, int], cfg: GLAKernelConfig):
-    """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
+@dataclass
+class BwdPlan:
+    """What the backward's chunk pass needs from the passes before it (``bwd_states``)."""
+    do: torch.Tensor
+    den: torch.Tensor
+    dden: torch.Tensor
+    sc: torch.Tensor
+    zc: torch.Tensor
+    dsc: torch.Tensor  # (B*H, NC, Dk, Dv): the state gradient leaving every chunk
+    dzc: torch.Tensor
+    yc: torch.Tensor
+    dlog_g: torch.Tensor
+    dS0: Optional[torch.Tensor]
+    dz0: Optional[torch.Tensor]
+    dz_T: Optional[torch.Tensor]
+    NC: int
+    NVD: int
+
+
+def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
+               eps: float, segs: tuple[int, int], cfg: GLAKernelConfig) -> BwdPlan:
+    """The backward up to its chunk pass: with segments, each segment's own state gradient and
+    the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd)."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
@@ -896,7 +919,6 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
     do = do.to(v.dtype).contiguous()
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     dlog_g = torch.empty(B * H, T, **f32)
     dden = torch.empty(B * H, T, **f32) if normalize else dlog_g
     if normalize and dz_T is None and dS_T is not None:
@@ -938,13 +960,38 @@ def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, norm
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
         BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
+    return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD)
+
+
+def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+               dv_into: Optional[torch.Tensor] = None):
+    """The backward's chunk pass after ``bwd_states``; returns (dq, dk, dv, dlog_g, dS0, dz0).
+    With ``dv_into`` (contiguous, v's shape and dtype) dv is added to it in place and returned,
+    which spares a sum of two dv tensors where v also feeds another branch (Lizard's window)."""
+    B, H, T, DK = q.shape
+    DV = v.shape[-1]
+    BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    dev = q.device
+    dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k))
+    dv = dv_into if dv_into is not None else torch.empty(v.shape, dtype=v.dtype, device=dev)
+    common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
+    NC, NVD, dlog_g, dS0, dz0 = p.NC, p.NVD, p.dlog_g, p.dS0, p.dz0
     _gla_bwd_chunk_kernel[(NC, B * H)](
-        q, k, v, log_g, do, den_, dden, sc, zc_, dsc, dzc, yc, dq, dk, dv, dlog_g,
-        *sq, *sk, *sv, *sg, T, H, NC, eps, NVD=NVD,
+        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
+        *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
+        DV_ADD=dv_into is not None,
         num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
-    if need_dstate and not normalize:
-        dz0 = dz_T.float() if dz_T is not None else torch.zeros(B, H, DK, **f32)
+    if dS0 is not None and not normalize:
+        dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
+
+
+def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
+         eps: float, segs: tuple[int, int], cfg: GLAKernelConfig):
+    """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
+    p = bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, cfg)
+    return bwd_chunks(q, k, v, log_g, p, normalize, log_space, eps, cfg)
 
 
 class _GLAFunction(torch.autograd.Function):

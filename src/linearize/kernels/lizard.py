@@ -39,6 +39,9 @@ class LizardKernelConfig:
     """How ``lizard_attention`` runs on the kernels (each pass takes its own launch settings from
     ``gla.CONFIG`` and ``window.CONFIG``).
 
+    ``one_op``: False runs the gated op, then the window op with the combine in its epilogue, as
+    two autograd ops in one stream (the code before 805d262, kept to measure against); the
+    fields below apply to the one op.
     ``window_first``: the forward runs the window kernel first and combines in the gated main
     pass's epilogue, so that the gated passes before that main pass (segment pre-pass, scan,
     normaliser) depend on nothing the window does and can run beside it (``overlap_fwd``).
@@ -51,7 +54,9 @@ class LizardKernelConfig:
     that rule picked the faster order at all six shapes measured: window first, forward
     1.386 -> 1.302 ms at B4 T8192 and 1.550 -> 1.502 at B1 T32768; gated first, 1.216 against
     1.329 at B16 T2048 and 2.333 against 2.538 at B16 T4096; level at B8 T4096.
-    ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream.
+    ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream; in
+    either order, when no gradient is recorded, the window's state for decoding is copied on a
+    third.
     ``overlap_bwd``: the gated backward runs on that stream beside the window's backward
     (forward + backward 5.499 -> 5.433 ms at B16 T2048, 6.00 -> 5.59 at B4 T8192 in the
     gated-first order).
@@ -59,6 +64,7 @@ class LizardKernelConfig:
     its sequential programs must start first, or they queue behind the window's (priority 0
     lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192)."""
 
+    one_op: bool = True
     window_first: Optional[bool] = None
     overlap_fwd: bool = True
     overlap_bwd: bool = True
@@ -77,11 +83,11 @@ def set_config(**changes) -> LizardKernelConfig:
     return old
 
 
-def _side_stream(x: torch.Tensor, wanted: bool, priority: int) -> Optional["torch.cuda.Stream"]:
-    """The device's second stream of that priority (made once), or None off CUDA or when not wanted."""
+def _side_stream(x: torch.Tensor, wanted: bool, priority: int, name: str = "side") -> Optional["torch.cuda.Stream"]:
+    """The device's stream of that name and priority (made once), or None off CUDA or when not wanted."""
     if not (wanted and x.is_cuda):
         return None
-    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), priority)
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), priority, name)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
     return _SIDE_STREAMS[key]
@@ -173,15 +179,18 @@ class _LizardFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
+        gcfg = kgla.CONFIG
         side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
-        with _fork(side):
-            g_grads = kgla._bwd(phi_q, phi_k, v, log_g, o_g if normalize else None, den, sc, zc, dy, dS_T, dz_T,
-                                need_dstate, normalize, log_space, eps, segs, kgla.CONFIG)
+        with _fork(side):  # the reverse state passes walk their chunks in order: beside the window's
+            gp = kgla.bwd_states(phi_q, phi_k, v, log_g, o_g if normalize else None, den, sc, zc, dy, dS_T, dz_T,
+                                 need_dstate, normalize, log_space, eps, segs, gcfg)
         dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, o_w, lse, alpha, dy, window, scale,
                                                        kwin.CONFIG)
-        _join(side, *g_grads)
-        dq, dk, dv, dlog_g, dS0, dz0 = g_grads
-        return (dq, dk, dv + dv_w, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
+        _join(side, *vars(gp).values())
+        # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
+        dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg,
+                                                       dv_into=dv_w)
+        return (dq, dk, dv, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
                 None, None, None, None, None, None, None, None)
 
 
@@ -209,7 +218,7 @@ def lizard_attention(
     seen, and a row at -p starts with p tokens of left padding, invisible to the window; the
     caller zeroes the padding's features and gates for the gated branch)."""
     cfg = config or CONFIG
-    if one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
+    if cfg.one_op and one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
         return _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
                               scale=scale, normalize=normalize, log_space_features=log_space_features,
                               state=state, eps=eps, window_state=window_state, config=cfg)
@@ -252,9 +261,17 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     scale = common.softmax_scale(scale, q_w.shape[-1])
     sinks = sink_logits.contiguous() if sink_logits is not None and sink_logits.shape[1] > 0 else None
     phi_q, phi_k, v, q_w, k_w = (unit_last(x) for x in (phi_q, phi_k, v, q_w, k_w))
+    dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
+    # the window's state for decoding (a copy of the last keys and values) needs nothing the op
+    # computes: on a stream of its own it costs no time beside the op's register-bound passes.
+    # Not where autograd records the copy: the leaves' gradient accumulators would be made on
+    # that stream and every backward would sync to it (torch warns of the mismatch)
+    differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
+    copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
+    with _fork(copier):
+        w_state = kwin._new_state(window_state, k_w, v, L, dt)
     y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
                                     bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
                                     config, torch.is_grad_enabled())
-    dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
-    w_state = kwin._new_state(window_state, k_w, v, L, dt)
+    _join(copier, *w_state)
     return y, GLAState(S, z), w_state
