@@ -316,7 +316,8 @@ def test_gpu_lizard_one_op_matches_reference(variant, dtype):
 @pytest.mark.parametrize("window_first", [False, True])
 def test_gpu_lizard_one_op_streams_raise_no_warning(window_first):
     """The second and third streams stay out of autograd's way: no warning of a gradient
-    accumulator on another stream (which would also sync every backward), training or not."""
+    accumulator on another stream (which would also sync every backward), training or not; and a
+    second backward through one forward says why it cannot run."""
     import warnings
 
     from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
@@ -338,6 +339,10 @@ def test_gpu_lizard_one_op_streams_raise_no_warning(window_first):
             y2, _, w_state2 = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
         torch.cuda.synchronize()
     assert torch.equal(y.detach(), y2) and torch.equal(w_state.k.detach(), w_state2.k)
+    y, _, _ = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+    y.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward can run once per forward"):
+        y.float().sum().backward()
 
 
 @needs_cuda

@@ -164,7 +164,10 @@ class _LizardFunction(torch.autograd.Function):
         y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
             phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window, scale,
             store, cfg)
-        ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, o_g, o_w, lse, den, sc, zc)
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin)
+        # the op's own intermediates live on ctx, so that the backward can drop each one as soon
+        # as its last reader is queued (saved tensors would all live until the backward returns)
+        ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg)
         ctx.set_materialize_grads(False)
         return y, S_T, z_T
@@ -174,19 +177,28 @@ class _LizardFunction(torch.autograd.Function):
         from . import gla as kgla
         from . import window as kwin
 
-        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, o_g, o_w, lse, den, sc, zc = ctx.saved_tensors
+        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin = ctx.saved_tensors
+        inter, ctx.inter = ctx.inter, None
+        if inter is None:
+            raise RuntimeError("lizard_attention's backward can run once per forward: it frees its intermediates "
+                               "as it goes, so a second backward through the same graph (retain_graph=True) has "
+                               "nothing to read; run the forward again")
         normalize, log_space, eps, window, scale, segs, has_state, cfg = ctx.args
         if dy is None:
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
         gcfg = kgla.CONFIG
         side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
+        o_g = inter.pop("o_g")
         with _fork(side):  # the reverse state passes walk their chunks in order: beside the window's
-            gp = kgla.bwd_states(phi_q, phi_k, v, log_g, o_g if normalize else None, den, sc, zc, dy, dS_T, dz_T,
-                                 need_dstate, normalize, log_space, eps, segs, gcfg)
-        dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, o_w, lse, alpha, dy, window, scale,
-                                                       kwin.CONFIG)
+            gp = kgla.bwd_states(phi_q, phi_k, v, log_g, o_g if normalize else None, inter["den"], inter["sc"],
+                                 inter["zc"], dy, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, gcfg)
+        # o_w and lse are freed as this returns (their readers are queued on this stream, before
+        # anything that could take their memory)
+        dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), inter.pop("lse"),
+                                                       alpha, dy, window, scale, kwin.CONFIG)
         _join(side, *vars(gp).values())
+        del o_g  # read on the side stream: freed only once this stream has waited for it
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
         dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg,
                                                        dv_into=dv_w)
