@@ -314,12 +314,13 @@ def test_gpu_lizard_one_op_matches_reference(variant, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("window_first", [False, True])
-def test_gpu_lizard_one_op_streams_raise_no_warning(window_first):
+def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):
     """The second and third streams stay out of autograd's way: no warning of a gradient
     accumulator on another stream (which would also sync every backward), training or not; and a
     second backward through one forward says why it cannot run."""
     import warnings
 
+    from linearize.kernels import lizard as kliz
     from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -327,19 +328,24 @@ def test_gpu_lizard_one_op_streams_raise_no_warning(window_first):
     fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
     v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
     lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
-    leaves = [x.requires_grad_() for x in (fq, fk, v, qw, kw, lg)]
+    for x in (fq, fk, v, qw, kw, lg):
+        x.requires_grad_()
     alpha = torch.ones(H, device="cuda", requires_grad=True)
     cfg = LizardKernelConfig(window_first=window_first)
+    calls = []
+    apply = kliz._LizardFunction.apply
+    monkeypatch.setattr(kliz._LizardFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
-            y, _, w_state = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+            y, _, w_state = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
             y.float().sum().backward()
         with torch.no_grad():
-            y2, _, w_state2 = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+            y2, _, w_state2 = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
         torch.cuda.synchronize()
+    assert len(calls) == 3, "lizard_attention did not run as one op"
     assert torch.equal(y.detach(), y2) and torch.equal(w_state.k.detach(), w_state2.k)
-    y, _, _ = lizard_attention(*leaves[:4], qw, kw, alpha, window=64, config=cfg)
+    y, _, _ = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
     y.float().sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward can run once per forward"):
         y.float().sum().backward()
