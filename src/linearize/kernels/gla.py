@@ -48,7 +48,9 @@ program per chunk computes dq, dk, dv and d log_g with no loop (fully parallel).
 When the main pass's (batch*head, V-block) programs are fewer than the GPU's multiprocessors,
 the sequence is cut into segments: a pre-pass computes each segment's own state (normalised, z in
 a launch of its own), a scan turns them into the state entering each segment, and the segments
-run in parallel (the backward does the same for dS from the end).
+run in parallel (the backward does the same for dS from the end). ``fwd_prologue``/``fwd_main``
+and ``bwd_states``/``bwd_chunks`` are those passes in two halves, for ``kernels.lizard``, which
+runs the sequential half beside the window branch on a second CUDA stream.
 """
 
 from __future__ import annotations

@@ -8,15 +8,17 @@ q_w, k_w (B, H, T, D) the window's queries/keys (RoPE already applied by the cal
 sink_logits (H, m) or None. Returns y (B, H, T, Dv) in the dtype of v, the gated branch's state
 and the window's.
 
-On CUDA with the kernels enabled this is one autograd op (``_LizardFunction``). Forward: the
-window kernel writes its output o_w, and the gated main pass adds alpha_h * o_w in its epilogue
-and writes y. The gated passes before that main pass (segment pre-pass and scan, normaliser)
-need nothing from the window, so they run on a second CUDA stream beside it (``overlap_fwd``);
-they walk their chunks one after another in few programs, and the window's many short programs
-fill the rest of the GPU. Backward: the two branches' own kernels (``gla._bwd`` and
-``window._bwd``), the gated ones on the second stream (``overlap_bwd``), fed what the forward
-stores when a gradient is needed. Elsewhere the torch ops and a torch combine, the same
-computation ``layers.hybrid.HybridAttention`` runs for Lizard.
+On CUDA with the kernels enabled this is one autograd op (``_LizardFunction``), its passes
+spread over two CUDA streams where that pays (``LizardKernelConfig``). Forward, gated first:
+the gated passes, then the window kernel with the combine in its epilogue. Forward, window
+first (where the gated passes before the main pass walk long): the window kernel writes its
+output o_w while those gated passes (segment pre-pass and scan, normaliser), which need nothing
+from it, run beside it on the second stream; then the gated main pass adds alpha_h * o_w in its
+epilogue. Backward: the gated reverse state passes on the second stream beside the window's
+backward, then the gated chunk pass adding its dv into the window's. The sequential passes walk
+their chunks one after another in few programs, and the window's many short programs fill the
+rest of the GPU. Elsewhere the torch ops and a torch combine, the same computation
+``layers.hybrid.HybridAttention`` runs for Lizard.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..ops.window_attn import WindowState
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
 from .dispatch import unit_last
+
 
 @dataclass
 class LizardKernelConfig:
@@ -57,9 +60,9 @@ class LizardKernelConfig:
     ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream; in
     either order, when no gradient is recorded, the window's state for decoding is copied on a
     third.
-    ``overlap_bwd``: the gated backward runs on that stream beside the window's backward
-    (forward + backward 5.499 -> 5.433 ms at B16 T2048, 6.00 -> 5.59 at B4 T8192 in the
-    gated-first order).
+    ``overlap_bwd``: the gated reverse state passes run on that stream beside the window's
+    backward (forward + backward, gated first, one stream against two: 5.401 -> 5.330 ms at
+    B16 T2048, 5.896 -> 5.489 at B4 T8192).
     ``side_priority``: that stream's priority (lower is higher; CUDA clamps it to its range):
     its sequential programs must start first, or they queue behind the window's (priority 0
     lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192)."""
@@ -133,7 +136,8 @@ def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.T
 
 def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize: bool, log_space: bool,
          eps: float, window: int, scale: float, store: bool, cfg: LizardKernelConfig):
-    """Returns y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc (o_g, o_w, sc, zc None unless ``store``)."""
+    """Returns y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc; o_g, o_w, lse, den, sc and zc are what a
+    backward reads, complete only with ``store``."""
     from . import gla as kgla
     from . import window as kwin
 
