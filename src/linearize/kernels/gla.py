@@ -803,16 +803,26 @@ class FwdPlan:
     tma_qk: bool
 
 
+def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLAKernelConfig, bv: int) -> tuple[int, int, int, int, int]:
+    """The forward's (chunk BT, V-block BV, V-blocks NV, segments, segment length) for a main pass
+    of V-blocks of ``bv``."""
+    B, H, T, _ = q.shape
+    DV = v.shape[-1]
+    BT = _chunk(cfg, q.dtype)
+    BV = min(pow2(bv), pow2(DV))
+    NV = math.ceil(DV / BV)
+    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg, v_blocks=NV)
+    return BT, BV, NV, nseg, seg_len
+
+
 def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: GLAKernelConfig,
                  store_chunks: bool, bv: int) -> FwdPlan:
     """Everything of the forward before its main pass, for a main pass of V-blocks of ``bv``:
     with segments, each segment's own state and the scan; when normalised, the normaliser pass."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
-    BT, BK = _chunk(cfg, q.dtype), pow2(DK)
-    BV = min(pow2(bv), pow2(DV))
-    NV = math.ceil(DV / BV)
-    nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg, v_blocks=NV)
+    BT, BV, NV, nseg, seg_len = fwd_blocks(q, v, cfg, bv)
+    BK = pow2(DK)
     NC = math.ceil(T / BT)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device

@@ -126,12 +126,9 @@ def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.T
         return cfg.window_first
     from . import gla as kgla
 
-    B, H, T, _ = phi_q.shape
-    BT = kgla._chunk(gcfg, phi_q.dtype)
-    NV = -(-v.shape[-1] // min(kgla.pow2(gcfg.fwd_bv), kgla.pow2(v.shape[-1])))
-    sms = kgla.device_sms(phi_q)
-    nseg, _ = kgla._segments(T, BT, B * H, sms, gcfg, v_blocks=NV)
-    return nseg > 1 or B * H < sms
+    B, H = phi_q.shape[:2]
+    nseg = kgla.fwd_blocks(phi_q, v, gcfg, gcfg.fwd_bv)[3]
+    return nseg > 1 or B * H < kgla.device_sms(phi_q)
 
 
 def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize: bool, log_space: bool,
@@ -147,7 +144,7 @@ def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize
         with _fork(side):
             p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
         o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, kwin.CONFIG)
-        _join(side, p.s_in, p.den, p.den_in, p.S_T, p.z_T, p.sc, p.zc)
+        _join(side, *vars(p).values())
         o_g, y = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store, ow=o_w,
                                alpha=alpha, store_o=store)
     else:
@@ -261,8 +258,9 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     from . import window as kwin
     from .gla import gla_chunk_checks
 
-    B, H, T, DK, DV = common.check_qkv(phi_q, phi_k, v)
-    S0, z0 = gla_chunk_checks(phi_q, phi_k, v, log_g, eps, state)
+    S0, z0 = gla_chunk_checks(phi_q, phi_k, v, log_g, eps, state)  # checks phi_q, phi_k, v too
+    B, H = phi_q.shape[:2]
+    DV = v.shape[-1]
     common.check_qkv(q_w, k_w, v)
     L = kwin.check_window(window, False)
     kwin.check_sinks(H, q_w.shape[-1], DV, sink_logits, None, None)
