@@ -78,6 +78,7 @@ def main(argv=None) -> int:
                                             data["training"]["config"]["overrides"])
         if args.trials:
             data["trials"] = json.loads(Path(args.trials).read_text())
+        data["stage2_trend"] = _stage2_trend(data)
         write_outputs(path.parent, path.stem, data, results_markdown, embed_figure)
         return 0
 
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     data["exact_keys"] = exact_keys(eval_data, data["sentences"], data["max_length"], config.overrides)
     data["environment"] = environment("cpu")
     data["environment"]["command"] = " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv])
+    data["stage2_trend"] = _stage2_trend(data)
     (Path(args.out) / "results.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     if args.trials:
         data["trials"] = json.loads(Path(args.trials).read_text())
@@ -306,10 +308,11 @@ def _relational_text(c: dict) -> str:
 
 
 def _stage2_trend(data: dict) -> str:
-    """The validation curve of stage 2, read back from the run's metrics."""
+    """The validation curve of stage 2, read back from the run's metrics; where the run directory is not
+    here (a fresh clone re-rendering the record), the sentence the record kept."""
     path = Path(data["training"]["config"]["out"]) / "metrics.jsonl"
     if not path.is_file():
-        return ""
+        return data.get("stage2_trend", "")
     vals = [json.loads(line) for line in path.read_text().splitlines() if '"stage2", "split": "val"' in line]
     if len(vals) < 2:
         return ""

@@ -1,0 +1,49 @@
+"""The record scripts under scripts/ re-render their records from JSON alone: a fresh clone has no
+run directories (runs/ is not tracked), so nothing a record says may depend on one being there."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lion_minilm():
+    return _load("lion_minilm")
+
+
+def test_stage2_trend_reads_the_run_and_falls_back_to_the_record(lion_minilm, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"stage": "stage2", "split": "val", "step": s, "mean_cosine": c, "nn_agreement": n}
+            for s, c, n in ((0, 0.98, 0.70), (50, 0.99, 0.80))]
+    rows.insert(1, {"stage": "stage2", "split": "train", "step": 10, "loss": 0.1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"training": {"config": {"out": str(run)}}, "stage2_trend": "kept sentence"}
+    text = lion_minilm._stage2_trend(data)
+    assert "step 0: 0.980 / 0.70, step 50: 0.990 / 0.80" in text and "train" not in text
+    # the run directory gone: the sentence the record kept, not an empty one
+    data["training"]["config"]["out"] = str(tmp_path / "missing")
+    assert lion_minilm._stage2_trend(data) == "kept sentence"
+    del data["stage2_trend"]
+    assert lion_minilm._stage2_trend(data) == ""
+
+
+def test_the_recorded_lion_page_keeps_its_stage2_trend():
+    """The committed record carries the trend its Markdown shows, so a re-render in a clone keeps it."""
+    root = SCRIPTS.parent / "docs" / "results"
+    data = json.loads((root / "lion-minilm.json").read_text())
+    assert data["stage2_trend"].startswith("Over stage 2 the validation cosine / agreement")
+    assert data["stage2_trend"] in (root / "lion-minilm.md").read_text()
