@@ -223,10 +223,12 @@ def results_markdown(data: dict) -> str:
     body = embed_markdown(data).split("\n", 1)[1]  # the eval's own tables, under this page's title
     lines += ["## Held-out evaluation (`linearize.eval.embed`)", body.replace("## One attention", "### One attention")]
     if data.get("cost"):
+        # MiniLM: 12 heads of 32; Hedgehog F defaults to 2 x head_dim
+        feat = data["training"]["config"].get("overrides", {}).get("feature_dim") or 64
         lines += ["Extra memory is the peak resident memory of the whole layer call above its inputs. For LION it "
                   "grows linearly with the input because the layer maps φ(q) and φ(k) for the whole input "
-                  "(2 x heads x tokens x F floats, F = 64 here: 192 MiB at 32K tokens) and writes the output "
-                  "(48 MiB at 32K); the chunk op itself keeps only its two states and one chunk's C x C block "
+                  f"(2 x heads x tokens x F floats, F = {feat} here: {2 * 12 * 32768 * feat * 4 // 2**20} MiB at 32K "
+                  "tokens) and writes the output (48 MiB at 32K); the chunk op itself keeps only its two states and one chunk's C x C block "
                   "beyond those. SDPA on the CPU runs a flash kernel whose extra memory is about its output. The "
                   "parallel form materialises T x T masks and weights (skipped where they would pass 4 GiB); the "
                   "recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
