@@ -229,9 +229,9 @@ def results_markdown(data: dict) -> str:
                   "grows linearly with the input because the layer maps φ(q) and φ(k) for the whole input "
                   f"(2 x heads x tokens x F floats, F = {feat} here: {2 * 12 * 32768 * feat * 4 // 2**20} MiB at 32K "
                   "tokens) and writes the output (48 MiB at 32K); the chunk op itself keeps only its two states "
-                  "and one chunk's C x C block beyond those. SDPA on the CPU runs a flash kernel whose extra memory is about its output. The "
-                  "parallel form materialises T x T masks and weights (skipped where they would pass 4 GiB); the "
-                  "recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
+                  "and one chunk's C x C block beyond those. SDPA on the CPU runs a flash kernel whose extra "
+                  "memory is about its output. The parallel form materialises T x T masks and weights (skipped "
+                  "where they would pass 4 GiB); the recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
     lines += _why_section(data)
     lines += ["## Positions beyond 512", "",
               "MiniLM (like BERT) adds a learned absolute position embedding per token, with 512 of them. The "

@@ -44,8 +44,9 @@ def main(argv=None) -> None:
     from linearize.ops.gla import gla_chunk
     from linearize.ops.window_attn import window_attn_chunk
 
-    res = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__, "command": " ".join(sys.argv),
-           "package": os.path.dirname(linearize.__file__), "LINEARIZE_WS": os.environ.get("LINEARIZE_WS"),
+    res = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
+           "command": " ".join(sys.argv), "package": os.path.dirname(linearize.__file__),
+           "LINEARIZE_WS": os.environ.get("LINEARIZE_WS"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": [], "check": {}}
     skip = set(filter(None, a.skip.split(",")))
 
