@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--relational-temperature", type=float, default=0.05)
     p.add_argument("--relational-bank", type=int, default=4096, help="teacher embeddings of training sentences")
     p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--feature-dim", type=int, default=None, help="Hedgehog F (default 2 x head_dim)")
+    p.add_argument("--feature-map", default="hedgehog", choices=["hedgehog", "t2r", "taylor"])
+    p.add_argument("--feature-dim", type=int, default=None, help="F (default: Hedgehog 2 x head_dim, Taylor "
+                   "1 + d + d(d+1)/2)")
     p.add_argument("--sinks", type=int, default=0, help="leading tokens ([CLS]) attended by exact softmax")
     p.add_argument("--window", type=int, default=0, help="exact softmax within this distance of each token")
     p.add_argument("--asymmetric", action="store_true", help="separate decays for keys right of the query")
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
         relational=args.relational, relational_temperature=args.relational_temperature,
         relational_bank=args.relational_bank,
         overrides={"chunk_size": args.chunk_size, **({"feature_dim": args.feature_dim} if args.feature_dim else {}),
+                   **({"feature_map": args.feature_map} if args.feature_map != "hedgehog" else {}),
                    **({"sinks": args.sinks} if args.sinks else {}), **({"window": args.window} if args.window else {}),
                    **({"asymmetric": True} if args.asymmetric else {})},
         eval_every=50, save_every=50, device="cpu", progress=True)
@@ -173,6 +176,17 @@ def _decay_sentence(c: dict) -> str:
             "of their own, so a head can look mostly one way.")
 
 
+def _feature_sentence(c: dict) -> str:
+    """The feature map of a record in words ('' for the default, Hedgehog)."""
+    if c["overrides"].get("feature_map") != "taylor":
+        return ""
+    return (" Feature map: Taylor (`feature_map=\"taylor\"`, layers/feature_maps.py), a learned (d x d) map per "
+            "head and a learned scale, whose features multiply to 1 + u + u^2/2 with u the mapped queries' and "
+            "keys' scaled scores: the second-order expansion of the softmax's exp(q.k / sqrt d), which it is at "
+            "the start. Its features are 561 wide for heads of 32 (the chunk and recurrent forms carry states of "
+            "that width); the parallel form, which these sentences take, computes the kernel from u directly.")
+
+
 def _data_sentence(data: dict) -> str:
     held, trained = data["data"], data["training"]["config"]["data"]
     if trained == held:
@@ -206,7 +220,7 @@ def results_markdown(data: dict) -> str:
              f"teacher) on the pooled, L2-normalised sentence embeddings + {c['distill']:g} x the summed relative MSE "
              "of every layer's hidden states against the teacher's" + _relational_text(c) + ". Both stages draw "
              "batches of similar-length sentences (`length_buckets`: less padding, same sentences per step)."
-             + _exact_sentence(data) + _decay_sentence(c), "",
+             + _exact_sentence(data) + _decay_sentence(c) + _feature_sentence(c), "",
              "Stage times: " + ", ".join(f"{name} {s['steps']} steps in {s['seconds'] / 60:.1f} min"
                                          for name, s in stages.items()) + ".", "",
              "## Targets", "",
@@ -223,8 +237,12 @@ def results_markdown(data: dict) -> str:
     body = embed_markdown(data).split("\n", 1)[1]  # the eval's own tables, under this page's title
     lines += ["## Held-out evaluation (`linearize.eval.embed`)", body.replace("## One attention", "### One attention")]
     if data.get("cost"):
-        # MiniLM: 12 heads of 32; Hedgehog F defaults to 2 x head_dim
-        feat = data["training"]["config"].get("overrides", {}).get("feature_dim") or 64
+        # MiniLM: 12 heads of 32; Hedgehog F defaults to 2 x head_dim, Taylor's to 1 + 32 + 32 x 33 / 2
+        from linearize.layers.feature_maps import taylor_feature_dim
+
+        overrides = data["training"]["config"].get("overrides", {})
+        feat = overrides.get("feature_dim") or (taylor_feature_dim(32) if overrides.get("feature_map") == "taylor"
+                                                else 64)
         lines += ["Extra memory is the peak resident memory of the whole layer call above its inputs. For LION it "
                   "grows linearly with the input because the layer maps φ(q) and φ(k) for the whole input "
                   f"(2 x heads x tokens x F floats, F = {feat} here: {2 * 12 * 32768 * feat * 4 // 2**20} MiB at 32K "

@@ -46,6 +46,45 @@ def test_t2r_identity_init_is_relu():
     torch.testing.assert_close(fm(x), torch.relu(x))
 
 
+def test_taylor_features_multiply_to_the_second_order_kernel_and_pairwise_skips_them():
+    """phi_q(q).phi_k(k) = 1 + u + u^2/2 with u = sqrt(s_q s_k) (q W_q).(k W_k), for trained-looking
+    (random) maps of two different scales; ``pairwise`` gives the same matrix from u alone."""
+    from linearize.layers.feature_maps import TaylorFeatureMap, pairwise, taylor_feature_dim
+
+    torch.manual_seed(0)
+    fk = TaylorFeatureMap(H, D, feature_dim=taylor_feature_dim(5), init="random").double()
+    fq = TaylorFeatureMap(H, D, feature_dim=taylor_feature_dim(5), init="random").double()
+    with torch.no_grad():
+        fq.log_scale.copy_(torch.linspace(-2.0, 0.5, H))
+        fk.log_scale.copy_(torch.linspace(0.3, -1.0, H))
+    q, k = x_heads(0).double(), x_heads(1).double()
+    assert fq(q).shape == (B, H, T, 1 + 5 + 15)
+    s = (0.5 * (fq.log_scale + fk.log_scale)).exp().view(H, 1, 1)
+    yq, yk = (torch.einsum("bhtd,hde->bhte", x, m.weight) for x, m in ((q, fq), (k, fk)))
+    u = yq @ yk.transpose(-1, -2) * s
+    kernel = 1 + u + u * u / 2
+    torch.testing.assert_close(fq(q) @ fk(k).transpose(-1, -2), kernel, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pairwise(fq, fk, q, k), kernel, rtol=1e-12, atol=1e-12)
+    assert (kernel >= 0.5 - 1e-12).all()
+
+
+def test_taylor_identity_init_starts_at_the_softmax_scaled_score():
+    from linearize.layers.feature_maps import TaylorFeatureMap
+
+    fq, fk = TaylorFeatureMap(H, D), TaylorFeatureMap(H, D)
+    assert fq.feature_dim == 1 + D + D * (D + 1) // 2
+    q, k = x_heads(0).double(), x_heads(1).double()
+    u = q @ k.transpose(-1, -2) / D ** 0.5
+    torch.testing.assert_close(fq.double()(q) @ fk.double()(k).transpose(-1, -2), 1 + u + u * u / 2)
+
+
+def test_taylor_feature_dim_must_be_a_taylor_width():
+    from linearize.layers.feature_maps import TaylorFeatureMap
+
+    with pytest.raises(ValueError, match=r"1 \+ p \+ p\(p\+1\)/2 .*got 20"):
+        TaylorFeatureMap(H, D, feature_dim=20)
+
+
 @pytest.mark.parametrize("gate_name", ["sigmoid", "mamba2"])
 def test_scalar_gates_start_with_long_memory_spread_over_heads(gate_name):
     gate = GATES[gate_name](HIDDEN, H, init_gamma=(0.95, 0.99))

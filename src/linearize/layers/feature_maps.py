@@ -7,6 +7,13 @@ ops also take log-features, ``log_space_features=True``).
 
 T2R: phi(x) = relu(x W + b).
 
+Taylor (Based's second-order kernel, with a learned map): y = x W, W per head (d, p), and a
+learned scale s per head, phi(x) = [1, sqrt(s) y, s y_i y_j (i < j), s y_i^2 / sqrt(2)], so that
+for two such maps phi_q(q) . phi_k(k) = 1 + u + u^2 / 2 with u = sqrt(s_q s_k) (q W_q).(k W_k):
+the first terms of exp(u), positive everywhere (its minimum is 1/2, at u = -1). F = 1 + p +
+p (p + 1) / 2 grows with p^2 (561 for p = 32), but the parallel form needs no features: it
+takes the kernel from u directly (``pairwise``), at the cost of one (T x T) product.
+
 Initialisation ``"identity"``: W = the (d, F/2) (resp. (d, F)) rectangular identity, so at the
 start phi only re-weights the teacher's own query/key coordinates (LoLCATs' identity init when
 F/2 = d); ``"random"``: N(0, 1/d) entries.
@@ -90,4 +97,75 @@ class T2RFeatureMap(nn.Module):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
 
 
-FEATURE_MAPS = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap}
+def taylor_feature_dim(p: int) -> int:
+    """F of the Taylor map for a projection width p: 1 + p + p (p + 1) / 2."""
+    return 1 + p + p * (p + 1) // 2
+
+
+class TaylorFeatureMap(nn.Module):
+    """phi(x) = [1, sqrt(s) y, s y_i y_j (i < j), s y_i^2 / sqrt 2], y = x W (see the module doc).
+
+    ``feature_dim`` None takes p = head_dim (W starts at the identity and s at 1/sqrt(head_dim), so
+    that u starts at the softmax's own scaled score q.k / sqrt(d)); otherwise it must be
+    ``taylor_feature_dim(p)`` for some p >= 1."""
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int | None = None, init: str = "identity"):
+        super().__init__()
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("head_dim", head_dim)
+        if feature_dim is None:
+            p = head_dim
+        else:
+            check_positive_int("feature_dim", feature_dim)
+            p = next(n for n in range(1, feature_dim + 1) if taylor_feature_dim(n) >= feature_dim)
+            if taylor_feature_dim(p) != feature_dim:
+                raise ValueError(f"the Taylor map's feature_dim is 1 + p + p(p+1)/2 for its projection width p, "
+                                 f"e.g. {', '.join(str(taylor_feature_dim(n)) for n in (4, 8, 16, 32))}; "
+                                 f"got {feature_dim}")
+        self.num_heads, self.head_dim, self.proj_dim = num_heads, head_dim, p
+        self.feature_dim = taylor_feature_dim(p)
+        self.weight = nn.Parameter(_init_weight(num_heads, head_dim, p, init))
+        self.log_scale = nn.Parameter(torch.full((num_heads,), -0.5 * math.log(head_dim)))
+        # where y_i^2 lands in the quadratic block, which holds y_i y_i.. y_i y_p-1 for each i in turn
+        self.register_buffer("_diag", torch.tensor([i * p - i * (i - 1) // 2 for i in range(p)]), persistent=False)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W in the compute dtype: (B, H, T, d) -> (B, H, T, p)."""
+        return _project(x.to(compute_dtype(x)), self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
+        s = self.log_scale.exp().to(y.dtype).view(-1, 1, 1)
+        ys = s * y
+        # p slices of y_i * (s y)_{i..} beat a gather of index pairs by 2-3x on the CPU (F-wide tensors)
+        quad = torch.cat([y[..., i:i + 1] * ys[..., i:] for i in range(self.proj_dim)], dim=-1)
+        diag = torch.ones(quad.shape[-1], dtype=y.dtype, device=y.device).index_fill_(0, self._diag, 2 ** -0.5)
+        return torch.cat([torch.ones_like(y[..., :1]), s.sqrt() * y, quad * diag], dim=-1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, proj_dim={self.proj_dim}, "
+                f"feature_dim={self.feature_dim}")
+
+
+def taylor_kernel(u: torch.Tensor) -> torch.Tensor:
+    """1 + u + u^2 / 2: what two Taylor maps' features multiply to, u = sqrt(s_q s_k) y_q . y_k."""
+    return 1.0 + u + 0.5 * u * u
+
+
+def taylor_scale(phi_q: TaylorFeatureMap, phi_k: TaylorFeatureMap) -> torch.Tensor:
+    """sqrt(s_q s_k) per head, (H, 1, 1) in the parameters' dtype, the factor from y_q . y_k to u."""
+    return (0.5 * (phi_q.log_scale + phi_k.log_scale)).exp().view(-1, 1, 1)
+
+
+def pairwise(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """phi_q(q) . phi_k(k) for every pair, (B, H, T, d) x2 -> (B, H, T, T) in the compute dtype.
+    Two Taylor maps give it from u (``taylor_kernel``) without the F-wide features; other maps
+    multiply their features."""
+    if isinstance(phi_q, TaylorFeatureMap) and isinstance(phi_k, TaylorFeatureMap):
+        yq, yk = phi_q.project(q), phi_k.project(k)
+        return taylor_kernel((yq @ yk.transpose(-1, -2)) * taylor_scale(phi_q, phi_k).to(yq.dtype))
+    acc = compute_dtype(q)
+    return phi_q(q).to(acc) @ phi_k(k).to(acc).transpose(-1, -2)
+
+
+FEATURE_MAPS = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap, "taylor": TaylorFeatureMap}

@@ -13,7 +13,12 @@ positive so that the scaled form (each row divided by its sum) is a proper avera
 softmax it replaces. Hedgehog's default width here is F = 2d (each half as wide as the head), so
 its identity initialisation keeps every query/key coordinate; with F = d (the causal methods'
 default) the identity drops half of them, and on MiniLM stage 1 ended with a 30% higher transfer
-MSE (docs/results/lion-minilm.md).
+MSE (docs/results/lion-minilm.md). ``feature_map="taylor"`` takes Based's second-order kernel
+1 + u + u^2/2 on learned maps of q and k (u starts as the softmax's own scaled score): alone it
+transfers worse than Hedgehog (it cannot form the sharp peaks of BERT heads), but beside exact
+keys, which take those peaks, it is the closer fit to the smooth rest (docs/results/lion-minilm.md).
+The parallel form computes its kernel from u (``feature_maps.pairwise``); the chunk and recurrent
+forms carry its 1 + d + d(d+1)/2 features.
 
 Exact keys (ours, off by default; ``sinks`` / ``window``): BERT heads put much of their mass
 on [CLS] (35-70% in MiniLM's layers 1-4) and on the previous or next token (one layer-0 head
@@ -48,7 +53,7 @@ from torch import nn
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
 from ..ops.lion.naive import gate_cumsums, lion_mask, token_log_gates
-from .feature_maps import FEATURE_MAP_INITS, HedgehogFeatureMap, T2RFeatureMap
+from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, TaylorFeatureMap, pairwise, taylor_kernel, taylor_scale
 from .gates import SigmoidGate, _head_gammas, _logit
 
 LION_VARIANTS = ("lit", "d", "s")
@@ -59,7 +64,7 @@ LION_FORMS = ("auto", "chunk", "parallel", "recurrent")
 # slower from 256 on: 1.1-2.4x at 256, 1.8-12x beyond (scripts/lion_forms_short.py,
 # docs/results/lion-forms-short.md).
 AUTO_PARALLEL_MAX = 128
-LION_FEATURE_MAPS = ("hedgehog", "t2r")
+LION_FEATURE_MAPS = ("hedgehog", "t2r", "taylor")
 POSITION_POLICIES = ("clamp", "error")
 
 
@@ -68,8 +73,9 @@ class LionConfig:
     """Everything that defines a LION layer; overrides of ``convert(model, "lion-*", ...)`` land here."""
 
     variant: str = "s"                         # lit | d | s
-    feature_map: str = "hedgehog"              # hedgehog | t2r
-    feature_dim: int | None = None             # F; None = 2 * head_dim for Hedgehog (F/2 = d), head_dim for T2R
+    feature_map: str = "hedgehog"              # hedgehog | t2r | taylor
+    feature_dim: int | None = None             # F; None = 2 * head_dim for Hedgehog (F/2 = d), head_dim for T2R,
+    #                                            1 + d + d(d+1)/2 for Taylor (its projection keeps all d)
     feature_init: str = "identity"
     scaled: bool = True                        # divide each row by its sum (the softmax-like form)
     decay_init: tuple[float, float] = (0.95, 0.99)  # initial λ_h (d) / a_t (s), spread over the heads
@@ -133,10 +139,10 @@ class LionAttention(nn.Module):
         self.config = config = config.validate()
         self.num_heads, self.head_dim = check_positive_int("num_heads", num_heads), check_positive_int("head_dim", head_dim)
         self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        maps = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap}
-        feature_dim = config.feature_dim or (2 * head_dim if config.feature_map == "hedgehog" else head_dim)
-        self.phi_q = maps[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
-        self.phi_k = maps[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
+        feature_dim = config.feature_dim or {"hedgehog": 2 * head_dim, "t2r": head_dim}.get(config.feature_map)
+        self.phi_q = FEATURE_MAPS[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
+        self.phi_k = FEATURE_MAPS[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
+        feature_dim = self.phi_q.feature_dim
         if config.variant == "d":
             self.decay_logit = nn.Parameter(_logit(_head_gammas(num_heads, config.decay_init)).float())
             if config.asymmetric:  # starts equal to the left decay: the symmetric mask
@@ -149,11 +155,13 @@ class LionAttention(nn.Module):
             self.scale = softmax_scale(scale, head_dim)
             # the log of the softmax mass of the keys LION covers, per query token and head:
             # r_i = w_h.x_i + c_h + γ_h log(LION's row sum over them). The row sum counts the keys
-            # (each adds about 4/F with Hedgehog), which the token alone cannot; γ starts at 1 and
-            # c at log(F/4), so r starts at the log of their number, as for keys of score 0.
+            # (each adds about 4/F with Hedgehog, 1 with Taylor), which the token alone cannot; γ
+            # starts at 1 and c at minus the log of that, so r starts at the log of their number,
+            # as for keys of score 0.
             self.rest_logit = nn.Linear(hidden_size, num_heads)
             nn.init.zeros_(self.rest_logit.weight)
-            nn.init.constant_(self.rest_logit.bias, math.log(feature_dim / 4.0))
+            unit = 1.0 if config.feature_map == "taylor" else 4.0 / feature_dim
+            nn.init.constant_(self.rest_logit.bias, -math.log(unit))
             self.rest_count_scale = nn.Parameter(torch.ones(num_heads))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -233,8 +241,9 @@ class LionAttention(nn.Module):
             lg = token_log_gates(log_a, valid, B, T, acc)
             if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
                 b, c = gate_cumsums(lg, token_log_gates(kw["log_a_back"], valid, B, T, acc))
+            pair = self._pair_kernel(q, k, fq, fk, acc)
             for e, o in enumerate(offsets):  # less the window keys' own LION terms
-                a = (fq * _shifted(fk, o, 2)).sum(-1) * ok[:, None, :, e]          # (B, H, T)
+                a = pair(o) * ok[:, None, :, e]                                      # (B, H, T)
                 if lg is not None and o:
                     a = a * (b - _shifted(b, o, 2) if o < 0 else _shifted(c, o, 2) - c).clamp_max(0.0).exp()
                 lin = lin - a.unsqueeze(-1) * _shifted(v1, o, 2)
@@ -253,6 +262,15 @@ class LionAttention(nn.Module):
         if valid is not None:  # a padded query reads nothing, as in the ops
             y = y * valid[:, None, :, None]
         return y.to(v.dtype)
+
+    def _pair_kernel(self, q, k, fq, fk, acc):
+        """o -> phi_q(q_i) . phi_k(k_{i+o}) for every i, (B, H, T): from the features, or for Taylor
+        maps from their d-wide projections (``taylor_kernel``), which spares F-wide products."""
+        if isinstance(self.phi_q, TaylorFeatureMap):
+            yq, yk = self.phi_q.project(q).to(acc), self.phi_k.project(k).to(acc)
+            s = taylor_scale(self.phi_q, self.phi_k).to(acc).view(-1, 1)
+            return lambda o: taylor_kernel((yq * _shifted(yk, o, 2)).sum(-1) * s)
+        return lambda o: (fq * _shifted(fk, o, 2)).sum(-1)
 
     def _rest_logit(self, x: torch.Tensor, den: torch.Tensor, has_rest: torch.Tensor,
                     keep: torch.Tensor) -> torch.Tensor:
@@ -281,7 +299,7 @@ class LionAttention(nn.Module):
         rest_ok = ~exact & keep[:, None, :]
         M = lion_mask(self.log_decay(x), T, valid, batch_size=B, dtype=acc, device=q.device,
                       log_a_back=self.log_decay_back(x))
-        a = (self.phi_q(q).to(acc) @ self.phi_k(k).to(acc).transpose(-1, -2)) * M * rest_ok[:, None]
+        a = pairwise(self.phi_q, self.phi_k, q, k).to(acc) * M * rest_ok[:, None]
         va = v.to(acc)
         den = a.sum(-1, keepdim=True) + self.config.eps                                      # (B, H, T, 1)
         has_rest = rest_ok.any(-1)                                                            # (B, T)
