@@ -27,6 +27,7 @@ import torch
 
 from linearize.eval.common import environment, markdown_table, write_outputs
 from linearize.eval.embed import DEFAULT_LENGTHS, embed_figure, embed_markdown, run_embed_eval
+from linearize.layers.lion import LION_FEATURE_MAPS
 from linearize.train import TrainConfig
 from linearize.train.encoder import run_encoder
 
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--relational-temperature", type=float, default=0.05)
     p.add_argument("--relational-bank", type=int, default=4096, help="teacher embeddings of training sentences")
     p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--feature-map", default="hedgehog", choices=["hedgehog", "t2r", "taylor"])
+    p.add_argument("--feature-map", default="hedgehog", choices=LION_FEATURE_MAPS)
     p.add_argument("--feature-dim", type=int, default=None, help="F (default: Hedgehog 2 x head_dim, Taylor "
                    "1 + d + d(d+1)/2)")
     p.add_argument("--sinks", type=int, default=0, help="leading tokens ([CLS]) attended by exact softmax")

@@ -152,9 +152,13 @@ def taylor_kernel(u: torch.Tensor) -> torch.Tensor:
     return 1.0 + u + 0.5 * u * u
 
 
-def taylor_scale(phi_q: TaylorFeatureMap, phi_k: TaylorFeatureMap) -> torch.Tensor:
-    """sqrt(s_q s_k) per head, (H, 1, 1) in the parameters' dtype, the factor from y_q . y_k to u."""
-    return (0.5 * (phi_q.log_scale + phi_k.log_scale)).exp().view(-1, 1, 1)
+def taylor_factors(phi_q: TaylorFeatureMap, phi_k: TaylorFeatureMap, q: torch.Tensor,
+                   k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sqrt(s_q s_k) y_q, y_k), both (B, H, T, p) in the compute dtype: u is their dot product,
+    for every pair (``pairwise``) or for chosen pairs, without the F-wide features."""
+    yq, yk = phi_q.project(q), phi_k.project(k)
+    s = (0.5 * (phi_q.log_scale + phi_k.log_scale)).exp().to(yq.dtype).view(-1, 1, 1)
+    return s * yq, yk
 
 
 def pairwise(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -162,8 +166,8 @@ def pairwise(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tenso
     Two Taylor maps give it from u (``taylor_kernel``) without the F-wide features; other maps
     multiply their features."""
     if isinstance(phi_q, TaylorFeatureMap) and isinstance(phi_k, TaylorFeatureMap):
-        yq, yk = phi_q.project(q), phi_k.project(k)
-        return taylor_kernel((yq @ yk.transpose(-1, -2)) * taylor_scale(phi_q, phi_k).to(yq.dtype))
+        a, b = taylor_factors(phi_q, phi_k, q, k)
+        return taylor_kernel(a @ b.transpose(-1, -2))
     acc = compute_dtype(q)
     return phi_q(q).to(acc) @ phi_k(k).to(acc).transpose(-1, -2)
 

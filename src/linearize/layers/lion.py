@@ -53,7 +53,7 @@ from torch import nn
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
 from ..ops.lion.naive import gate_cumsums, lion_mask, token_log_gates
-from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, TaylorFeatureMap, pairwise, taylor_kernel, taylor_scale
+from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, TaylorFeatureMap, pairwise, taylor_factors, taylor_kernel
 from .gates import SigmoidGate, _head_gammas, _logit
 
 LION_VARIANTS = ("lit", "d", "s")
@@ -267,9 +267,8 @@ class LionAttention(nn.Module):
         """o -> phi_q(q_i) . phi_k(k_{i+o}) for every i, (B, H, T): from the features, or for Taylor
         maps from their d-wide projections (``taylor_kernel``), which spares F-wide products."""
         if isinstance(self.phi_q, TaylorFeatureMap):
-            yq, yk = self.phi_q.project(q).to(acc), self.phi_k.project(k).to(acc)
-            s = taylor_scale(self.phi_q, self.phi_k).to(acc).view(-1, 1)
-            return lambda o: taylor_kernel((yq * _shifted(yk, o, 2)).sum(-1) * s)
+            a, b = (x.to(acc) for x in taylor_factors(self.phi_q, self.phi_k, q, k))
+            return lambda o: taylor_kernel((a * _shifted(b, o, 2)).sum(-1))
         return lambda o: (fq * _shifted(fk, o, 2)).sum(-1)
 
     def _rest_logit(self, x: torch.Tensor, den: torch.Tensor, has_rest: torch.Tensor,
