@@ -475,7 +475,7 @@ def _gla_den_kernel(
 
 @triton.jit
 def _gla_bwd_dstate_kernel(
-    Q, G, DO, O, DEN, DS_IN, DZ_IN, DSC, DZC, DDEN, DS0, DZ0,
+    Q, G, DO, O, DEN, SC, ZC, DS_IN, DZ_IN, DSC, DZC, DDEN, YC, DS0, DZ0,
     sqb, sqh, sqt, sgb, sgh, sgt,
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -485,7 +485,11 @@ def _gla_bwd_dstate_kernel(
 ):
     """Grid (V-blocks, segments, B*H), reverse over chunks carrying dS (Dk, BV) and dz: stores
     the state gradient leaving every group of GS chunks, DSC (B*H, NP, Dk, Dv) in the input dtype,
-    and leaving every chunk, DZC fp32; and dd per token (fp32). The segment-0
+    and leaving every chunk, DZC fp32; dd per token (fp32); and YC (B*H, NP, NVD), summed over its
+    last axis <dS_out, S_out> + <dz_out, z_out> with S_out the state leaving the group: the gate
+    gradient that every token of the group gets from everything after it (see
+    ``_gla_bwd_chunk_kernel``); each V-block stores its own part (the first also the z term), so
+    the sum has a fixed order. The segment-0
     programs write the initial state's gradient. Every V-block carries dz; the first stores it."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
@@ -529,6 +533,13 @@ def _gla_bwd_dstate_kernel(
         if mc & ((ci % GS == GS - 1) | (ci == NC - 1)):  # the last chunk of its group
             gi = i_bh.to(tl.int64) * NP + ci // GS
             tl.store(DSC + gi * DK * DV + ok[:, None] * DV + ov[None, :], dS.to(dt), mask=m2)
+            nxt = i_bh.to(tl.int64) * (NP + 1) + ci // GS + 1  # the state leaving the group
+            s_out = tl.load(SC + nxt * DK * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0).to(tl.float32)
+            y = tl.sum(tl.sum(s_out * dS, 1), 0)
+            if NORM:
+                z_out = tl.load(ZC + (i_bh.to(tl.int64) * (NC + 1) + ci + 1) * DK + ok, mask=mk, other=0.0)
+                y += tl.where(first_v, tl.sum(z_out * dz, 0), 0.0)
+            tl.store(YC + gi * NVD + i_v, y)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, BVF if NVD > 1 else 0)
@@ -546,11 +557,12 @@ def _gla_bwd_dstate_kernel(
 
 @triton.jit
 def _gla_bwd_chunk_kernel(
-    Q, K, V, G, DO, DEN, DDEN, SC, ZC, DSC, DZC, DQ, DK_, DV_, DG,
+    Q, K, V, G, DO, DEN, DDEN, SC, ZC, DSC, DZC, YC, DQ, DK_, DV_, DG, DBT,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, DV_ADD: tl.constexpr, GS: tl.constexpr,
+    NVD: tl.constexpr, LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, DV_ADD: tl.constexpr,
+    GS: tl.constexpr,
 ):
     """Grid (NC, B*H), one chunk each: dq, dk, dv and d log_g from the state S (and z) entering
     the chunk and the state gradient dS (and dz) leaving it. S and dS are kept per group of GS
@@ -559,13 +571,13 @@ def _gla_bwd_chunk_kernel(
     after it. With DV_ADD, dv is added to what DV_ holds.
 
     Gate gradient: with db_j = phi(q_j).dphi(q_j) - phi(k_j).dphi(k_j), d log_g_i = sum_{j >= i}
-    db_j (+ the final state's term). Split at the chunk end: the part after the chunk is the
-    derivative of the loss by a scale of the state leaving the chunk, y = <dS_out, S_out> +
-    <dz_out, z_out>, so the cumulative sum runs over one chunk: its rounding does not grow with
-    T (over the whole sequence in bf16 the large terms of db cancel and the error grows like
-    sqrt(T)). With S_out = e^{b_end} S + K~^T v (and z alike), y = e^{b_end} (<dS_out, S> +
-    <dz_out, z>) + sum_s K~_s . (dS_out v_s + dz_out), and dS_out v_s + dz_out is a row of the
-    product the key gradient forms anyway: no state leaving the chunk is read."""
+    db_j (+ the final state's term). Split at the group end: the part after the group is the
+    derivative of the loss by a scale of the state leaving the group, YC = <dS_out, S_out> +
+    <dz_out, z_out> (one number per group, from the dS pass), so the cumulative sum runs over
+    at most one group: its rounding does not grow with T (over the whole sequence in bf16 the
+    large terms of db cancel and the error grows like sqrt(T)). This pass adds the cumulative sum
+    inside the chunk and YC; with GS > 1 it stores the chunk's total in DBT (B*H, NC) and
+    ``_gla_gate_groups_kernel`` adds the totals of the group's later chunks."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -642,8 +654,7 @@ def _gla_bwd_chunk_kernel(
     # queries: dphi(q) = M phi(k) + e^b (dn S^T + dd z^T)
     inter = tl.dot(dn_c, tl.trans(S), input_precision=PREC)
     if NORM:
-        z_in = tl.load(ZC + sc_in + ok, mask=mk, other=0.0)
-        inter += dd[:, None] * z_in[None, :]
+        inter += dd[:, None] * tl.load(ZC + sc_in + ok, mask=mk, other=0.0)[None, :]
     dphi = tl.dot(m, k_ph, input_precision=PREC) + tl.exp(b)[:, None] * inter
     if LOG:  # dq = e^q dphi, with e^q in fp32 (its bf16-rounded phi(q) would add that rounding to dq)
         dq = tl.exp(q.to(tl.float32)) * dphi
@@ -654,15 +665,9 @@ def _gla_bwd_chunk_kernel(
     tl.store(DQ + tok[:, None] * DK + ok[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
     # keys: dphi(k) = M^T phi(q) + e^{b_end - b} (v dS^T + dz^T)
     inter = tl.dot(v, tl.trans(dS), input_precision=PREC)
-    # the gate gradient from after the chunk, y = <dS_out, S_out> + <dz_out, z_out> (docstring)
-    y_after = tl.exp(b_end) * tl.sum(tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1), 0)
     if NORM:
-        dz_out = tl.load(DZC + sc_out + ok, mask=mk, other=0.0)
-        inter += dz_out[None, :]
-        y_after += tl.exp(b_end) * tl.sum(z_in * dz_out, 0)
-    inter = tl.exp(r_end)[:, None] * inter
-    y_after += tl.sum(tl.sum(k_ph.to(tl.float32) * inter, 1), 0)
-    dphi = tl.dot(tl.trans(m), q_ph, input_precision=PREC) + inter
+        inter += tl.load(DZC + sc_out + ok, mask=mk, other=0.0)[None, :]
+    dphi = tl.dot(tl.trans(m), q_ph, input_precision=PREC) + tl.exp(r_end)[:, None] * inter
     if LOG:
         dk = tl.exp(k.to(tl.float32)) * dphi
         db -= tl.sum(dk, 1)
@@ -670,7 +675,25 @@ def _gla_bwd_chunk_kernel(
         dk = dphi
         db -= tl.sum(k.to(tl.float32) * dk, 1)
     tl.store(DK_ + tok[:, None] * DK + ok[None, :], dk.to(DK_.dtype.element_ty), mask=mt[:, None] & mk[None, :])
-    tl.store(DG + tok, tl.cumsum(db, 0, reverse=True) + y_after, mask=mt)
+    oy = tl.arange(0, NVD)
+    dlg = tl.cumsum(db, 0, reverse=True) + tl.sum(tl.load(YC + (i_bh.to(tl.int64) * NP + gi) * NVD + oy), 0)
+    tl.store(DG + tok, dlg, mask=mt)
+    if GS > 1:
+        tl.store(DBT + i_bh.to(tl.int64) * NC + i_c, tl.sum(db, 0))
+
+
+@triton.jit
+def _gla_gate_groups_kernel(DG, DBT, T, NC, BT: tl.constexpr, GS: tl.constexpr):
+    """Grid (NC, B*H): adds to every token's d log_g the gate-gradient totals (DBT) of the
+    chunks after its own in its group, the part of the sum that ``_gla_bwd_chunk_kernel``'s
+    program for the chunk cannot see."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    cj = (i_c // GS) * GS + tl.arange(0, GS)
+    later = tl.sum(tl.load(DBT + i_bh.to(tl.int64) * NC + cj, mask=(cj > i_c) & (cj < NC), other=0.0), 0)
+    rows = i_c * BT + tl.arange(0, BT)
+    offs = i_bh.to(tl.int64) * T + rows
+    tl.store(DG + offs, tl.load(DG + offs, mask=rows < T, other=0.0) + later, mask=rows < T)
 
 
 # ----------------------------------------------------------------------------- launch settings
@@ -957,11 +980,13 @@ class BwdPlan:
     zc: torch.Tensor
     dsc: torch.Tensor  # (B*H, NP, Dk, Dv): the state gradient leaving every group of GS chunks
     dzc: torch.Tensor
+    yc: torch.Tensor
     dlog_g: torch.Tensor
     dS0: Optional[torch.Tensor]
     dz0: Optional[torch.Tensor]
     dz_T: Optional[torch.Tensor]
     NC: int
+    NVD: int
     GS: int
 
 
@@ -1012,16 +1037,17 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     dsc = torch.empty(B * H, NP, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
     BVD = min(pow2(cfg.dstate_bv_norm if normalize else cfg.dstate_bv), BV)
-    NVD = BV // BVD
+    NVD = BV // BVD  # a power of two (YC's last axis is read with one arange)
+    yc = torch.empty(B * H, NP, NVD, **f32)
     zc_ = zc if zc is not None else dlog_g
     _gla_bwd_dstate_kernel[(NVD, nseg, B * H)](
-        q, log_g, do, o_, den_, ds_in if ds_in is not None else dlog_g,
-        dz_in if dz_in is not None else dlog_g, dsc, dzc, dden,
+        q, log_g, do, o_, den_, sc, zc_, ds_in if ds_in is not None else dlog_g,
+        dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
         BVF=BV, NVD=NVD, GS=GS, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages,
         **{**common_kw, "BV": BVD})
-    return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, dlog_g, dS0, dz0, dz_T, NC, GS)
+    return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD, GS)
 
 
 def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
@@ -1037,12 +1063,15 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k))
     dv = dv_into if dv_into is not None else torch.empty(v.shape, dtype=v.dtype, device=dev)
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
-    NC, GS, dlog_g, dS0, dz0 = p.NC, p.GS, p.dlog_g, p.dS0, p.dz0
+    NC, NVD, GS, dlog_g, dS0, dz0 = p.NC, p.NVD, p.GS, p.dlog_g, p.dS0, p.dz0
+    dbt = torch.empty(B * H, NC, dtype=torch.float32, device=dev) if GS > 1 else dlog_g
     _gla_bwd_chunk_kernel[(NC, B * H)](
-        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, dq, dk, dv, dlog_g,
-        *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps,
+        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g, dbt,
+        *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
         DV_ADD=dv_into is not None, GS=GS,
         num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+    if GS > 1 and NC > 1:
+        _gla_gate_groups_kernel[(NC, B * H)](dlog_g, dbt, T, NC, BT=BT, GS=GS, num_warps=1)
     if dS0 is not None and not normalize:
         dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
