@@ -39,12 +39,11 @@ def _gen(seed: int) -> torch.Generator:
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
-             state_every: int = 2, seed: int = 0) -> dict[str, float]:
+             seed: int = 0) -> dict[str, float]:
     """gla_chunk_triton vs gla_parallel (fp64): o, final state, and d{q, k, v, log_g, S0, z0}.
     ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied;
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
-    ``tma=False``: the forward's pointer loads even where descriptors would apply;
-    ``state_every``: chunks per state kept for the backward."""
+    ``tma=False``: the forward's pointer loads even where descriptors would apply."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -86,10 +85,10 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     k_in = [x.to(dev).requires_grad_() for x in ins]
     k_st = GLAState(*(x.float().to(dev).requires_grad_() for x in st)) if state else None
     if chunk is None:
-        cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma, state_every=state_every)
+        cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma)
     else:
-        cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks, dstate_bv=dstate_bv,
-                                   dstate_bv_norm=dstate_bv, tma=tma, state_every=state_every)
+        cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
+                                   dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma)
     o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
                                    config=cfg)
     assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
@@ -340,13 +339,6 @@ INTERPRETER_CASES = {
     "gla f32 norm plain T=1": (gla_case, dict(normalize=True, log_space=False, T=1, DK=16, DV=16, state=True), F32),
     "gla bf16 norm plain T=100 segments": (gla_case, dict(normalize=True, log_space=False, T=100, DK=16, DV=16,
                                                           seg_chunks=2, state=True), BF16),
-    # a state per chunk (the layout before state_every), and groups of 4 across segments of 3 chunks
-    "gla f32 norm log state every chunk": (gla_case, dict(normalize=True, log_space=True, T=70, DK=20, DV=16,
-                                                          state=True, seg_chunks=2, dstate_bv=16, state_every=1), F32),
-    "gla f32 norm plain groups of 4": (gla_case, dict(normalize=True, log_space=False, T=150, DK=16, DV=24, state=True,
-                                                      seg_chunks=3, dstate_bv=16, state_every=4), F32),
-    "gla f32 unnorm log groups of 4 pointer loads": (gla_case, dict(normalize=False, log_space=True, T=100, DK=16,
-                                                                    DV=16, state_every=4, tma=False), F32),
     "window f32 sinks": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4), F32),
     "window bf16 sinks fused": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True), BF16),
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),

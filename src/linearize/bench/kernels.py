@@ -389,8 +389,7 @@ WINDOW_CANDIDATES = (
 # with 2 warps 3.291 or 2 stages 2.529-2.564; 64 x 128 4.255 and 32 x 128 2.960 (8 warps); 16-row query
 # blocks (2.592-2.678) also gave dk 5% off in bf16 on the GPU, right under the interpreter: not offered.
 # The dq pass on blocks of its own (128 x 32 / 64 x 64 / 128 x 64 / 64 x 32 with 8 warps: 2.537-3.128) lost.
-STATE_EVERY_CANDIDATES = (1, 2, 4)  # chunks per state kept for the backward (GLAKernelConfig.state_every)
-TUNE_KINDS = ("gla fwd", "gla bwd", "window", "gla seg", "gla state")
+TUNE_KINDS = ("gla fwd", "gla bwd", "window", "gla seg")
 
 
 def _tune_jobs(shapes, kinds: Sequence[str] = TUNE_KINDS) -> list[tuple[str, str, tuple[int, int], dict]]:
@@ -408,10 +407,6 @@ def _tune_jobs(shapes, kinds: Sequence[str] = TUNE_KINDS) -> list[tuple[str, str
     for shape in shapes[1:]:
         for fill in (1, 2, 4):
             jobs.append(("gla seg", "lizard", shape, dict(fill=fill)))
-    for shape in shapes:  # the gated op alone on fla's inputs, and the whole Lizard attention
-        for mode in ("plain", "lizard op"):
-            for every in STATE_EVERY_CANDIDATES:
-                jobs.append(("gla state", mode, shape, dict(state_every=every)))
     return [j for j in jobs if j[0] in kinds]
 
 
@@ -441,11 +436,7 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
             torch.cuda.empty_cache()
             inputs[(B, T)] = _shape_inputs(B, T, 32, 128, 128, 4, dt, dev, 0)
         x = inputs[(B, T)]
-        old_gla = kgla.CONFIG
-        if mode == "lizard op":  # the whole attention reads the module config
-            kgla.set_config(**cand)
-            fwd, leaves, _ = _methods(x, 128, None)["triton lizard (ours)"]
-        elif kind.startswith("gla"):
+        if kind.startswith("gla"):
             cfg = dataclasses.replace(kgla.CONFIG, **cand)
             names = ("fq", "fk", "v", "log_g") if mode == "plain" else ("lq", "lk", "v", "log_g")
             kw = dict(normalize=mode != "plain", config=cfg)
@@ -461,19 +452,16 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
                 q, k, v, yg, alpha, sinks = leaves
                 return kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, y_global=yg, alpha=alpha,
                                                config=cfg)[0]
-        try:
-            if compile_only:
-                try:
-                    fwd().backward(x["dy"])
-                    torch.cuda.synchronize()
-                except Exception as e:
-                    print(f"compile {kind} {mode} {cand}: {type(e).__name__}: {e}", flush=True)
-                continue
-            with torch.no_grad():
-                f = _cell(fwd, reps)
-            fb = _cell(_fwd_bwd(fwd, x["dy"]), reps, grad_to_none=leaves)
-        finally:
-            kgla.CONFIG = old_gla
+        if compile_only:
+            try:
+                fwd().backward(x["dy"])
+                torch.cuda.synchronize()
+            except Exception as e:
+                print(f"compile {kind} {mode} {cand}: {type(e).__name__}: {e}", flush=True)
+            continue
+        with torch.no_grad():
+            f = _cell(fwd, reps)
+        fb = _cell(_fwd_bwd(fwd, x["dy"]), reps, grad_to_none=leaves)
         row = {"kind": kind, "mode": mode, "B": B, "T": T, "config": cand, "fwd": f, "fwd+bwd": fb}
         rows.append(row)
         print(f"{kind:8s} {mode:7s} B{B} T{T} {json.dumps(cand):75s} fwd {_fmt(f):>16s}  fwd+bwd {_fmt(fb):>16s}",

@@ -322,13 +322,13 @@ def _gla_fwd_kernel(
     T, H, SEG_LEN, NSEG, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr,
-    COMBINE: tl.constexpr, STORE_O: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, GS: tl.constexpr,
+    COMBINE: tl.constexpr, STORE_O: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (V-blocks, segments, B*H): o (divided by den + eps when NORM: DEN_IN's inter-chunk
     part from ``_gla_den_kernel`` plus rowsum(A), which this pass holds anyway; the V-block 0
     program stores the whole den in DEN for the backward) and the final state; with STORE_CHUNKS
-    also the state entering every GS-th chunk and the final state, SC (B*H, NP + 1, Dk, Dv) with
-    NP = ceil(NC / GS), in the input dtype, for the backward. (A variant computing all of den here, carrying z beside S, ran 1.6x
+    also the state entering every chunk and the final state, SC (B*H, NC + 1, Dk, Dv) in the input
+    dtype, for the backward. (A variant computing all of den here, carrying z beside S, ran 1.6x
     slower on an H200: more registers spilled.) With COMBINE (Lizard) it also writes
     Y = o + alpha_h * OW, OW (B*H, T, Dv) being the window branch's output, and o itself only
     with STORE_O."""
@@ -361,7 +361,6 @@ def _gla_fwd_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     neg = float("-inf") if LOG else 0.0
-    NP = (NC + GS - 1) // GS  # kept states (STORE_CHUNKS), besides the final one
     q_desc, k_desc, v_desc, ow_desc, y_desc = Q, K, V, OW, Y  # unused unless TMA
     if TMA:  # tensor descriptors: the copy engine makes the addresses, no offset tiles held in registers
         q_desc = tl.make_tensor_descriptor(Q, shape=[T, DK], strides=[sqt, 1], block_shape=[BT, BK])
@@ -372,7 +371,7 @@ def _gla_fwd_kernel(
             ow_desc = tl.make_tensor_descriptor(OW, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
             y_desc = tl.make_tensor_descriptor(Y, shape=[T, DV], strides=[DV, 1], block_shape=[BT, BV])
         if STORE_CHUNKS and DK == BK:
-            sc_desc = tl.make_tensor_descriptor(SC + i_bh.to(tl.int64) * (NP + 1) * DK * DV, shape=[(NP + 1) * DK, DV],
+            sc_desc = tl.make_tensor_descriptor(SC + i_bh.to(tl.int64) * (NC + 1) * DK * DV, shape=[(NC + 1) * DK, DV],
                                                 strides=[DV, 1], block_shape=[BK, BV])
 
     t_start = i_seg * SEG_LEN
@@ -380,14 +379,14 @@ def _gla_fwd_kernel(
     for c in range(0, SEG_LEN // BT):  # a fixed trip count: chunks past T are fully masked
         rows = t_start + c * BT + ot
         mt = rows < t_stop
-        ci = i_seg * (SEG_LEN // BT) + c
-        if STORE_CHUNKS and ci % GS == 0:
+        if STORE_CHUNKS:
+            ci = (i_seg * (SEG_LEN // BT) + c).to(tl.int64)
             if TMA and DK == BK:
-                # a chunk past T (ci >= NC) holds the final state: slot NP gets that same value,
+                # a chunk past T (ci >= NC) holds the final state: slot NC gets that same value,
                 # later slots lie outside the descriptor
-                sc_desc.store([(ci // GS) * DK, i_v * BV], S.to(dt))
+                sc_desc.store([(i_seg * (SEG_LEN // BT) + c) * DK, i_v * BV], S.to(dt))
             else:
-                tl.store(SC + (i_bh.to(tl.int64) * (NP + 1) + ci // GS) * DK * DV + ok[:, None] * DV + ov[None, :],
+                tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + ci) * DK * DV + ok[:, None] * DV + ov[None, :],
                          S.to(dt), mask=m2 & (ci < NC))
         q_ph = _phi(_load_tile(q_desc, Q, t_start + c * BT, 0, rows, ok, mt, mk, sqt, neg, TMA), LOG)
         k_ph = _phi(_load_tile(k_desc, K, t_start + c * BT, 0, rows, ok, mt, mk, skt, neg, TMA), LOG)
@@ -417,8 +416,8 @@ def _gla_fwd_kernel(
 
     last = i_seg == NSEG - 1
     tl.store(S_OUT + i_bh.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :], S, mask=m2 & last)
-    if STORE_CHUNKS:  # slot NP: the final state
-        tl.store(SC + (i_bh.to(tl.int64) * (NP + 1) + NP) * DK * DV + ok[:, None] * DV + ov[None, :], S.to(dt),
+    if STORE_CHUNKS:  # slot NC: the final state
+        tl.store(SC + (i_bh.to(tl.int64) * (NC + 1) + NC) * DK * DV + ok[:, None] * DV + ov[None, :], S.to(dt),
                  mask=m2 & last)
 
 
@@ -481,15 +480,14 @@ def _gla_bwd_dstate_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     BVF: tl.constexpr, NVD: tl.constexpr,
     LOG: tl.constexpr, NORM: tl.constexpr, HAS_DS: tl.constexpr, STORE_DS0: tl.constexpr,
-    PREC: tl.constexpr, GS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Grid (V-blocks, segments, B*H), reverse over chunks carrying dS (Dk, BV) and dz: stores
-    the state gradient leaving every group of GS chunks, DSC (B*H, NP, Dk, Dv) in the input dtype,
-    and leaving every chunk, DZC fp32; dd per token (fp32); and YC (B*H, NP, NVD), summed over its
-    last axis <dS_out, S_out> + <dz_out, z_out> with S_out the state leaving the group: the gate
-    gradient that every token of the group gets from everything after it (see
-    ``_gla_bwd_chunk_kernel``); each V-block stores its own part (the first also the z term), so
-    the sum has a fixed order. The segment-0
+    the state gradient leaving every chunk, DSC (B*H, NC, Dk, Dv) in the input dtype and DZC
+    fp32; dd per token (fp32); and YC (B*H, NC, NVD), summed over its last axis <dS_out, S_out>
+    + <dz_out, z_out> with S_out the state leaving the chunk: the gate gradient that every token
+    of the chunk gets from everything after it (see ``_gla_bwd_chunk_kernel``); each V-block
+    stores its own part (the first also the z term), so the sum has a fixed order. The segment-0
     programs write the initial state's gradient. Every V-block carries dz; the first stores it."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
@@ -521,26 +519,22 @@ def _gla_bwd_dstate_kernel(
     t_start = i_seg * SEG_LEN
     t_stop = tl.minimum(t_start + SEG_LEN, T)
     n = SEG_LEN // BT  # a fixed trip count: chunks past T are fully masked no-ops
-    NP = (NC + GS - 1) // GS
     for i in range(0, n):
         c = n - 1 - i
         rows = t_start + c * BT + ot
         mt = rows < t_stop
-        ci = i_seg * n + c
+        ci = (i_seg * n + c).to(tl.int64)
         mc = ci < NC
-        if NORM:
-            tl.store(DZC + (i_bh.to(tl.int64) * NC + ci) * DK + ok, dz, mask=mk & mc & first_v)
-        if mc & ((ci % GS == GS - 1) | (ci == NC - 1)):  # the last chunk of its group
-            gi = i_bh.to(tl.int64) * NP + ci // GS
-            tl.store(DSC + gi * DK * DV + ok[:, None] * DV + ov[None, :], dS.to(dt), mask=m2)
-            nxt = i_bh.to(tl.int64) * (NP + 1) + ci // GS + 1  # the state leaving the group
-            s_out = tl.load(SC + nxt * DK * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0).to(tl.float32)
-            y = tl.sum(tl.sum(s_out * dS, 1), 0)
-            if NORM:
-                z_out = tl.load(ZC + (i_bh.to(tl.int64) * (NC + 1) + ci + 1) * DK + ok, mask=mk, other=0.0)
-                y += tl.where(first_v, tl.sum(z_out * dz, 0), 0.0)
-            tl.store(YC + gi * NVD + i_v, y)
+        sc = (i_bh.to(tl.int64) * NC + ci) * DK
+        tl.store(DSC + sc * DV + ok[:, None] * DV + ov[None, :], dS.to(dt), mask=m2 & mc)
         b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
+        nxt = (i_bh.to(tl.int64) * (NC + 1) + ci + 1) * DK  # the state leaving the chunk
+        s_out = tl.load(SC + nxt * DV + ok[:, None] * DV + ov[None, :], mask=m2 & mc, other=0.0).to(tl.float32)
+        y = tl.sum(tl.sum(s_out * dS, 1), 0)
+        if NORM:
+            tl.store(DZC + sc + ok, dz, mask=mk & mc & first_v)
+            y += tl.where(first_v, tl.sum(tl.load(ZC + nxt + ok, mask=mk & mc, other=0.0) * dz, 0), 0.0)
+        tl.store(YC + (i_bh.to(tl.int64) * NC + ci) * NVD + i_v, y, mask=mc)
         q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
         dn, dd = _grad_out(DO, O, DEN, rows, ov, mt, mv, DV, eps, NORM, BT, BVF if NVD > 1 else 0)
         if NORM:
@@ -557,27 +551,22 @@ def _gla_bwd_dstate_kernel(
 
 @triton.jit
 def _gla_bwd_chunk_kernel(
-    Q, K, V, G, DO, DEN, DDEN, SC, ZC, DSC, DZC, YC, DQ, DK_, DV_, DG, DBT,
+    Q, K, V, G, DO, DEN, DDEN, SC, ZC, DSC, DZC, YC, DQ, DK_, DV_, DG,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
     T, H, NC, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     NVD: tl.constexpr, LOG: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, DV_ADD: tl.constexpr,
-    GS: tl.constexpr,
 ):
-    """Grid (NC, B*H), one chunk each: dq, dk, dv and d log_g from the state S (and z) entering
-    the chunk and the state gradient dS (and dz) leaving it. S and dS are kept per group of GS
-    chunks (SC: the state entering the group, DSC: the gradient leaving it); a chunk inside a
-    group first carries S forward over the group's chunks before it and dS back over those
-    after it. With DV_ADD, dv is added to what DV_ holds.
+    """Grid (NC, B*H), one chunk each, no loop: dq, dk, dv and d log_g from the state S (and z)
+    entering the chunk and the state gradient dS (and dz) leaving it. With DV_ADD, dv is added
+    to what DV_ holds.
 
     Gate gradient: with db_j = phi(q_j).dphi(q_j) - phi(k_j).dphi(k_j), d log_g_i = sum_{j >= i}
-    db_j (+ the final state's term). Split at the group end: the part after the group is the
-    derivative of the loss by a scale of the state leaving the group, YC = <dS_out, S_out> +
-    <dz_out, z_out> (one number per group, from the dS pass), so the cumulative sum runs over
-    at most one group: its rounding does not grow with T (over the whole sequence in bf16 the
-    large terms of db cancel and the error grows like sqrt(T)). This pass adds the cumulative sum
-    inside the chunk and YC; with GS > 1 it stores the chunk's total in DBT (B*H, NC) and
-    ``_gla_gate_groups_kernel`` adds the totals of the group's later chunks."""
+    db_j (+ the final state's term). Split at the chunk end: the part after the chunk is the
+    derivative of the loss by a scale of the state leaving the chunk, YC = <dS_out, S_out> +
+    <dz_out, z_out> (one number per chunk, from the dS pass), so the cumulative sum runs over
+    at most one chunk: its rounding does not grow with T (over the whole sequence in bf16 the
+    large terms of db cancel and the error grows like sqrt(T))."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -596,37 +585,10 @@ def _gla_bwd_chunk_kernel(
     neg = float("-inf") if LOG else 0.0
     rows = i_c * BT + ot
     mt = rows < T
-    sc_in = (i_bh.to(tl.int64) * (NC + 1) + i_c) * DK  # z entering the chunk (ZC)
-    sc_out = (i_bh.to(tl.int64) * NC + i_c) * DK  # dz leaving it (DZC)
-    NP = (NC + GS - 1) // GS
-    gi = i_c // GS
-    g_first = gi * GS
-    g_last = tl.minimum(g_first + GS - 1, NC - 1)
-    S = tl.load(SC + ((i_bh.to(tl.int64) * (NP + 1) + gi) * DK + ok[:, None]) * DV + ov[None, :], mask=m2, other=0.0)
-    dS = tl.load(DSC + ((i_bh.to(tl.int64) * NP + gi) * DK + ok[:, None]) * DV + ov[None, :], mask=m2, other=0.0)
-    if GS > 1:
-        S = S.to(tl.float32)
-        for j in range(g_first, i_c):  # the group's chunks before this one, forward
-            rows_j = j * BT + ot
-            mt_j = rows_j < T
-            k_j = _phi(_load_rows(K, rows_j, ok, mt_j, mk, skt, neg), LOG)
-            v_j = _load_rows(V, rows_j, ov, mt_j, mv, svt, 0.0)
-            b_j, b_end_j, r_end_j = _chunk_gates(G, rows_j, mt_j, sgt)
-            S = _carry(S, k_j, v_j, r_end_j, b_end_j, PREC)
-        S = S.to(dt)
-        dS = dS.to(tl.float32)
-        for i in range(0, g_last - i_c):  # the group's chunks after this one, from its end
-            rows_j = (g_last - i) * BT + ot
-            mt_j = rows_j < T
-            q_j = _phi(_load_rows(Q, rows_j, ok, mt_j, mk, sqt, neg), LOG)
-            tok_j = i_bh.to(tl.int64) * T + rows_j
-            dn_j = tl.load(DO + tok_j[:, None] * DV + ov[None, :], mask=mt_j[:, None] & mv[None, :],
-                           other=0.0).to(tl.float32)
-            if NORM:
-                dn_j = dn_j * (1.0 / (tl.load(DEN + tok_j, mask=mt_j, other=0.0) + eps))[:, None]
-            b_j, b_end_j, r_end_j = _chunk_gates(G, rows_j, mt_j, sgt)
-            dS = _carry(dS, q_j, dn_j, b_j, b_end_j, PREC)
-        dS = dS.to(dt)
+    sc_in = (i_bh.to(tl.int64) * (NC + 1) + i_c) * DK
+    sc_out = (i_bh.to(tl.int64) * NC + i_c) * DK
+    S = tl.load(SC + sc_in * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
+    dS = tl.load(DSC + sc_out * DV + ok[:, None] * DV + ov[None, :], mask=m2, other=0.0)
     q = _load_rows(Q, rows, ok, mt, mk, sqt, neg)
     k = _load_rows(K, rows, ok, mt, mk, skt, neg)
     v = _load_rows(V, rows, ov, mt, mv, svt, 0.0)
@@ -676,24 +638,8 @@ def _gla_bwd_chunk_kernel(
         db -= tl.sum(k.to(tl.float32) * dk, 1)
     tl.store(DK_ + tok[:, None] * DK + ok[None, :], dk.to(DK_.dtype.element_ty), mask=mt[:, None] & mk[None, :])
     oy = tl.arange(0, NVD)
-    dlg = tl.cumsum(db, 0, reverse=True) + tl.sum(tl.load(YC + (i_bh.to(tl.int64) * NP + gi) * NVD + oy), 0)
+    dlg = tl.cumsum(db, 0, reverse=True) + tl.sum(tl.load(YC + (i_bh.to(tl.int64) * NC + i_c) * NVD + oy), 0)
     tl.store(DG + tok, dlg, mask=mt)
-    if GS > 1:
-        tl.store(DBT + i_bh.to(tl.int64) * NC + i_c, tl.sum(db, 0))
-
-
-@triton.jit
-def _gla_gate_groups_kernel(DG, DBT, T, NC, BT: tl.constexpr, GS: tl.constexpr):
-    """Grid (NC, B*H): adds to every token's d log_g the gate-gradient totals (DBT) of the
-    chunks after its own in its group, the part of the sum that ``_gla_bwd_chunk_kernel``'s
-    program for the chunk cannot see."""
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    cj = (i_c // GS) * GS + tl.arange(0, GS)
-    later = tl.sum(tl.load(DBT + i_bh.to(tl.int64) * NC + cj, mask=(cj > i_c) & (cj < NC), other=0.0), 0)
-    rows = i_c * BT + tl.arange(0, BT)
-    offs = i_bh.to(tl.int64) * T + rows
-    tl.store(DG + offs, tl.load(DG + offs, mask=rows < T, other=0.0) + later, mask=rows < T)
 
 
 # ----------------------------------------------------------------------------- launch settings
@@ -737,12 +683,6 @@ class GLAKernelConfig:
     descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
     program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
     registers per thread went away: each program builds its descriptors for one chunk only.)
-    ``state_every``: the chunks per state kept for the backward (a power of two). The forward
-    keeps the state entering every ``state_every``-th chunk and the reverse pass the state gradient
-    leaving every group of that many chunks; a chunk-pass program rebuilds its own state and state
-    gradient from its group's with one product per chunk between them. At Dk = Dv = 128 and chunks
-    of 64 a state is twice the size of a chunk of keys, so these two tensors, written once and read
-    twice, were the largest traffic of training (1 = a state per chunk, as before).
     Measured and dropped (H200, B16 T2048, docs/results/kernels-h200-sweep2.json): a register cap
     of 168 on the main forward pass, for 3 programs per multiprocessor instead of 2 (plain
     forward 0.709 ms with 2 stages and 1.028 with 1, against 0.594 uncapped: the spills cost
@@ -767,7 +707,6 @@ class GLAKernelConfig:
     fill: int = 2
     seg_chunks: Optional[int] = None
     tma: bool = True
-    state_every: int = 2
 
 
 CONFIG = GLAKernelConfig()
@@ -809,13 +748,6 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
     return min(cfg.chunk, 32) if dtype == torch.float32 else cfg.chunk
-
-
-def _state_every(cfg: GLAKernelConfig) -> int:
-    n = cfg.state_every
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise ValueError(f"state_every must be a power of two >= 1 (chunks per state kept for the backward), got {n!r}")
-    return n
 
 
 def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig, v_blocks: int = 1) -> tuple[int, int]:
@@ -866,10 +798,9 @@ class FwdPlan:
     den_in: Optional[torch.Tensor]  # (B*H, T) fp32: the normaliser pass's inter-chunk part
     S_T: torch.Tensor
     z_T: torch.Tensor
-    sc: Optional[torch.Tensor]  # (B*H, NP + 1, Dk, Dv), input dtype: the state entering every group of GS chunks
-    zc: Optional[torch.Tensor]  # (B*H, NC + 1, Dk) fp32: z entering every chunk
+    sc: Optional[torch.Tensor]  # (B*H, NC + 1, Dk, Dv), input dtype: the state entering every chunk
+    zc: Optional[torch.Tensor]  # (B*H, NC + 1, Dk) fp32
     tma_qk: bool
-    GS: int  # chunks per kept state (``state_every``)
 
 
 def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLAKernelConfig, bv: int) -> tuple[int, int, int, int, int]:
@@ -893,7 +824,6 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
     BT, BV, NV, nseg, seg_len = fwd_blocks(q, v, cfg, bv)
     BK = pow2(DK)
     NC = math.ceil(T / BT)
-    GS = _state_every(cfg)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -901,7 +831,7 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
     S_T = torch.empty(B, H, DK, DV, **f32)
     z_T = torch.empty(B, H, DK, **f32) if normalize else (
         z0.float().clone() if z0 is not None else torch.zeros(B, H, DK, **f32))
-    sc = torch.empty(B * H, -(-NC // GS) + 1, DK, DV, dtype=q.dtype, device=dev) if store_chunks else None
+    sc = torch.empty(B * H, NC + 1, DK, DV, dtype=q.dtype, device=dev) if store_chunks else None
     zc = torch.empty(B * H, NC + 1, DK, **f32) if store_chunks and normalize else None
     sq, sk, sv, sg = strides_bht(q), strides_bht(k), strides_bht(v), strides_bht(log_g)
     common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space)  # the normaliser pass forms no dot: no PREC
@@ -933,8 +863,7 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
             q, k, log_g, den_in, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
-    return FwdPlan(BT, BK, BV, NV, nseg, seg_len, NC, prec, has_init, s_in, den, den_in, S_T, z_T, sc, zc, tma_qk,
-                   GS)
+    return FwdPlan(BT, BK, BV, NV, nseg, seg_len, NC, prec, has_init, s_in, den, den_in, S_T, z_T, sc, zc, tma_qk)
 
 
 def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
@@ -957,17 +886,17 @@ def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: 
         y if combine else any_out,
         *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, p.seg_len, p.nseg, p.NC, eps,
         DK=DK, DV=DV, BK=p.BK, BV=p.BV, BT=p.BT, LOG=log_space, NORM=normalize, HAS_INIT=p.has_init,
-        STORE_CHUNKS=store_chunks, COMBINE=combine, STORE_O=o is not None, TMA=tma, PREC=p.prec, GS=p.GS,
+        STORE_CHUNKS=store_chunks, COMBINE=combine, STORE_O=o is not None, TMA=tma, PREC=p.prec,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, y
 
 
 def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
          store_chunks: bool):
-    """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len, GS), sc, zc)."""
+    """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
     p = fwd_prologue(q, k, v, log_g, S0, z0, normalize, log_space, cfg, store_chunks, cfg.fwd_bv)
     o, _ = fwd_main(q, k, v, log_g, p, normalize, log_space, eps, cfg, store_chunks)
-    return o, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len, p.GS), p.sc, p.zc
+    return o, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
 
 
 @dataclass
@@ -978,7 +907,7 @@ class BwdPlan:
     dden: torch.Tensor
     sc: torch.Tensor
     zc: torch.Tensor
-    dsc: torch.Tensor  # (B*H, NP, Dk, Dv): the state gradient leaving every group of GS chunks
+    dsc: torch.Tensor  # (B*H, NC, Dk, Dv): the state gradient leaving every chunk
     dzc: torch.Tensor
     yc: torch.Tensor
     dlog_g: torch.Tensor
@@ -987,20 +916,17 @@ class BwdPlan:
     dz_T: Optional[torch.Tensor]
     NC: int
     NVD: int
-    GS: int
 
 
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-               eps: float, segs: tuple[int, int, int], cfg: GLAKernelConfig) -> BwdPlan:
+               eps: float, segs: tuple[int, int], cfg: GLAKernelConfig) -> BwdPlan:
     """The backward up to its chunk pass: with segments, each segment's own state gradient and
-    the reverse scan; then the reverse state pass (dS leaving every group of chunks, dz leaving
-    every chunk, dd). ``segs``: the forward's (segments, segment length, chunks per kept state)."""
+    the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd)."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
-    nseg, seg_len, GS = segs
-    NC = math.ceil(T / BT)
-    NP = sc.shape[1] - 1
+    nseg, seg_len = segs
+    NC = sc.shape[1] - 1
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -1034,20 +960,19 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
         ds_in, dz_in = ds_buf, dz_buf
     dS0 = torch.empty(B, H, DK, DV, **f32) if need_dstate else None
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
-    dsc = torch.empty(B * H, NP, DK, DV, dtype=q.dtype, device=dev)
+    dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
     BVD = min(pow2(cfg.dstate_bv_norm if normalize else cfg.dstate_bv), BV)
     NVD = BV // BVD  # a power of two (YC's last axis is read with one arange)
-    yc = torch.empty(B * H, NP, NVD, **f32)
+    yc = torch.empty(B * H, NC, NVD, **f32)
     zc_ = zc if zc is not None else dlog_g
     _gla_bwd_dstate_kernel[(NVD, nseg, B * H)](
         q, log_g, do, o_, den_, sc, zc_, ds_in if ds_in is not None else dlog_g,
         dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
-        BVF=BV, NVD=NVD, GS=GS, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages,
-        **{**common_kw, "BV": BVD})
-    return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD, GS)
+        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
+    return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD)
 
 
 def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
@@ -1063,22 +988,19 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k))
     dv = dv_into if dv_into is not None else torch.empty(v.shape, dtype=v.dtype, device=dev)
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
-    NC, NVD, GS, dlog_g, dS0, dz0 = p.NC, p.NVD, p.GS, p.dlog_g, p.dS0, p.dz0
-    dbt = torch.empty(B * H, NC, dtype=torch.float32, device=dev) if GS > 1 else dlog_g
+    NC, NVD, dlog_g, dS0, dz0 = p.NC, p.NVD, p.dlog_g, p.dS0, p.dz0
     _gla_bwd_chunk_kernel[(NC, B * H)](
-        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g, dbt,
+        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
         *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
-        DV_ADD=dv_into is not None, GS=GS,
+        DV_ADD=dv_into is not None,
         num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
-    if GS > 1 and NC > 1:
-        _gla_gate_groups_kernel[(NC, B * H)](dlog_g, dbt, T, NC, BT=BT, GS=GS, num_warps=1)
     if dS0 is not None and not normalize:
         dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
 
 
 def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-         eps: float, segs: tuple[int, int, int], cfg: GLAKernelConfig):
+         eps: float, segs: tuple[int, int], cfg: GLAKernelConfig):
     """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
     p = bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, cfg)
     return bwd_chunks(q, k, v, log_g, p, normalize, log_space, eps, cfg)

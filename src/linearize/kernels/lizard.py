@@ -151,7 +151,7 @@ def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize
         p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
         o_g, _ = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store)
         o_w, y, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, o_g, alpha, window, scale, store, kwin.CONFIG)
-    return y, o_g, o_w, lse, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len, p.GS), p.sc, p.zc
+    return y, o_g, o_w, lse, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
 
 
 class _LizardFunction(torch.autograd.Function):
