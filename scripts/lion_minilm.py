@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from linearize.eval.common import environment, markdown_table, write_outputs
-from linearize.eval.embed import DEFAULT_LENGTHS, embed_figure, embed_markdown, run_embed_eval
+from linearize.eval.embed import DEFAULT_LENGTHS, agreement_text, embed_figure, embed_markdown, run_embed_eval
 from linearize.layers.lion import LION_FEATURE_MAPS
 from linearize.train import TrainConfig
 from linearize.train.encoder import run_encoder
@@ -226,7 +226,7 @@ def results_markdown(data: dict) -> str:
                                          for name, s in stages.items()) + ".", "",
              "## Targets", "",
              markdown_table(["target", "measured", ""], [
-                 [f"NN agreement >= {tg['nn_agreement']}", f"{trained['nn_agreement']:.3f} "
+                 [f"NN agreement >= {tg['nn_agreement']}", f"{agreement_text(trained, data['sentences'])} "
                   f"(untrained {untrained['nn_agreement']:.3f})", _met(trained["nn_agreement"] >= tg["nn_agreement"])],
                  [f"mean cosine >= {tg['mean_cosine']}", f"{trained['mean_cosine']:.4f} "
                   f"(untrained {untrained['mean_cosine']:.4f})", _met(trained["mean_cosine"] >= tg["mean_cosine"])],

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import linearize
-from linearize.eval.embed import attention_cost, embed_markdown, embedding_quality, measure_layer, run_embed_eval
+from linearize.eval.embed import (agreement_se, attention_cost, embed_markdown, embedding_quality, measure_layer,
+                                  run_embed_eval)
 from linearize.train.encoder import load_sentences, nn_agreement, sentence_split
 
 LION = {"variant": "s", "chunk_size": 16, "decay_init": [0.9, 0.95]}  # as read back from JSON
@@ -30,6 +31,8 @@ def test_nn_agreement_counts_rows_with_the_same_nearest_neighbour():
     cos = torch.nn.functional.cosine_similarity(student, teacher)
     assert q["mean_cosine"] == pytest.approx(float(cos.mean()), abs=1e-6)
     assert q["min_cosine"] == pytest.approx(float(cos.min()), abs=1e-6)
+    assert q["nn_agreement_se"] == pytest.approx((expected * (1 - expected) / 30) ** 0.5)
+    assert agreement_se(0.9, 100) == pytest.approx(0.03) and agreement_se(1.0, 10) == 0.0
     with pytest.raises(ValueError, match="at least 2 sentences, got 1"):
         nn_agreement(teacher[:1], teacher[:1])
 
@@ -154,6 +157,7 @@ def test_markdown_states_where_chunk_beats_sdpa():
             "cost": cost, "environment": {"device": "cpu", "torch": "2", "command": "x"}}
     md = embed_markdown(data)
     assert "faster than SDPA softmax at: 16384 tokens" in md and "skipped (needs about 48 GiB)" in md
+    assert "| 0.910 ± 0.090 |" in md  # a record from before the standard error was stored: sqrt(.91 .09 / 10)
     assert "(softmax attention) took" not in md  # a record from before the teacher was timed
     md = embed_markdown({**data, "teacher_seconds": 0.5})
     assert "the teacher minilm-l6 (softmax attention) took 0.5 s" in md

@@ -27,6 +27,7 @@ Writes ``embed.json``, ``embed.png`` (drawn from the JSON as read back) and ``em
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -54,10 +55,25 @@ FORMS = ("sdpa", "parallel", "recurrent", "chunk")
 
 
 def embedding_quality(student: torch.Tensor, teacher: torch.Tensor) -> dict:
-    """Cosine and nearest-neighbour agreement of two (N, D) embedding sets, row i = sentence i."""
+    """Cosine and nearest-neighbour agreement of two (N, D) embedding sets, row i = sentence i, with
+    the agreement's binomial standard error over the N sentences (``agreement_se``)."""
     cos = torch.nn.functional.cosine_similarity(student.double(), teacher.double(), dim=-1)
-    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
-            "nn_agreement": nn_agreement(student, teacher)}
+    nn = nn_agreement(student, teacher)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "nn_agreement": nn,
+            "nn_agreement_se": agreement_se(nn, student.shape[0])}
+
+
+def agreement_se(agreement: float, sentences: int) -> float:
+    """sqrt(p (1 - p) / N): the standard error of an agreement p measured on N sentences, as if each
+    sentence were an independent trial. A sentence's neighbours come from the same sample, so this
+    is a guide to how much another sample of N sentences could move the figure, not a bound."""
+    return math.sqrt(max(agreement * (1 - agreement), 0.0) / sentences)
+
+
+def agreement_text(row: dict, sentences: int) -> str:
+    """'0.878 ± 0.010' (records written before the standard error was stored get it computed)."""
+    se = row.get("nn_agreement_se", agreement_se(row["nn_agreement"], sentences))
+    return f"{row['nn_agreement']:.3f} ± {se:.3f}"
 
 
 def _untrained_like(meta: dict, device):
@@ -252,10 +268,12 @@ def embed_markdown(data: dict) -> str:
              f"{data['sentences']} held-out sentences of `{data['data']}` (never trained on; "
              f"{data['tokens_per_sentence']:.1f} tokens each on average). Cosine: between the student's and "
              "the teacher's embedding of the same sentence. NN agreement: share of sentences whose nearest other "
-             "sentence is the same under student and teacher.", "",
+             "sentence is the same under student and teacher (± its binomial standard error over the sentences: "
+             "how far another sample of as many sentences could move it).", "",
              markdown_table(["model", "mean cosine", "min cosine", "NN agreement", "seconds"],
-                            [[f"{data['method']} {name}", r["mean_cosine"], r["min_cosine"], r["nn_agreement"],
-                              round(r["seconds"], 1)] for name, r in q.items()]), ""]
+                            [[f"{data['method']} {name}", r["mean_cosine"], r["min_cosine"],
+                              agreement_text(r, data["sentences"]), round(r["seconds"], 1)] for name, r in q.items()]),
+             ""]
     if data.get("teacher_seconds") is not None:  # records written before it was measured lack it
         lines += [f"Seconds: embedding all {data['sentences']} sentences (batches of similar length); the teacher "
                   f"{data['base']} (softmax attention) took {data['teacher_seconds']:.1f} s.", ""]
