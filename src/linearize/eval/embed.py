@@ -56,7 +56,7 @@ FORMS = ("sdpa", "parallel", "recurrent", "chunk")
 
 def embedding_quality(student: torch.Tensor, teacher: torch.Tensor) -> dict:
     """Cosine and nearest-neighbour agreement of two (N, D) embedding sets, row i = sentence i, with
-    the agreement's binomial standard error over the N sentences (``agreement_se``)."""
+    the agreement's binomial standard error over the N sentences (``nn_agreement_se``, see ``agreement_se``)."""
     cos = torch.nn.functional.cosine_similarity(student.double(), teacher.double(), dim=-1)
     nn = nn_agreement(student, teacher)
     return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "nn_agreement": nn,
