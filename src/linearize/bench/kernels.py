@@ -537,6 +537,10 @@ def profile_kernels(out_dir: str | os.PathLike, shape: tuple[int, int] = DEFAULT
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(reps):
+                        # as the bench (do_bench's grad_to_none): each backward writes fresh gradients; kept
+                        # gradients would add a sum per leaf to every call (profiles before 2026-11-25 show it)
+                        for t in leaves:
+                            t.grad = None
                         fn()
                     torch.cuda.synchronize()
             for t in leaves:
