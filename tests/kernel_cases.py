@@ -360,6 +360,9 @@ INTERPRETER_CASES = {
     "lizard f32 log segments padded window first": (lizard_case, dict(T=70, DK=20, DV=16, D=16, W=33, nsink=2,
                                                                       log_space=True, seg_chunks=2, pad=5, first=True),
                                                     F32),
+    # window first with segments: the normaliser's chain apart from the state's (inline off CUDA), from a state
+    "lizard f32 state segments window first": (lizard_case, dict(T=70, DK=20, DV=16, D=16, W=33, nsink=2, state=True,
+                                                                 seg_chunks=2, first=True), F32),
     "lizard f32 no sinks v-blocks": (lizard_case, dict(T=37, DK=16, DV=32, D=24, W=5, nsink=0), F32),
     "lizard f32 w=1": (lizard_case, dict(T=37, DK=16, DV=16, D=16, W=1, nsink=2), F32),
 }

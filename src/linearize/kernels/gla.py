@@ -55,6 +55,7 @@ runs the sequential half beside the window branch on a second CUDA stream.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -179,8 +180,9 @@ def _gla_fwd_state_kernel(
     LOG: tl.constexpr, PREC: tl.constexpr, Z_ONLY: tl.constexpr,
 ):
     """Grid (V-blocks, NSEG - 1, B*H): the state each segment builds from zero, and its total
-    log-decay; with Z_ONLY (grid (1, NSEG - 1, B*H)) the normaliser's z instead, in a launch of its
-    own (in the same launch, its programs took the registers and shared memory of the others)."""
+    log-decay; with Z_ONLY (grid (1, NSEG - 1, B*H)) the normaliser's z and the log-decay instead,
+    in a launch of its own (in the same launch, its programs took the registers and shared memory
+    of the others; and so the normaliser's chain needs nothing of the state's)."""
     i_v = tl.program_id(0)
     i_seg = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -200,12 +202,15 @@ def _gla_fwd_state_kernel(
     st = (i_bh * NSEG + i_seg).to(tl.int64)
     if Z_ONLY:
         z = tl.zeros([BK], dtype=tl.float32)
+        g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
         for c in range(0, SEG_LEN // BT):
             rows = t_start + c * BT + ot
             mt = rows < t_stop
             b, b_end, r_end = _chunk_gates(G, rows, mt, sgt)
             z = _carry_z(z, _phi(_load_rows(K, rows, ok, mt, mk, skt, neg), LOG), 1.0, r_end, b_end)
+            g_total += b_end
         tl.store(Z_SEG + st * DK + ok, z, mask=mk)
+        tl.store(G_SEG + st, g_total)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
         g_total = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
@@ -225,10 +230,11 @@ def _gla_fwd_state_kernel(
 def _gla_scan_kernel(
     S_SEG, Z_SEG, G_SEG, S_INIT, Z_INIT, NSEG,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, DO_S: tl.constexpr = True, DO_Z: tl.constexpr = True,
 ):
     """Grid (V-blocks, B*H). In place: slot j of S_SEG holds a segment's own (d)state on entry
-    and the (d)state at its start (forward) or its end (REVERSE) on exit.
+    and the (d)state at its start (forward) or its end (REVERSE) on exit. DO_S / DO_Z: which of
+    S and z (two chains of the forward may scan them apart).
 
     forward: S = S_init; for j = 0..NSEG-2: slot_j <- S, S = e^{G_j} S + own_j; slot_{NSEG-1} <- S
     reverse: dS = dS_T; for j = NSEG-1..1: slot_j <- dS, dS = e^{G_j} dS + own_j; slot_0 <- dS
@@ -237,8 +243,8 @@ def _gla_scan_kernel(
     i_bh = tl.program_id(1)
     ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    m2 = (ok < DK)[:, None] & (ov < DV)[None, :]
-    mz = (ok < DK) & (i_v == 0)
+    m2 = (ok < DK)[:, None] & (ov < DV)[None, :] & DO_S
+    mz = (ok < DK) & (i_v == 0) & DO_Z
     offs = ok[:, None] * DV + ov[None, :]
     if HAS_INIT:
         S = tl.load(S_INIT + i_bh.to(tl.int64) * DK * DV + offs, mask=m2, other=0.0)
@@ -816,9 +822,15 @@ def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLAKernelConfig, bv: int) 
 
 
 def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: GLAKernelConfig,
-                 store_chunks: bool, bv: int) -> FwdPlan:
+                 store_chunks: bool, bv: int, split_normaliser: bool = False,
+                 z_stream: Optional["torch.cuda.Stream"] = None) -> FwdPlan:
     """Everything of the forward before its main pass, for a main pass of V-blocks of ``bv``:
-    with segments, each segment's own state and the scan; when normalised, the normaliser pass."""
+    with segments, each segment's own state and the scan; when normalised, the normaliser pass.
+
+    ``split_normaliser`` (with segments, normalised): the normaliser's chain (its own segment
+    pre-pass and scan, then the normaliser pass) shares nothing with the state's (pre-pass, scan);
+    on ``z_stream`` it runs beside it, and the current stream waits for it before this returns
+    (every buffer is made before the fork, on the current stream); without a stream, first."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BV, NV, nseg, seg_len = fwd_blocks(q, v, cfg, bv)
@@ -836,33 +848,62 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
     sq, sk, sv, sg = strides_bht(q), strides_bht(k), strides_bht(v), strides_bht(log_g)
     common_kw = dict(DK=DK, BK=BK, BT=BT, LOG=log_space)  # the normaliser pass forms no dot: no PREC
     has_init = S0 is not None or nseg > 1
-    s_in = z_in = None
-    if nseg > 1:  # the state entering every segment: each segment's own state, then a scan
+    split = split_normaliser and nseg > 1 and normalize
+    s_in = z_in = g_seg = g_seg_z = None
+    S0c = z0c = None
+    if nseg > 1:
         s_in = torch.empty(B * H, nseg, DK, DV, **f32)
         z_in = torch.zeros(B * H, nseg, DK, **f32)
         g_seg = torch.empty(B * H, nseg, **f32)
-        for z_only in (False, True) if normalize else (False,):
-            _gla_fwd_state_kernel[(1 if z_only else NV, nseg - 1, B * H)](
-                k, v, log_g, s_in, z_in, g_seg, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, PREC=prec,
-                Z_ONLY=z_only, num_warps=cfg.den_warps if z_only else cfg.fwd_warps, num_stages=cfg.fwd_stages,
-                **common_kw)
+        g_seg_z = torch.empty(B * H, nseg, **f32) if split else g_seg
         if S0 is not None:
             S0c, z0c = S0.float().contiguous(), z0.float().contiguous()
-        BVS = min(32, pow2(DV))
-        _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
-            s_in, z_in, g_seg, S0c if S0 is not None else s_in, z0c if S0 is not None else z_in, nseg,
-            DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, num_warps=4)
     elif S0 is not None:
         s_in, z_in = S0.float().contiguous(), z0.float().contiguous()
     # the main pass reads the normaliser pass's part and stores the whole den: in place where one
     # program per chunk does both, else into a buffer of its own (the other V-blocks still read)
     den_in = den if NV == 1 or not normalize else torch.empty_like(den)
     tma_qk = _tma(cfg, q, k)  # the normaliser pass reads q and k; the main pass also v and o
-    if normalize:
+    BVS = min(32, pow2(DV))
+
+    def scan(s_part: bool, z_part: bool, g) -> None:  # the state entering every segment, from each one's own
+        _gla_scan_kernel[(math.ceil(DV / BVS) if s_part else 1, B * H)](
+            s_in, z_in, g, S0c if S0 is not None else s_in, z0c if S0 is not None else z_in, nseg,
+            DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=S0 is not None, REVERSE=False, DO_S=s_part, DO_Z=z_part,
+            num_warps=4)
+
+    def pre_pass(z_only: bool, g) -> None:  # each segment's own state (or z) from zero, and its log-decay
+        _gla_fwd_state_kernel[(1 if z_only else NV, nseg - 1, B * H)](
+            k, v, log_g, s_in, z_in, g, *sk, *sv, *sg, T, H, seg_len, nseg, DV=DV, BV=BV, PREC=prec,
+            Z_ONLY=z_only, num_warps=cfg.den_warps if z_only else cfg.fwd_warps, num_stages=cfg.fwd_stages,
+            **common_kw)
+
+    def normaliser() -> None:
         _gla_den_kernel[(nseg, B * H)](
             q, k, log_g, den_in, z_in if has_init else den, z_T, zc if zc is not None else den, *sq, *sk, *sg,
             T, H, seg_len, nseg, NC, HAS_INIT=has_init, STORE_CHUNKS=store_chunks, TMA=tma_qk,
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
+
+    if split:
+        here = torch.cuda.current_stream(q.device) if z_stream is not None else None
+        if here is not None:
+            z_stream.wait_stream(here)
+        with torch.cuda.stream(z_stream) if here is not None else contextlib.nullcontext():
+            pre_pass(True, g_seg_z)
+            scan(False, True, g_seg_z)
+            normaliser()
+        pre_pass(False, g_seg)
+        scan(True, False, g_seg)
+        if here is not None:
+            here.wait_stream(z_stream)
+    else:
+        if nseg > 1:
+            pre_pass(False, g_seg)
+            if normalize:
+                pre_pass(True, g_seg)
+            scan(True, True, g_seg)
+        if normalize:
+            normaliser()
     return FwdPlan(BT, BK, BV, NV, nseg, seg_len, NC, prec, has_init, s_in, den, den_in, S_T, z_T, sc, zc, tma_qk)
 
 

@@ -65,13 +65,17 @@ class LizardKernelConfig:
     B16 T2048, 5.896 -> 5.489 at B4 T8192).
     ``side_priority``: that stream's priority (lower is higher; CUDA clamps it to its range):
     its sequential programs must start first, or they queue behind the window's (priority 0
-    lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192)."""
+    lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192).
+    ``split_prologue``: with the window first, overlap_fwd and segments, the normaliser's chain
+    (its segment pre-pass, scan and pass) runs on a stream of its own beside the state's
+    (``gla.fwd_prologue``'s ``z_stream``), both beside the window."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
     overlap_fwd: bool = True
     overlap_bwd: bool = True
     side_priority: int = -1
+    split_prologue: bool = True
 
 
 CONFIG = LizardKernelConfig()
@@ -141,8 +145,10 @@ def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize
     gcfg = kgla.CONFIG
     if _window_first(cfg, gcfg, phi_q, v):
         side = _side_stream(v, cfg.overlap_fwd, cfg.side_priority)
+        z_side = _side_stream(v, cfg.overlap_fwd and cfg.split_prologue, cfg.side_priority, "normaliser")
         with _fork(side):
-            p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
+            p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv,
+                                  split_normaliser=cfg.split_prologue, z_stream=z_side)
         o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, kwin.CONFIG)
         _join(side, *vars(p).values())
         o_g, y = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store, ow=o_w,
