@@ -9,8 +9,10 @@ torch path, which always exists and means the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import Optional
 
 import torch
 
@@ -118,3 +120,26 @@ def patch_interpreter() -> None:
         return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+
+@contextlib.contextmanager
+def fork_stream(side: Optional["torch.cuda.Stream"]):
+    """Run the block on ``side`` (after the work queued so far on the current stream), or inline."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def join_stream(side: Optional["torch.cuda.Stream"], *tensors) -> None:
+    """The current stream waits for ``side``; tensors made there are marked as used here, so the
+    allocator does not hand their memory back to ``side`` while this stream still reads them."""
+    if side is None:
+        return
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(main)

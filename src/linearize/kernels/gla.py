@@ -55,7 +55,6 @@ runs the sequential half beside the window branch on a second CUDA stream.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -66,7 +65,7 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.gla.naive import GLAState
-from .dispatch import device_sms, patch_interpreter, pow2, strides_bht, unit_last
+from .dispatch import device_sms, fork_stream, join_stream, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -885,17 +884,13 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
             num_warps=cfg.den_warps, num_stages=2, **common_kw)
 
     if split:
-        here = torch.cuda.current_stream(q.device) if z_stream is not None else None
-        if here is not None:
-            z_stream.wait_stream(here)
-        with torch.cuda.stream(z_stream) if here is not None else contextlib.nullcontext():
+        with fork_stream(z_stream):
             pre_pass(True, g_seg_z)
             scan(False, True, g_seg_z)
             normaliser()
         pre_pass(False, g_seg)
         scan(True, False, g_seg)
-        if here is not None:
-            here.wait_stream(z_stream)
+        join_stream(z_stream)
     else:
         if nseg > 1:
             pre_pass(False, g_seg)

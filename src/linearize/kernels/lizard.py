@@ -23,7 +23,6 @@ rest of the GPU. Elsewhere the torch ops and a torch combine, the same computati
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -34,7 +33,7 @@ from ..ops.gla import GLAState
 from ..ops.window_attn import WindowState
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
-from .dispatch import unit_last
+from .dispatch import fork_stream, join_stream, unit_last
 
 
 @dataclass
@@ -101,29 +100,6 @@ def _side_stream(x: torch.Tensor, wanted: bool, priority: int, name: str = "side
     return _SIDE_STREAMS[key]
 
 
-@contextlib.contextmanager
-def _fork(side):
-    """Run the block on ``side`` (after the work queued so far on the current stream), or inline."""
-    if side is None:
-        yield
-        return
-    side.wait_stream(torch.cuda.current_stream(side.device))
-    with torch.cuda.stream(side):
-        yield
-
-
-def _join(side, *tensors) -> None:
-    """The current stream waits for ``side``; tensors made there are marked as used here, so the
-    allocator does not hand their memory back to ``side`` while this stream still reads them."""
-    if side is None:
-        return
-    main = torch.cuda.current_stream(side.device)
-    main.wait_stream(side)
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t.record_stream(main)
-
-
 def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.Tensor) -> bool:
     """``cfg.window_first``, or when None: whether ``gla._fwd`` would cut the sequence into
     segments, or give the normaliser fewer (batch x head) programs than there are multiprocessors."""
@@ -147,11 +123,11 @@ def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize
     if _window_first(cfg, gcfg, phi_q, v):
         side = _side_stream(v, cfg.overlap_fwd, cfg.side_priority)
         z_side = _side_stream(v, cfg.overlap_fwd and cfg.split_prologue, cfg.side_priority, "normaliser")
-        with _fork(side):
+        with fork_stream(side):
             p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv,
                                   split_normaliser=cfg.split_prologue, z_stream=z_side)
         o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, kwin.CONFIG)
-        _join(side, *vars(p).values())
+        join_stream(side, *vars(p).values())
         o_g, y = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store, ow=o_w,
                                alpha=alpha, store_o=store)
     else:
@@ -198,14 +174,14 @@ class _LizardFunction(torch.autograd.Function):
         gcfg = kgla.CONFIG
         side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
         o_g = inter.pop("o_g")
-        with _fork(side):  # the reverse state passes walk their chunks in order: beside the window's
+        with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's
             gp = kgla.bwd_states(phi_q, phi_k, v, log_g, o_g if normalize else None, inter["den"], inter["sc"],
                                  inter["zc"], dy, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, gcfg)
         # o_w and lse are freed as this returns (their readers are queued on this stream, before
         # anything that could take their memory)
         dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), inter.pop("lse"),
                                                        alpha, dy, window, scale, kwin.CONFIG)
-        _join(side, *vars(gp).values())
+        join_stream(side, *vars(gp).values())
         del o_g  # read on the side stream: freed only once this stream has waited for it
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
         dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg,
@@ -289,10 +265,10 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     # that stream and every backward would sync to it (torch warns of the mismatch)
     differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
-    with _fork(copier):
+    with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
     y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
                                     bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
                                     config, torch.is_grad_enabled())
-    _join(copier, *w_state)
+    join_stream(copier, *w_state)
     return y, GLAState(S, z), w_state
