@@ -148,6 +148,33 @@ def test_auto_form_runs_parallel_on_short_inputs_and_chunks_long_ones(exact, mon
         assert_rel_close(y, layer(q, k, v, x, form=other), 1e-12, f"T={T}")
 
 
+@pytest.mark.parametrize("feature_map", ["hedgehog", "taylor"])
+@pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_long_inputs_never_hold_the_whole_inputs_features(form, exact, feature_map):
+    """Without autograd the chunk and recurrent forms apply the feature maps a chunk (block) at a
+    time, the window's pair terms included (a chunk of keys and its halo of w on each side): their
+    extra memory does not grow with T by the F-wide features (561 per head for Taylor at d = 32)."""
+    from linearize.ops.lion.recurrent import FEATURE_BLOCK
+
+    torch.manual_seed(0)
+    C, T = 16, 150
+    layer = LionAttention(lion_config("s-asym", chunk_size=C, feature_map=feature_map, **exact), H, D, HIDDEN).double()
+    seen = []
+    for phi in (layer.phi_q, layer.phi_k):
+        phi.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[2]))
+    q, k, v = (torch.randn(2, H, T, D, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(2, T, HIDDEN, dtype=torch.float64)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, 130:] = False
+    with torch.no_grad():
+        y = layer(q, k, v, x, valid, form=form)
+        window_terms = C + 2 * exact.get("window", 0)  # in either form, chunk by chunk
+        most = window_terms if form == "chunk" else max(FEATURE_BLOCK, window_terms)
+        assert seen and max(seen) <= most, seen
+        assert_rel_close(y, layer(q, k, v, x, valid, form="parallel"), 1e-10, form)
+
+
 def test_exact_keys_covering_a_short_sentence_leave_plain_softmax():
     """When every key of a query is exact (a 5-token sentence, window 4), LION has nothing left:
     the output is the teacher's softmax attention over the valid keys, and gradients stay finite

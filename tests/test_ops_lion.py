@@ -309,3 +309,99 @@ def test_bad_back_decay_is_named(form, log_a, log_b, message):
     q, k, v = inputs(torch.float32)
     with pytest.raises(ValueError, match=message):
         FORMS[form](q, k, v, log_a, log_a_back=log_b)
+
+
+# ------------------------------------------- feature maps applied by the op, keys left out of the sums
+
+
+class CountingMap(torch.nn.Module):
+    """A positive learnable feature map (B, H, C, d) -> (B, H, C, 2d) that records how many tokens
+    each call saw: the ops must never apply it to more than one chunk (block) at a time without
+    autograd, where the F-wide features of the whole input would be extra memory that grows with T."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(FD, FD, generator=g, dtype=torch.float64) / FD ** 0.5)
+        self.calls = []
+
+    def forward(self, x):
+        self.calls.append(x.shape[2])
+        y = x @ self.weight.to(x.dtype)
+        return torch.cat([y.softmax(-1), (-y).softmax(-1)], -1)
+
+
+def key_mask():
+    keys = torch.ones(B, T, dtype=torch.bool)
+    keys[:, 0] = False   # a sink, as layers.lion leaves [CLS] out of LION's sums
+    keys[1, 20:23] = False
+    return keys
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("variant", ["lit", "d", "s"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_feature_maps_applied_by_the_op_match_features_given(form, variant, pad, grad):
+    """phi_q / phi_k with raw q, k = the same op on phi(q), phi(k) made beforehand, with keys
+    outside ``key_valid`` zeroed by hand; with and without autograd (the op then makes the
+    features per chunk, and the maps see no more than a chunk's (block's) tokens)."""
+    from linearize.ops.lion.recurrent import FEATURE_BLOCK
+
+    valid = padding() if pad else None
+    q, k, v = inputs(seed=3)
+    log_a = decay(variant)
+    phi_q, phi_k = CountingMap(1), CountingMap(2)
+    with torch.set_grad_enabled(grad):
+        o, state = FORMS[form](q, k, v, log_a, valid=valid, phi_q=phi_q, phi_k=phi_k, key_valid=key_mask())
+    seen = phi_q.calls + phi_k.calls
+    with torch.no_grad():
+        fk = phi_k(k).masked_fill(~key_mask()[:, None, :, None], 0.0)
+        ref, ref_state = lion_parallel(phi_q(q), fk, v, log_a, valid=valid)
+    assert_rel_close(o, ref, 1e-12, form)
+    assert_state_close(state, ref_state, 1e-12)
+    assert o.requires_grad == grad
+    most = {"parallel": T, "chunk": 8 if not grad else T, "recurrent": FEATURE_BLOCK if not grad else T}[form]
+    assert 0 < max(seen) <= most, seen
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_gradients_reach_the_feature_maps_the_op_applies(form):
+    def grads(fn):
+        phi_q, phi_k = CountingMap(1), CountingMap(2)
+        q, k, v = (x.requires_grad_() for x in inputs(seed=3))
+        log_a = decay("s").requires_grad_()
+        o, st = fn(q, k, v, log_a, valid=padding(), phi_q=phi_q, phi_k=phi_k, key_valid=key_mask())
+        (o.pow(2).sum() + st.S_f.sum() + st.z_b.sum()).backward()
+        return q.grad, k.grad, v.grad, log_a.grad, phi_q.weight.grad, phi_k.weight.grad
+
+    for name, g, g_ref in zip(["q", "k", "v", "log_a", "phi_q", "phi_k"], grads(FORMS[form]), grads(lion_parallel)):
+        assert g.abs().sum() > 0, f"no gradient reaches {name}"
+        assert_rel_close(g, g_ref, 1e-10, f"grad {name}")
+
+
+def test_keys_left_out_still_query_and_decay():
+    """A key outside ``key_valid`` adds nothing to any sum, but its token keeps its query and its
+    gate: unlike padding, which drops the token whole."""
+    q, k, v = inputs()
+    log_a = decay("s")
+    keys = key_mask()
+    o, _ = lion_chunk(q, k, v, log_a, key_valid=keys, chunk_size=8)
+    ref, _ = lion_parallel(q, k.masked_fill(~keys[:, None, :, None], 0.0), v, log_a)
+    assert_rel_close(o, ref, 1e-12)
+    padded, _ = lion_chunk(q, k, v, log_a, valid=keys, chunk_size=8)
+    assert o[:, :, 0].abs().sum() > 0 and padded[:, :, 0].abs().sum() == 0
+    assert not torch.allclose(o[1, :, 23:], padded[1, :, 23:])  # the left-out keys' gates still decay
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(phi_q=lambda x: x), r"phi_q and phi_k go together"),
+    (dict(phi_q="hedgehog", phi_k="hedgehog"), r"phi_q must be None .* or a callable .* got str"),
+    (dict(key_valid=torch.ones(B, T + 1, dtype=torch.bool)), r"key_valid must have shape \(2, 29\) .* got \(2, 30\)"),
+    (dict(key_valid=torch.ones(B, T)), r"key_valid must be a bool .* got dtype torch.float32"),
+])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_bad_feature_map_or_key_mask_is_named(form, kwargs, message):
+    q, k, v = inputs(torch.float32)
+    with pytest.raises(ValueError, match=message):
+        FORMS[form](q, k, v, None, **kwargs)

@@ -197,9 +197,9 @@ class LionAttention(nn.Module):
         if form == "chunk":
             kw["chunk_size"] = self.config.chunk_size
         op = {"chunk": lion_chunk, "parallel": lion_parallel, "recurrent": lion_recurrent}[form]
-        kw["log_a_back"] = self.log_decay_back(x)
+        kw.update(log_a_back=self.log_decay_back(x), phi_q=self.phi_q, phi_k=self.phi_k)
         if not exact:
-            y, _ = op(self.phi_q(q), self.phi_k(k), v, self.log_decay(x), **kw)
+            y, _ = op(q, k, v, self.log_decay(x), **kw)
             return y
         return self._with_exact(op, kw, q, k, v, x, valid)
 
@@ -222,11 +222,10 @@ class LionAttention(nn.Module):
         n, w = min(self.config.sinks, T), self.config.window
         acc = compute_dtype(q)
         keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
-        fq = self.phi_q(q).to(acc)
-        fk = (self.phi_k(k).to(acc) * keep[:, None, :, None]).index_fill(2, torch.arange(n, device=q.device), 0.0)
         v1 = torch.cat([v.to(acc), torch.ones_like(v[..., :1], dtype=acc)], dim=-1)
         log_a = self.log_decay(x)
-        lin, _ = op(fq, fk, v1, log_a, **{**kw, "scaled": False})                    # (B, H, T, Dv + 1)
+        not_sink = torch.arange(T, device=q.device) >= n
+        lin, _ = op(q, k, v1, log_a, **{**kw, "scaled": False, "key_valid": not_sink.expand(B, T)})  # (B, H, T, Dv + 1)
         qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
         logits = []
         if n:  # (B, H, T, n) against the first n keys
@@ -241,9 +240,9 @@ class LionAttention(nn.Module):
             lg = token_log_gates(log_a, valid, B, T, acc)
             if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
                 b, c = gate_cumsums(lg, token_log_gates(kw["log_a_back"], valid, B, T, acc))
-            pair = self._pair_kernel(q, k, fq, fk, acc)
+            pairs = self._window_pairs(q, k, w, acc) * ok[:, None]                   # (B, H, T, 2w + 1)
             for e, o in enumerate(offsets):  # less the window keys' own LION terms
-                a = pair(o) * ok[:, None, :, e]                                      # (B, H, T)
+                a = pairs[..., e]
                 if lg is not None and o:
                     a = a * (b - _shifted(b, o, 2) if o < 0 else _shifted(c, o, 2) - c).clamp_max(0.0).exp()
                 lin = lin - a.unsqueeze(-1) * _shifted(v1, o, 2)
@@ -263,13 +262,23 @@ class LionAttention(nn.Module):
             y = y * valid[:, None, :, None]
         return y.to(v.dtype)
 
-    def _pair_kernel(self, q, k, fq, fk, acc):
-        """o -> phi_q(q_i) . phi_k(k_{i+o}) for every i, (B, H, T): from the features, or for Taylor
-        maps from their d-wide projections (``taylor_kernel``), which spares F-wide products."""
-        if isinstance(self.phi_q, TaylorFeatureMap):
-            a, b = (x.to(acc) for x in taylor_factors(self.phi_q, self.phi_k, q, k))
-            return lambda o: taylor_kernel((a * _shifted(b, o, 2)).sum(-1))
-        return lambda o: (fq * _shifted(fk, o, 2)).sum(-1)
+    def _window_pairs(self, q: torch.Tensor, k: torch.Tensor, w: int, acc: torch.dtype) -> torch.Tensor:
+        """phi_q(q_i) . phi_k(k_{i+o}) for o = -w..w, (B, H, T, 2w + 1) in ``acc`` (keys past either end
+        count as zero vectors). A chunk of queries at a time, with their keys and a halo of w on each
+        side, so that no F-wide tensor spans the input; Taylor maps from their d-wide projections
+        (``taylor_kernel``), which spares the F-wide products."""
+        B, H, T, _ = q.shape
+        taylor = isinstance(self.phi_q, TaylorFeatureMap)
+        out = q.new_empty(B, H, T, 2 * w + 1, dtype=acc)
+        for s0 in range(0, T, self.config.chunk_size):
+            s1 = min(s0 + self.config.chunk_size, T)
+            lo, hi = max(s0 - w, 0), min(s1 + w, T)
+            qc, kc = q[:, :, s0:s1], k[:, :, lo:hi]
+            a, b = taylor_factors(self.phi_q, self.phi_k, qc, kc) if taylor else (self.phi_q(qc), self.phi_k(kc))
+            b = F.pad(b.to(acc), (0, 0, lo - (s0 - w), s1 + w - hi))                 # keys s0 - w .. s1 + w - 1
+            u = torch.stack([(a.to(acc) * b[:, :, e:e + s1 - s0]).sum(-1) for e in range(2 * w + 1)], dim=-1)
+            out[:, :, s0:s1] = taylor_kernel(u) if taylor else u
+        return out
 
     def _rest_logit(self, x: torch.Tensor, den: torch.Tensor, has_rest: torch.Tensor,
                     keep: torch.Tensor) -> torch.Tensor:

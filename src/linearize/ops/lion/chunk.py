@@ -1,7 +1,7 @@
 """Chunked LION: the full masked block inside each chunk, two states carried between chunks.
 
-Shapes: q, k (B, H, T, F); v (B, H, T, Dv); log_a None | (H,) | (B, H, T); valid (B, T) or None;
-o (B, H, T, Dv).
+Shapes: q, k (B, H, T, F) (or (B, H, T, d) with ``phi_q`` / ``phi_k``); v (B, H, T, Dv);
+log_a None | (H,) | (B, H, T); valid, key_valid (B, T) or None; o (B, H, T, Dv).
 
 For a chunk [s0, s1) with chunk-local cumulative log gates b_t = Σ_{s0<=k<=t} log a_k (inclusive),
 c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1:
@@ -17,7 +17,10 @@ c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1
 those gates instead. The forward sweep keeps each chunk's intra + forward reads; the backward
 sweep adds its reads and writes the chunk's output. Without autograd the output is written in
 place and each chunk's reads are freed once used, so extra memory is O(B H (C^2 + F Dv)) plus
-one row sum per token.
+one row sum per token. Given feature maps (``phi_q`` / ``phi_k``, q and k then the raw heads),
+it makes a chunk's features when a sweep reaches it, twice in all, so no F-wide tensor spans the
+input either; under autograd, which keeps every chunk's features for the backward anyway, it
+makes them once for the whole input.
 """
 
 from __future__ import annotations
@@ -27,29 +30,38 @@ from typing import Optional
 import torch
 
 from .. import common
-from .naive import LionState, check_inputs, masked_inputs, selective_mask, token_log_gates
+from .naive import (FeatureMap, LionState, check_inputs, feature_width, records_graph, selective_mask,
+                    span_features, token_log_gates, whole_features)
 
 
 def lion_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, chunk_size: int = 64, eps: float = 1e-6,
-    log_a_back: Optional[torch.Tensor] = None,
+    log_a_back: Optional[torch.Tensor] = None, phi_q: Optional[FeatureMap] = None,
+    phi_k: Optional[FeatureMap] = None, key_valid: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
-    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
-    B, H, T, F = q.shape
-    Dv = v.shape[-1]
-    qf, kf, vf = masked_inputs(q, k, v, valid, dt)
+    dt, valid, keys = check_inputs(q, k, v, log_a, valid, log_a_back, phi_q, phi_k, key_valid)
+    B, H, T, _ = q.shape
+    Dv, out_dtype = v.shape[-1], v.dtype
+    F = feature_width(k, phi_k)
     lg = token_log_gates(log_a, valid, B, T, dt)
     lg_back = lg if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt)
     spans = common.chunk_spans(T, chunk_size)
     # Writing the output in place keeps inference memory flat; autograd needs out-of-place pieces.
-    in_place = not (torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v) + tuple(x for x in (log_a, log_a_back) if x is not None)))
+    in_place = not records_graph((q, k, v, log_a, log_a_back), phi_q)
+    if not in_place:  # autograd keeps every chunk's features anyway: make them once, not once per sweep
+        q, k, v = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
+        phi_q = phi_k = valid = keys = None
 
-    S_f, z_f = qf.new_zeros(B, H, F, Dv), qf.new_zeros(B, H, F)
+    def chunk(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's q and k features and v, masked; without autograd made here, for this chunk alone."""
+        return (span_features(q, phi_q, valid, s0, s1, dt), span_features(k, phi_k, keys, s0, s1, dt),
+                span_features(v, None, valid, s0, s1, dt))
+
+    S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
     reads = []  # per chunk: (decays or None, num, den) after the intra and forward terms
     for s0, s1 in spans:
-        qc, kc, vc = qf[:, :, s0:s1], kf[:, :, s0:s1], vf[:, :, s0:s1]
+        qc, kc, vc = chunk(s0, s1)
         weights = qc @ kc.transpose(-1, -2)  # (B, H, C, C)
         if lg is None:
             decays, q_fwd, k_fwd = None, qc, kc
@@ -71,13 +83,13 @@ def lion_chunk(
         S_f = S_f + k_fwd.transpose(-1, -2) @ vc
         z_f = z_f + k_fwd.sum(2)
 
-    S_b, z_b = qf.new_zeros(B, H, F, Dv), qf.new_zeros(B, H, F)
-    out = qf.new_empty(B, H, T, Dv) if in_place else None
+    S_b, z_b = torch.zeros_like(S_f), torch.zeros_like(z_f)
+    out = v.new_empty(B, H, T, Dv, dtype=dt) if in_place else None
     pieces = [None] * len(spans)
     for i in range(len(spans) - 1, -1, -1):
         s0, s1 = spans[i]
         (decays, num, den), reads[i] = reads[i], None
-        qc, kc, vc = qf[:, :, s0:s1], kf[:, :, s0:s1], vf[:, :, s0:s1]
+        qc, kc, vc = chunk(s0, s1)
         if decays is None:
             q_bwd, k_bwd = qc, kc
         else:
@@ -95,5 +107,5 @@ def lion_chunk(
         S_b = S_b + k_bwd.transpose(-1, -2) @ vc
         z_b = z_b + k_bwd.sum(2)
     if not in_place:
-        out = torch.cat(pieces, 2) if pieces else vf
-    return out.to(v.dtype), LionState(S_f, z_f, S_b, z_b)
+        out = torch.cat(pieces, 2) if pieces else v
+    return out.to(out_dtype), LionState(S_f, z_f, S_b, z_b)

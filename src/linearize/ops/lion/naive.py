@@ -7,7 +7,7 @@ reference for test sizes and short inputs, not a way to run long ones (``lion_ch
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -87,23 +87,62 @@ def check_valid(valid: Optional[torch.Tensor], B: int, T: int) -> Optional[torch
     return valid.bool()
 
 
-def check_inputs(q, k, v, log_a, valid, log_a_back=None):
-    """Validate everything; returns (compute dtype, valid as bool or None)."""
+FeatureMap = Callable[[torch.Tensor], torch.Tensor]
+"""(B, H, C, d) -> (B, H, C, F): a feature map the ops apply to q or k themselves, a span of tokens
+at a time (``phi_q`` / ``phi_k``), so that the chunk and recurrent forms never hold the F-wide
+features of the whole input (the Taylor map's F is 561 for heads of 32)."""
+
+
+def check_inputs(q, k, v, log_a, valid, log_a_back=None, phi_q=None, phi_k=None, key_valid=None):
+    """Validate everything; returns (compute dtype, valid as bool or None, the mask of the keys
+    that enter the sums as bool or None: ``valid`` and ``key_valid`` together)."""
     B, H, T, _, _ = common.check_qkv(q, k, v)
     check_log_a(log_a, B, H, T)
     check_log_a_back(log_a_back, log_a, B, H, T)
     valid = check_valid(valid, B, T)
+    for name, phi in (("phi_q", phi_q), ("phi_k", phi_k)):
+        if phi is not None and not callable(phi):
+            raise ValueError(f"{name} must be None (q, k are features already) or a callable (B, H, C, d) -> "
+                             f"(B, H, C, F), got {type(phi).__name__}")
+    if (phi_q is None) != (phi_k is None):
+        raise ValueError("phi_q and phi_k go together: give both feature maps (q and k raw) or neither "
+                         "(q and k are features already)")
+    try:
+        key_valid = check_valid(key_valid, B, T)
+    except ValueError as e:
+        raise ValueError(str(e).replace("valid", "key_valid", 1)) from None
+    keys = key_valid if valid is None else (valid if key_valid is None else valid & key_valid)
     dt = common.compute_dtype(q, k, v, *[x for x in (log_a, log_a_back) if x is not None])
-    return dt, valid
+    return dt, valid, keys
 
 
-def masked_inputs(q, k, v, valid, dt):
-    """q, k, v in the compute dtype with padding positions set to 0 (NaN there is cleared too)."""
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    if valid is not None:
-        pad = ~valid[:, None, :, None]
-        q, k, v = q.masked_fill(pad, 0.0), k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-    return q, k, v
+def span_features(x: torch.Tensor, phi: Optional[FeatureMap], keep: Optional[torch.Tensor], s0: int, s1: int,
+                  dt: torch.dtype) -> torch.Tensor:
+    """Tokens [s0, s1) of q, k or v (B, H, T, D) in the compute dtype, through ``phi`` if given,
+    and 0 where ``keep`` (B, T) is False: padding never reaches a state (NaN there is cleared too)."""
+    x = x[:, :, s0:s1]
+    x = (x if phi is None else phi(x)).to(dt)
+    return x if keep is None else x.masked_fill(~keep[:, None, s0:s1, None], 0.0)
+
+
+def feature_width(k: torch.Tensor, phi: Optional[FeatureMap]) -> int:
+    """F: k's last axis, or what ``phi`` makes of it (asked on no tokens)."""
+    return k.shape[-1] if phi is None else phi(k[:, :, :0]).shape[-1]
+
+
+def records_graph(tensors, phi: Optional[FeatureMap]) -> bool:
+    """Whether autograd may record the op: grad mode on and an input that requires grad, or a
+    feature map (whose parameters the op cannot see)."""
+    return torch.is_grad_enabled() and (phi is not None or any(
+        t is not None and t.requires_grad for t in tensors))
+
+
+def whole_features(q, k, v, valid, keys, dt, phi_q=None, phi_k=None):
+    """q, k, v of the whole input as ``span_features`` gives them (the parallel form, and the
+    others when autograd keeps every chunk's features anyway)."""
+    T = q.shape[2]
+    return (span_features(q, phi_q, valid, 0, T, dt), span_features(k, phi_k, keys, 0, T, dt),
+            span_features(v, None, valid, 0, T, dt))
 
 
 def token_log_gates(log_a, valid, B: int, T: int, dt) -> Optional[torch.Tensor]:
@@ -192,12 +231,15 @@ def boundary_state(k: torch.Tensor, v: torch.Tensor, lg: Optional[torch.Tensor],
 def lion_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, eps: float = 1e-6,
-    log_a_back: Optional[torch.Tensor] = None,
+    log_a_back: Optional[torch.Tensor] = None, phi_q: Optional[FeatureMap] = None,
+    phi_k: Optional[FeatureMap] = None, key_valid: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
-    """o = scale((q k^T) ⊙ M) v, with M = ``lion_mask(log_a, T, valid)``: straight from the formula."""
-    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
+    """o = scale((q k^T) ⊙ M) v, with M = ``lion_mask(log_a, T, valid)``: straight from the formula.
+    With ``phi_q`` / ``phi_k``, q and k are the raw heads and the features are theirs; keys where
+    ``key_valid`` is False enter no sum (their queries still read, their gates still decay)."""
+    dt, valid, keys = check_inputs(q, k, v, log_a, valid, log_a_back, phi_q, phi_k, key_valid)
     B, _, T, _ = q.shape
-    qf, kf, vf = masked_inputs(q, k, v, valid, dt)
+    qf, kf, vf = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
     if T:
         mask = lion_mask(log_a, T, valid, batch_size=B, dtype=dt, device=q.device, log_a_back=log_a_back)
         weights = (qf @ kf.transpose(-1, -2)) * mask  # (B, H, T, T)

@@ -10,7 +10,8 @@ o (B, H, T, Dv).
 Both states include token t, so its own term k_t v_t^T is subtracted once: the diagonal counts
 once. q_t^T S is read per direction and the three reads are combined, so only the two running
 states and the per-token reads are kept (the output has that size anyway), never a state per
-token.
+token. Given feature maps (``phi_q`` / ``phi_k``) and no autograd, each sweep makes the features of
+a block of ``FEATURE_BLOCK`` tokens at a time, so no F-wide tensor spans the input either.
 """
 
 from __future__ import annotations
@@ -20,45 +21,63 @@ from typing import Optional
 import torch
 
 from .. import common
-from .naive import LionState, check_inputs, masked_inputs, token_log_gates
+from .naive import (FeatureMap, LionState, check_inputs, feature_width, records_graph, span_features,
+                    token_log_gates, whole_features)
+
+FEATURE_BLOCK = 64  # tokens whose features are made at once when the op applies the feature maps
 
 
 def lion_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: Optional[torch.Tensor] = None, *,
     valid: Optional[torch.Tensor] = None, scaled: bool = True, eps: float = 1e-6,
-    log_a_back: Optional[torch.Tensor] = None,
+    log_a_back: Optional[torch.Tensor] = None, phi_q: Optional[FeatureMap] = None,
+    phi_k: Optional[FeatureMap] = None, key_valid: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LionState]:
-    dt, valid = check_inputs(q, k, v, log_a, valid, log_a_back)
-    B, H, T, F = q.shape
-    qf, kf, vf = masked_inputs(q, k, v, valid, dt)
+    dt, valid, keys = check_inputs(q, k, v, log_a, valid, log_a_back, phi_q, phi_k, key_valid)
+    B, H, T, _ = q.shape
+    Dv, out_dtype = v.shape[-1], v.dtype
+    F = feature_width(k, phi_k)
     lg = token_log_gates(log_a, valid, B, T, dt)
     a_fwd = None if lg is None else lg.exp().unsqueeze(-1)  # (B, H, T, 1)
     a_bwd = a_fwd if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt).exp().unsqueeze(-1)
+    # features given, or kept by autograd anyway: make them once
+    if phi_q is None or records_graph((q, k, v, log_a, log_a_back), phi_q):
+        q, k, v = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
+        phi_q = phi_k = valid = keys = None
+        blocks = [(0, T)]
+    else:  # a block of tokens at a time in each sweep, so no F-wide tensor spans the input
+        blocks = [(s, min(s + FEATURE_BLOCK, T)) for s in range(0, T, FEATURE_BLOCK)]
 
-    def step(S, z, t, a):
+    def block(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (span_features(q, phi_q, valid, s0, s1, dt), span_features(k, phi_k, keys, s0, s1, dt),
+                span_features(v, None, valid, s0, s1, dt))
+
+    def step(S, z, t, a, kt, vt):
         if a is not None:
             S, z = a[:, :, t].unsqueeze(-1) * S, a[:, :, t] * z
-        kt = kf[:, :, t]
-        return S + kt.unsqueeze(-1) * vf[:, :, t].unsqueeze(-2), z + kt
+        return S + kt.unsqueeze(-1) * vt.unsqueeze(-2), z + kt
 
-    def read(S, z, t):
-        qt = qf[:, :, t]
+    def read(S, z, qt):
         return (qt.unsqueeze(-2) @ S).squeeze(-2), (qt * z).sum(-1, keepdim=True)
 
-    zeros = lambda: (qf.new_zeros(B, H, F, vf.shape[-1]), qf.new_zeros(B, H, F))  # noqa: E731
-    S_f, z_f = zeros()
+    S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
     reads = [None] * T  # the forward reads q_t^T S^F_t, q_t^T z^F_t, freed as the backward sweep uses them
-    for t in range(T):
-        S_f, z_f = step(S_f, z_f, t, a_fwd)
-        reads[t] = read(S_f, z_f, t)
-    S_b, z_b = zeros()
+    for s0, s1 in blocks:
+        qb, kb, vb = block(s0, s1)
+        for t in range(s0, s1):
+            S_f, z_f = step(S_f, z_f, t, a_fwd, kb[:, :, t - s0], vb[:, :, t - s0])
+            reads[t] = read(S_f, z_f, qb[:, :, t - s0])
+    S_b, z_b = torch.zeros_like(S_f), torch.zeros_like(z_f)
     outs = [None] * T
-    for t in range(T - 1, -1, -1):
-        S_b, z_b = step(S_b, z_b, t, a_bwd)
-        num_b, den_b = read(S_b, z_b, t)
-        (num_f, den_f), reads[t] = reads[t], None
-        self_w = (qf[:, :, t] * kf[:, :, t]).sum(-1, keepdim=True)  # q_t . k_t: in both sweeps, counted once
-        num = num_f + num_b - self_w * vf[:, :, t]
-        outs[t] = common.normalize_output(num, den_f + den_b - self_w, eps) if scaled else num
-    o = torch.stack(outs, 2) if T else vf
-    return o.to(v.dtype), LionState(S_f, z_f, S_b, z_b)
+    for s0, s1 in reversed(blocks):
+        qb, kb, vb = block(s0, s1)
+        for t in range(s1 - 1, s0 - 1, -1):
+            qt, kt, vt = qb[:, :, t - s0], kb[:, :, t - s0], vb[:, :, t - s0]
+            S_b, z_b = step(S_b, z_b, t, a_bwd, kt, vt)
+            num_b, den_b = read(S_b, z_b, qt)
+            (num_f, den_f), reads[t] = reads[t], None
+            self_w = (qt * kt).sum(-1, keepdim=True)  # q_t . k_t: in both sweeps, counted once
+            num = num_f + num_b - self_w * vt
+            outs[t] = common.normalize_output(num, den_f + den_b - self_w, eps) if scaled else num
+    o = torch.stack(outs, 2) if T else v.new_zeros(B, H, 0, Dv)
+    return o.to(out_dtype), LionState(S_f, z_f, S_b, z_b)
