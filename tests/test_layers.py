@@ -85,6 +85,30 @@ def test_taylor_feature_dim_must_be_a_taylor_width():
         TaylorFeatureMap(H, D, feature_dim=20)
 
 
+def test_taylor_hedgehog_features_multiply_to_the_weighted_sum_of_both_kernels():
+    """phi_q(q).phi_k(k) = w_T (1 + u + u^2/2) + w_H phi_Hq(q).phi_Hk(k), w = e^{(a_q + a_k)/2} per
+    head and part, for random maps and weights; ``pairwise`` gives the same from u and the Hedgehog
+    features alone; at the start the Hedgehog part weighs F_H / 4."""
+    from linearize.layers.feature_maps import TaylorHedgehogFeatureMap, pairwise
+
+    torch.manual_seed(0)
+    fq, fk = (TaylorHedgehogFeatureMap(H, D, feature_dim=12, init="random").double() for _ in range(2))
+    assert fq.feature_dim == 1 + D + D * (D + 1) // 2 + 12
+    assert torch.allclose(fq.log_weight[:, 1].exp(), torch.full((H,), 3.0, dtype=torch.float64))
+    with torch.no_grad():
+        for m in (fq, fk):
+            m.log_weight.normal_(0, 1)
+            m.taylor.log_scale.normal_(-1, 0.3)
+    q, k = x_heads(0).double(), x_heads(1).double()
+    w = (0.5 * (fq.log_weight + fk.log_weight)).exp()
+    u = (q @ fq.taylor.weight) @ (k @ fk.taylor.weight).transpose(-1, -2) \
+        * (0.5 * (fq.taylor.log_scale + fk.taylor.log_scale)).exp().view(H, 1, 1)
+    hedgehog = fq.hedgehog(q) @ fk.hedgehog(k).transpose(-1, -2)
+    kernel = w[:, 0].view(H, 1, 1) * (1 + u + u * u / 2) + w[:, 1].view(H, 1, 1) * hedgehog
+    torch.testing.assert_close(fq(q) @ fk(k).transpose(-1, -2), kernel, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pairwise(fq, fk, q, k), kernel, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("gate_name", ["sigmoid", "mamba2"])
 def test_scalar_gates_start_with_long_memory_spread_over_heads(gate_name):
     gate = GATES[gate_name](HIDDEN, H, init_gamma=(0.95, 0.99))

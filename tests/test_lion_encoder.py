@@ -43,7 +43,8 @@ def lion_config(variant: str, **kw) -> LionConfig:
     return LionConfig(variant=name, asymmetric=bool(asym), **kw)
 
 
-@pytest.mark.parametrize("variant, feature_map", [(v, "hedgehog") for v in VARIANTS] + [("s-asym", "taylor")])
+@pytest.mark.parametrize("variant, feature_map",
+                         [(v, "hedgehog") for v in VARIANTS] + [("s-asym", "taylor"), ("s-asym", "taylor+hedgehog")])
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
 @pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
 def test_gradients_reach_every_lion_parameter(variant, feature_map, form, exact):
@@ -65,7 +66,8 @@ def test_gradients_reach_every_lion_parameter(variant, feature_map, form, exact)
         assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
 
 
-@pytest.mark.parametrize("variant, feature_map", [(v, "hedgehog") for v in VARIANTS] + [("s-asym", "taylor")])
+@pytest.mark.parametrize("variant, feature_map",
+                         [(v, "hedgehog") for v in VARIANTS] + [("s-asym", "taylor"), ("s-asym", "taylor+hedgehog")])
 @pytest.mark.parametrize("sinks, window", [(1, 2), (2, 0), (0, 1)])
 def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, feature_map, sinks, window):
     """Every form against the definition, written out per query i: softmax over the exact keys'
@@ -110,7 +112,7 @@ def test_exact_sinks_and_window_mix_with_lion_as_one_softmax(variant, feature_ma
                     ref[b, h, i] = sum(pi[e] * v[b, h, j] for e, j in enumerate(exact)) + pi[-1] * rest
         # the chunk and recurrent forms subtract the window keys' LION terms from the whole row; the
         # Taylor kernel's terms are larger (1 + u + u^2/2 for u of several units here), so more digits go
-        tol = 1e-10 if feature_map == "taylor" else 1e-12
+        tol = 1e-10 if feature_map.startswith("taylor") else 1e-12
         for form in ("parallel", "chunk", "recurrent"):
             assert_rel_close(layer(q, k, v, x, valid, form=form), ref, tol, form)
 
@@ -148,7 +150,7 @@ def test_auto_form_runs_parallel_on_short_inputs_and_chunks_long_ones(exact, mon
         assert_rel_close(y, layer(q, k, v, x, form=other), 1e-12, f"T={T}")
 
 
-@pytest.mark.parametrize("feature_map", ["hedgehog", "taylor"])
+@pytest.mark.parametrize("feature_map", ["hedgehog", "taylor", "taylor+hedgehog"])
 @pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2}])
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_long_inputs_never_hold_the_whole_inputs_features(form, exact, feature_map):

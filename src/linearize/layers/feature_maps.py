@@ -161,15 +161,60 @@ def taylor_factors(phi_q: TaylorFeatureMap, phi_k: TaylorFeatureMap, q: torch.Te
     return s * yq, yk
 
 
-def pairwise(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """phi_q(q) . phi_k(k) for every pair, (B, H, T, d) x2 -> (B, H, T, T) in the compute dtype.
-    Two Taylor maps give it from u (``taylor_kernel``) without the F-wide features; other maps
-    multiply their features."""
+class TaylorHedgehogFeatureMap(nn.Module):
+    """phi(x) = [e^{a/2} phi_T(x), e^{c/2} phi_H(x)]: a Taylor map and a Hedgehog map side by side,
+    weighted per head (a, c learned), so that two such maps multiply to the sum of the two kernels
+
+        phi_q(q) . phi_k(k) = w_T (1 + u + u^2 / 2) + w_H phi_Hq(q) . phi_Hk(k),   w = e^{(a_q + a_k) / 2}, ...
+
+    The polynomial fits the smooth bulk of a head's weights but cannot peak; Hedgehog's softmax
+    features can. ``feature_dim`` is the Hedgehog part's F_H (default 2 d, as LION's Hedgehog);
+    F = taylor_feature_dim(d) + F_H. The Hedgehog weight starts at F_H / 4, where its typical
+    product (about 4 / F_H for spread features) is about 1, as the polynomial's is."""
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int | None = None, init: str = "identity"):
+        super().__init__()
+        self.taylor = TaylorFeatureMap(num_heads, head_dim, None, init)
+        self.hedgehog = HedgehogFeatureMap(num_heads, head_dim, 2 * head_dim if feature_dim is None else feature_dim,
+                                           init)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.feature_dim = self.taylor.feature_dim + self.hedgehog.feature_dim
+        self.log_weight = nn.Parameter(torch.tensor([0.0, math.log(self.hedgehog.feature_dim / 4)]).repeat(num_heads, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = (0.5 * self.log_weight).exp().to(compute_dtype(x)).view(-1, 1, 1, 2)
+        return torch.cat([self.taylor(x) * half[..., 0], self.hedgehog(x) * half[..., 1]], dim=-1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
+
+
+def kernel_terms(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tensor) -> list:
+    """phi_q(q_i) . phi_k(k_j) as a sum of terms f(a_i . b_j), a list of (a, b, f) with a, b
+    (B, H, T, n) in the compute dtype: for Taylor maps their d-wide factors and the polynomial
+    (``taylor_factors``), which spares the F-wide products; for Taylor + Hedgehog maps one term
+    per part, weighted; for other maps the features and f = None (the identity)."""
     if isinstance(phi_q, TaylorFeatureMap) and isinstance(phi_k, TaylorFeatureMap):
-        a, b = taylor_factors(phi_q, phi_k, q, k)
-        return taylor_kernel(a @ b.transpose(-1, -2))
+        return [(*taylor_factors(phi_q, phi_k, q, k), taylor_kernel)]
+    if isinstance(phi_q, TaylorHedgehogFeatureMap) and isinstance(phi_k, TaylorHedgehogFeatureMap):
+        acc = compute_dtype(q)
+        w = (0.5 * (phi_q.log_weight + phi_k.log_weight)).exp().to(acc)  # (H, 2)
+        (a, b, poly), = kernel_terms(phi_q.taylor, phi_k.taylor, q, k)
+        hq, hk = (f(x).to(acc) * w[:, 1].sqrt().view(-1, 1, 1) for f, x in ((phi_q.hedgehog, q), (phi_k.hedgehog, k)))
+        return [(a, b, lambda u: w[:, 0].view(-1, *[1] * (u.dim() - 2)) * poly(u)), (hq, hk, None)]
     acc = compute_dtype(q)
-    return phi_q(q).to(acc) @ phi_k(k).to(acc).transpose(-1, -2)
+    return [(phi_q(q).to(acc), phi_k(k).to(acc), None)]
 
 
-FEATURE_MAPS = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap, "taylor": TaylorFeatureMap}
+def pairwise(phi_q: nn.Module, phi_k: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """phi_q(q) . phi_k(k) for every pair, (B, H, T, d) x2 -> (B, H, T, T) in the compute dtype,
+    from ``kernel_terms`` (Taylor maps without their F-wide features)."""
+    out = 0
+    for a, b, f in kernel_terms(phi_q, phi_k, q, k):
+        u = a @ b.transpose(-1, -2)
+        out = out + (u if f is None else f(u))
+    return out
+
+
+FEATURE_MAPS = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap, "taylor": TaylorFeatureMap,
+                "taylor+hedgehog": TaylorHedgehogFeatureMap}

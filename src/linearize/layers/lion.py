@@ -18,7 +18,8 @@ MSE (docs/results/lion-minilm.md). ``feature_map="taylor"`` takes Based's second
 transfers worse than Hedgehog (it cannot form the sharp peaks of BERT heads), but beside exact
 keys, which take those peaks, it is the closer fit to the smooth rest (docs/results/lion-minilm.md).
 The parallel form computes its kernel from u (``feature_maps.pairwise``); the chunk and recurrent
-forms carry its 1 + d + d(d+1)/2 features.
+forms carry its 1 + d + d(d+1)/2 features. ``feature_map="taylor+hedgehog"`` puts both side by side,
+weighted per head (the kernels add: the polynomial for the smooth bulk, Hedgehog for peaks).
 
 Exact keys (ours, off by default; ``sinks`` / ``window``): BERT heads put much of their mass
 on [CLS] (35-70% in MiniLM's layers 1-4) and on the previous or next token (one layer-0 head
@@ -53,7 +54,7 @@ from torch import nn
 from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
 from ..ops.lion.naive import gate_cumsums, lion_mask, token_log_gates
-from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, TaylorFeatureMap, pairwise, taylor_factors, taylor_kernel
+from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, kernel_terms, pairwise
 from .gates import SigmoidGate, _head_gammas, _logit
 
 LION_VARIANTS = ("lit", "d", "s")
@@ -64,7 +65,7 @@ LION_FORMS = ("auto", "chunk", "parallel", "recurrent")
 # slower from 256 on: 1.1-2.4x at 256, 1.8-12x beyond (scripts/lion_forms_short.py,
 # docs/results/lion-forms-short.md).
 AUTO_PARALLEL_MAX = 128
-LION_FEATURE_MAPS = ("hedgehog", "t2r", "taylor")
+LION_FEATURE_MAPS = ("hedgehog", "t2r", "taylor", "taylor+hedgehog")
 POSITION_POLICIES = ("clamp", "error")
 
 
@@ -73,9 +74,10 @@ class LionConfig:
     """Everything that defines a LION layer; overrides of ``convert(model, "lion-*", ...)`` land here."""
 
     variant: str = "s"                         # lit | d | s
-    feature_map: str = "hedgehog"              # hedgehog | t2r | taylor
+    feature_map: str = "hedgehog"              # hedgehog | t2r | taylor | taylor+hedgehog
     feature_dim: int | None = None             # F; None = 2 * head_dim for Hedgehog (F/2 = d), head_dim for T2R,
-    #                                            1 + d + d(d+1)/2 for Taylor (its projection keeps all d)
+    #                                            1 + d + d(d+1)/2 for Taylor (its projection keeps all d);
+    #                                            for taylor+hedgehog the Hedgehog part's F (None: 2 * head_dim)
     feature_init: str = "identity"
     scaled: bool = True                        # divide each row by its sum (the softmax-like form)
     decay_init: tuple[float, float] = (0.95, 0.99)  # initial λ_h (d) / a_t (s), spread over the heads
@@ -110,7 +112,7 @@ class LionConfig:
                              f"got {self.window!r}")
         if self.feature_dim is not None:
             check_positive_int("feature_dim", self.feature_dim)
-            if self.feature_map == "hedgehog" and self.feature_dim % 2:
+            if self.feature_map in ("hedgehog", "taylor+hedgehog") and self.feature_dim % 2:
                 raise ValueError(f"feature_dim counts both Hedgehog halves and must be even, got {self.feature_dim}")
         lo_hi = self.decay_init
         if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(isinstance(x, (int, float)) for x in lo_hi)
@@ -160,7 +162,7 @@ class LionAttention(nn.Module):
             # as for keys of score 0.
             self.rest_logit = nn.Linear(hidden_size, num_heads)
             nn.init.zeros_(self.rest_logit.weight)
-            unit = 1.0 if config.feature_map == "taylor" else 4.0 / feature_dim
+            unit = {"taylor": 1.0, "taylor+hedgehog": 2.0}.get(config.feature_map, 4.0 / feature_dim)
             nn.init.constant_(self.rest_logit.bias, -math.log(unit))
             self.rest_count_scale = nn.Parameter(torch.ones(num_heads))
 
@@ -224,61 +226,75 @@ class LionAttention(nn.Module):
         keep = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
         v1 = torch.cat([v.to(acc), torch.ones_like(v[..., :1], dtype=acc)], dim=-1)
         log_a = self.log_decay(x)
-        not_sink = torch.arange(T, device=q.device) >= n
-        lin, _ = op(q, k, v1, log_a, **{**kw, "scaled": False, "key_valid": not_sink.expand(B, T)})  # (B, H, T, Dv + 1)
-        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
-        logits = []
-        if n:  # (B, H, T, n) against the first n keys
-            logits.append((qa @ ka[:, :, :n].transpose(-1, -2) * self.scale).masked_fill(~keep[:, None, None, :n],
-                                                                                        float("-inf")))
-        if w:  # (B, H, T, 2w + 1) against keys i - w .. i + w, one offset at a time (memory stays O(T))
-            offsets = range(-w, w + 1)
-            ok = torch.stack([_shifted(keep, o, 1) & (torch.arange(T, device=q.device) + o >= n) for o in offsets],
-                             dim=-1)                                                 # (B, T, 2w + 1)
-            logits.append(torch.stack([(qa * _shifted(ka, o, 2)).sum(-1) for o in offsets], dim=-1)
-                          .mul(self.scale).masked_fill(~ok[:, None], float("-inf")))
-            lg = token_log_gates(log_a, valid, B, T, acc)
-            if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
-                b, c = gate_cumsums(lg, token_log_gates(kw["log_a_back"], valid, B, T, acc))
-            pairs = self._window_pairs(q, k, w, acc) * ok[:, None]                   # (B, H, T, 2w + 1)
-            for e, o in enumerate(offsets):  # less the window keys' own LION terms
-                a = pairs[..., e]
-                if lg is not None and o:
-                    a = a * (b - _shifted(b, o, 2) if o < 0 else _shifted(c, o, 2) - c).clamp_max(0.0).exp()
-                lin = lin - a.unsqueeze(-1) * _shifted(v1, o, 2)
-        # A query whose keys are all exact has no rest; the subtraction leaves rounding noise there,
-        # which must not be read: count the rest's keys exactly and drop the pseudo-key where 0.
-        has_rest = keep[:, n:].sum(-1, keepdim=True) > (ok.sum(-1) if w else 0)        # (B, T)
-        den = lin[..., Dv:].clamp_min(0.0) + self.config.eps
-        rest = (lin[..., :Dv] / den).masked_fill(~has_rest[:, None, :, None], 0.0)
-        r = self._rest_logit(x, den, has_rest, keep)
-        pi = torch.softmax(torch.cat(logits + [r], dim=-1), dim=-1)
-        y = pi[..., -1:] * rest
-        if n:
-            y = y + pi[..., :n] @ va[:, :, :n]
-        for e, o in enumerate(range(-w, w + 1) if w else ()):
-            y = y + pi[..., n + e, None] * _shifted(va, o, 2)
+        not_sink = (torch.arange(T, device=q.device) >= n).expand(B, T)
+        lin, _ = op(q, k, v1, log_a, **{**kw, "scaled": False, "key_valid": not_sink})  # (B, H, T, Dv + 1)
+        lg = token_log_gates(log_a, valid, B, T, acc) if w else None
+        if lg is not None:  # M_ij = e^{b_i - b_j} (j < i), e^{c_j - c_i} (j > i), as ops.lion's mask
+            b, c = gate_cumsums(lg, token_log_gates(kw["log_a_back"], valid, B, T, acc))
+        ka_sink, va_sink = k[:, :, :n].to(acc), v[:, :, :n].to(acc)
+        rest_keys = keep[:, n:].sum(-1, keepdim=True)                                  # (B, 1)
+        y = v.new_empty(B, H, T, Dv, dtype=acc)
+        # The mix is local (the sinks, and w keys on either side): a chunk of queries at a time, with
+        # its keys and a halo of w on each side (0 past either end), so that beyond LION's lin only
+        # y spans the input.
+        for s0 in range(0, T, self.config.chunk_size):
+            s1 = min(s0 + self.config.chunk_size, T)
+            C = s1 - s0
+            qa = q[:, :, s0:s1].to(acc)
+            logits = []
+            if n:  # (B, H, C, n) against the first n keys
+                logits.append((qa @ ka_sink.transpose(-1, -2) * self.scale).masked_fill(~keep[:, None, None, :n],
+                                                                                       float("-inf")))
+            lin_c = lin[:, :, s0:s1]
+            if w:  # (B, H, C, 2w + 1) against keys i - w .. i + w
+                halo = _halo(s0, s1, w, T)
+                near = lambda t, e, dim=2: t.narrow(dim, e, C)  # noqa: E731  (offset e - w of each query)
+                keep_h = halo(keep, 1)
+                first = torch.arange(s0 - w, s1 + w, device=q.device) >= n
+                ok = torch.stack([near(keep_h & first, e, 1) for e in range(2 * w + 1)], dim=-1)  # (B, C, 2w + 1)
+                ka_h, v1_h = halo(k, 2).to(acc), halo(v1, 2)
+                logits.append(torch.stack([(qa * near(ka_h, e)).sum(-1) for e in range(2 * w + 1)], dim=-1)
+                              .mul(self.scale).masked_fill(~ok[:, None], float("-inf")))
+                pairs = self._window_pairs(q, k, s0, s1, w, acc) * ok[:, None]         # (B, H, C, 2w + 1)
+                if lg is not None:
+                    b_h, c_h = halo(b, 2), halo(c, 2)
+                for e in range(2 * w + 1):  # less the window keys' own LION terms
+                    a = pairs[..., e]
+                    if lg is not None and e != w:
+                        a = a * (b[:, :, s0:s1] - near(b_h, e) if e < w
+                                 else near(c_h, e) - c[:, :, s0:s1]).clamp_max(0.0).exp()
+                    lin_c = lin_c - a.unsqueeze(-1) * near(v1_h, e)
+            # A query whose keys are all exact has no rest; the subtraction leaves rounding noise
+            # there, which must not be read: count the rest's keys exactly and drop the pseudo-key.
+            has_rest = rest_keys > (ok.sum(-1) if w else 0)                              # (B, C)
+            den = lin_c[..., Dv:].clamp_min(0.0) + self.config.eps
+            rest = (lin_c[..., :Dv] / den).masked_fill(~has_rest[:, None, :, None], 0.0)
+            r = self._rest_logit(x[:, s0:s1], den, has_rest, keep[:, s0:s1])
+            pi = torch.softmax(torch.cat(logits + [r], dim=-1), dim=-1)
+            y_c = pi[..., -1:] * rest
+            if n:
+                y_c = y_c + pi[..., :n] @ va_sink
+            if w:
+                va_h = v1_h[..., :Dv]
+                for e in range(2 * w + 1):
+                    y_c = y_c + pi[..., n + e, None] * near(va_h, e)
+            y[:, :, s0:s1] = y_c
         if valid is not None:  # a padded query reads nothing, as in the ops
             y = y * valid[:, None, :, None]
         return y.to(v.dtype)
 
-    def _window_pairs(self, q: torch.Tensor, k: torch.Tensor, w: int, acc: torch.dtype) -> torch.Tensor:
-        """phi_q(q_i) . phi_k(k_{i+o}) for o = -w..w, (B, H, T, 2w + 1) in ``acc`` (keys past either end
-        count as zero vectors). A chunk of queries at a time, with their keys and a halo of w on each
-        side, so that no F-wide tensor spans the input; Taylor maps from their d-wide projections
-        (``taylor_kernel``), which spares the F-wide products."""
-        B, H, T, _ = q.shape
-        taylor = isinstance(self.phi_q, TaylorFeatureMap)
-        out = q.new_empty(B, H, T, 2 * w + 1, dtype=acc)
-        for s0 in range(0, T, self.config.chunk_size):
-            s1 = min(s0 + self.config.chunk_size, T)
-            lo, hi = max(s0 - w, 0), min(s1 + w, T)
-            qc, kc = q[:, :, s0:s1], k[:, :, lo:hi]
-            a, b = taylor_factors(self.phi_q, self.phi_k, qc, kc) if taylor else (self.phi_q(qc), self.phi_k(kc))
-            b = F.pad(b.to(acc), (0, 0, lo - (s0 - w), s1 + w - hi))                 # keys s0 - w .. s1 + w - 1
-            u = torch.stack([(a.to(acc) * b[:, :, e:e + s1 - s0]).sum(-1) for e in range(2 * w + 1)], dim=-1)
-            out[:, :, s0:s1] = taylor_kernel(u) if taylor else u
-        return out
+    def _window_pairs(self, q: torch.Tensor, k: torch.Tensor, s0: int, s1: int, w: int,
+                      acc: torch.dtype) -> torch.Tensor:
+        """phi_q(q_i) . phi_k(k_{i+o}) for the queries i in [s0, s1) and o = -w..w, (B, H, s1 - s0, 2w + 1)
+        in ``acc`` (keys past either end count as zero vectors), from ``kernel_terms`` on those queries
+        and their keys with a halo of w (Taylor maps from their d-wide projections: no F-wide products)."""
+        halo = _halo(s0, s1, w, q.shape[2])
+        total = 0
+        for a, b, f in kernel_terms(self.phi_q, self.phi_k, q[:, :, s0:s1], k[:, :, max(s0 - w, 0):s1 + w]):
+            b = halo(b, 2, cut=False)
+            u = torch.stack([(a * b.narrow(2, e, s1 - s0)).sum(-1) for e in range(2 * w + 1)], dim=-1)
+            total = total + (u if f is None else f(u))
+        return total
 
     def _rest_logit(self, x: torch.Tensor, den: torch.Tensor, has_rest: torch.Tensor,
                     keep: torch.Tensor) -> torch.Tensor:
@@ -327,10 +343,14 @@ class LionAttention(nn.Module):
         return f"variant={c.variant}, feature_map={c.feature_map}, scaled={c.scaled}, form={c.form}{exact}"
 
 
-def _shifted(x: torch.Tensor, offset: int, dim: int) -> torch.Tensor:
-    """y with y[..., t, ...] = x[..., t + offset, ...] along ``dim``, zero (False) past either end."""
-    T = x.shape[dim]
-    pad = torch.zeros_like(x.narrow(dim, 0, min(abs(offset), T)))
-    if offset >= 0:
-        return torch.cat([x.narrow(dim, offset, T - min(offset, T)), pad], dim=dim) if offset else x
-    return torch.cat([pad, x.narrow(dim, 0, T - min(-offset, T))], dim=dim)
+def _halo(s0: int, s1: int, w: int, T: int):
+    """For the tokens [s0, s1) of a length-T axis: t -> t's tokens s0 - w .. s1 + w - 1 along ``dim``,
+    zero (False) past either end; with ``cut=False`` t holds tokens max(s0 - w, 0) .. already."""
+    lo, hi = max(s0 - w, 0), min(s1 + w, T)
+
+    def take(t: torch.Tensor, dim: int, cut: bool = True) -> torch.Tensor:
+        t = t.narrow(dim, lo, hi - lo) if cut else t
+        pad = [0, 0] * (t.dim() - 1 - dim) + [lo - (s0 - w), s1 + w - hi]
+        return F.pad(t, pad)
+
+    return take
