@@ -179,13 +179,31 @@ def _decay_sentence(c: dict) -> str:
 
 def _feature_sentence(c: dict) -> str:
     """The feature map of a record in words ('' for the default, Hedgehog)."""
-    if c["overrides"].get("feature_map") != "taylor":
-        return ""
-    return (" Feature map: Taylor (`feature_map=\"taylor\"`, layers/feature_maps.py), a learned (d x d) map per "
-            "head and a learned scale, whose features multiply to 1 + u + u^2/2 with u the mapped queries' and "
-            "keys' scaled scores: the second-order expansion of the softmax's exp(q.k / sqrt d), which it is at "
-            "the start. Its features are 561 wide for heads of 32 (the chunk and recurrent forms carry states of "
-            "that width); the parallel form, which these sentences take, computes the kernel from u directly.")
+    fmap = c["overrides"].get("feature_map")
+    taylor = ("a learned (d x d) map per head and a learned scale, whose features multiply to 1 + u + u^2/2 with u "
+              "the mapped queries' and keys' scaled scores: the second-order expansion of the softmax's "
+              "exp(q.k / sqrt d), which it is at the start")
+    if fmap == "taylor":
+        return (f" Feature map: Taylor (`feature_map=\"taylor\"`, layers/feature_maps.py), {taylor}. Its features "
+                f"are {_feature_width(c)} wide for heads of 32 (the chunk and recurrent forms carry states of that "
+                "width); the parallel form, which these sentences take, computes the kernel from u directly.")
+    if fmap == "taylor+hedgehog":
+        return (" Feature map: Taylor + Hedgehog (`feature_map=\"taylor+hedgehog\"`, layers/feature_maps.py): the "
+                f"Taylor map ({taylor}) and a Hedgehog map side by side, weighted per head, so that the kernel is "
+                "w_T (1 + u + u^2/2) + w_H phi_H(q).phi_H(k): the polynomial for the smooth bulk of a head's "
+                "weights, Hedgehog's softmax features for the peaks a polynomial cannot form. Its features are "
+                f"{_feature_width(c)} wide for heads of 32 (the chunk and recurrent forms carry states of that width); "
+                "the parallel form, which these sentences take, computes the Taylor part from u directly.")
+    return ""
+
+
+def _feature_width(c: dict) -> int:
+    """F of a record's feature map for MiniLM's heads of 32 (its LionConfig's defaults)."""
+    from linearize.layers.lion import LionAttention, LionConfig
+
+    keys = ("feature_map", "feature_dim")
+    cfg = LionConfig().with_overrides(**{k: v for k, v in c["overrides"].items() if k in keys})
+    return LionAttention(cfg, 12, 32, 384).phi_q.feature_dim
 
 
 def _data_sentence(data: dict) -> str:
@@ -238,19 +256,17 @@ def results_markdown(data: dict) -> str:
     body = embed_markdown(data).split("\n", 1)[1]  # the eval's own tables, under this page's title
     lines += ["## Held-out evaluation (`linearize.eval.embed`)", body.replace("## One attention", "### One attention")]
     if data.get("cost"):
-        # MiniLM: 12 heads of 32; Hedgehog F defaults to 2 x head_dim, Taylor's to 1 + 32 + 32 x 33 / 2
-        from linearize.layers.feature_maps import taylor_feature_dim
-
-        overrides = data["training"]["config"].get("overrides", {})
-        feat = overrides.get("feature_dim") or (taylor_feature_dim(32) if overrides.get("feature_map") == "taylor"
-                                                else 64)
-        lines += ["Extra memory is the peak resident memory of the whole layer call above its inputs. For LION it "
-                  "grows linearly with the input because the layer maps φ(q) and φ(k) for the whole input "
-                  f"(2 x heads x tokens x F floats, F = {feat} here: {2 * 12 * 32768 * feat * 4 // 2**20} MiB at 32K "
-                  "tokens) and writes the output (48 MiB at 32K); the chunk op itself keeps only its two states "
-                  "and one chunk's C x C block beyond those. SDPA on the CPU runs a flash kernel whose extra "
-                  "memory is about its output. The parallel form materialises T x T masks and weights (skipped "
-                  "where they would pass 4 GiB); the recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
+        feat = _feature_width(data["training"]["config"])
+        out_mib = 12 * 32 * 16384 * 4 / 2**20  # one (1, 12, 16K, 32) fp32 tensor
+        lines += ["Extra memory is the peak resident memory of the whole layer call above its inputs. Without "
+                  "autograd the chunk and recurrent forms make φ(q) and φ(k) one chunk (block) of tokens at a "
+                  f"time (F = {feat} features here) and mix the exact keys one chunk of queries at a time, so what "
+                  "grows with the input is a few tensors of the output's size (LION's unscaled output with its row "
+                  "sums, the forward sweep's reads, the output; "
+                  f"{out_mib:.0f} MiB each at 16K tokens), beside the two (F x d) states per direction and one "
+                  "chunk's C x C block. SDPA on the CPU runs a flash kernel whose extra memory is about its output. "
+                  "The parallel form materialises T x T masks and weights (skipped where they would pass 4 GiB); "
+                  "the recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
     lines += _why_section(data)
     lines += ["## Positions beyond 512", "",
               "MiniLM (like BERT) adds a learned absolute position embedding per token, with 512 of them. The "

@@ -20,6 +20,12 @@ Layout: ``q, k: (B, H, T, F)``, ``v: (B, H, T, Dv)``, output ``(B, H, T, Dv)`` i
 ``v``; states and accumulation in fp32 (fp64 for fp64 inputs). ``valid: (B, T)`` bool (or 0/1
 integers), False at padding, or None.
 
+Feature maps and left-out keys (every form): ``phi_q`` / ``phi_k``, callables (B, H, C, d) ->
+(B, H, C, F), make the op take the raw heads as q and k and apply the maps itself; the chunk and
+recurrent forms then do it a chunk (block) of tokens at a time without autograd, so no F-wide
+tensor spans the input. ``key_valid: (B, T)`` leaves keys out of every sum (their features count
+as 0) while their tokens still query and decay: the exact sinks of ``layers.lion`` use it.
+
 Padding never reaches a state or a gate: at padding, q, k and v are zeroed (``masked_fill``, so
 even NaN there is cleared) and a_t is set to 1, so every valid token gets exactly the output it
 gets in the sequence with the padding removed, wherever the padding sits; padded positions
