@@ -411,7 +411,8 @@ def test_stage2_targets_pooled_from_the_teachers_hidden_states_are_its_embedding
 
 
 @pytest.mark.parametrize("exact", [{}, {"sinks": 1, "window": 2, "asymmetric": True},
-                                   {"sinks": 1, "window": 2, "asymmetric": True, "feature_map": "taylor"}])
+                                   {"sinks": 1, "window": 2, "asymmetric": True, "feature_map": "taylor"},
+                                   {"sinks": 1, "window": 2, "feature_map": "taylor+hedgehog", "feature_dim": 16}])
 def test_converted_minilm_round_trips_exactly(minilm, tmp_path, exact):
     from linearize.models.lora import add_lora
 
