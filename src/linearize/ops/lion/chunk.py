@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 
 from .. import common
-from .naive import (FeatureMap, LionState, check_inputs, feature_width, records_graph, selective_mask,
-                    span_features, token_log_gates, whole_features)
+from .naive import (FeatureMap, LionState, check_inputs, feature_width, records_graph, selective_mask, span_qkv,
+                    token_log_gates)
 
 
 def lion_chunk(
@@ -50,13 +50,12 @@ def lion_chunk(
     # Writing the output in place keeps inference memory flat; autograd needs out-of-place pieces.
     in_place = not records_graph((q, k, v, log_a, log_a_back), phi_q)
     if not in_place:  # autograd keeps every chunk's features anyway: make them once, not once per sweep
-        q, k, v = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
+        q, k, v = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k)
         phi_q = phi_k = valid = keys = None
 
     def chunk(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The chunk's q and k features and v, masked; without autograd made here, for this chunk alone."""
-        return (span_features(q, phi_q, valid, s0, s1, dt), span_features(k, phi_k, keys, s0, s1, dt),
-                span_features(v, None, valid, s0, s1, dt))
+        return span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k, s0, s1)
 
     S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
     reads = []  # per chunk: (decays or None, num, den) after the intra and forward terms

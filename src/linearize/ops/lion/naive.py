@@ -137,12 +137,12 @@ def records_graph(tensors, phi: Optional[FeatureMap]) -> bool:
         t is not None and t.requires_grad for t in tensors))
 
 
-def whole_features(q, k, v, valid, keys, dt, phi_q=None, phi_k=None):
-    """q, k, v of the whole input as ``span_features`` gives them (the parallel form, and the
-    others when autograd keeps every chunk's features anyway)."""
-    T = q.shape[2]
-    return (span_features(q, phi_q, valid, 0, T, dt), span_features(k, phi_k, keys, 0, T, dt),
-            span_features(v, None, valid, 0, T, dt))
+def span_qkv(q, k, v, valid, keys, dt, phi_q=None, phi_k=None, s0: int = 0, s1: Optional[int] = None):
+    """q and k features and v of tokens [s0, s1) (default: the whole input), masked, as
+    ``span_features`` gives them: padding (``valid``) zeroes all three, left-out keys (``keys``) k."""
+    s1 = q.shape[2] if s1 is None else s1
+    return (span_features(q, phi_q, valid, s0, s1, dt), span_features(k, phi_k, keys, s0, s1, dt),
+            span_features(v, None, valid, s0, s1, dt))
 
 
 def token_log_gates(log_a, valid, B: int, T: int, dt) -> Optional[torch.Tensor]:
@@ -239,7 +239,7 @@ def lion_parallel(
     ``key_valid`` is False enter no sum (their queries still read, their gates still decay)."""
     dt, valid, keys = check_inputs(q, k, v, log_a, valid, log_a_back, phi_q, phi_k, key_valid)
     B, _, T, _ = q.shape
-    qf, kf, vf = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
+    qf, kf, vf = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k)
     if T:
         mask = lion_mask(log_a, T, valid, batch_size=B, dtype=dt, device=q.device, log_a_back=log_a_back)
         weights = (qf @ kf.transpose(-1, -2)) * mask  # (B, H, T, T)

@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 
 from .. import common
-from .naive import (FeatureMap, LionState, check_inputs, feature_width, records_graph, span_features,
-                    token_log_gates, whole_features)
+from .naive import FeatureMap, LionState, check_inputs, feature_width, records_graph, span_qkv, token_log_gates
 
 FEATURE_BLOCK = 64  # tokens whose features are made at once when the op applies the feature maps
 
@@ -42,15 +41,11 @@ def lion_recurrent(
     a_bwd = a_fwd if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt).exp().unsqueeze(-1)
     # features given, or kept by autograd anyway: make them once
     if phi_q is None or records_graph((q, k, v, log_a, log_a_back), phi_q):
-        q, k, v = whole_features(q, k, v, valid, keys, dt, phi_q, phi_k)
+        q, k, v = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k)
         phi_q = phi_k = valid = keys = None
         blocks = [(0, T)]
     else:  # a block of tokens at a time in each sweep, so no F-wide tensor spans the input
         blocks = [(s, min(s + FEATURE_BLOCK, T)) for s in range(0, T, FEATURE_BLOCK)]
-
-    def block(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (span_features(q, phi_q, valid, s0, s1, dt), span_features(k, phi_k, keys, s0, s1, dt),
-                span_features(v, None, valid, s0, s1, dt))
 
     def step(S, z, t, a, kt, vt):
         if a is not None:
@@ -63,14 +58,14 @@ def lion_recurrent(
     S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
     reads = [None] * T  # the forward reads q_t^T S^F_t, q_t^T z^F_t, freed as the backward sweep uses them
     for s0, s1 in blocks:
-        qb, kb, vb = block(s0, s1)
+        qb, kb, vb = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k, s0, s1)
         for t in range(s0, s1):
             S_f, z_f = step(S_f, z_f, t, a_fwd, kb[:, :, t - s0], vb[:, :, t - s0])
             reads[t] = read(S_f, z_f, qb[:, :, t - s0])
     S_b, z_b = torch.zeros_like(S_f), torch.zeros_like(z_f)
     outs = [None] * T
     for s0, s1 in reversed(blocks):
-        qb, kb, vb = block(s0, s1)
+        qb, kb, vb = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k, s0, s1)
         for t in range(s1 - 1, s0 - 1, -1):
             qt, kt, vt = qb[:, :, t - s0], kb[:, :, t - s0], vb[:, :, t - s0]
             S_b, z_b = step(S_b, z_b, t, a_bwd, kt, vt)
