@@ -39,8 +39,9 @@ def lion_recurrent(
     lg = token_log_gates(log_a, valid, B, T, dt)
     a_fwd = None if lg is None else lg.exp().unsqueeze(-1)  # (B, H, T, 1)
     a_bwd = a_fwd if log_a_back is None else token_log_gates(log_a_back, valid, B, T, dt).exp().unsqueeze(-1)
+    graph = records_graph((q, k, v, log_a, log_a_back), phi_q)
     # features given, or kept by autograd anyway: make them once
-    if phi_q is None or records_graph((q, k, v, log_a, log_a_back), phi_q):
+    if phi_q is None or graph:
         q, k, v = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k)
         phi_q = phi_k = valid = keys = None
         blocks = [(0, T)]
@@ -55,24 +56,32 @@ def lion_recurrent(
     def read(S, z, qt):
         return (qt.unsqueeze(-2) @ S).squeeze(-2), (qt * z).sum(-1, keepdim=True)
 
+    # Per token: the forward sweep's reads q_t^T S^F_t and q_t^T z^F_t, and the output. Without
+    # autograd they go into buffers made once, indexed by t: T small tensors that outlive the
+    # sweep's temporaries fragment the CPU heap (peak 862 MiB for one layer at 32K tokens).
+    # Under autograd, lists (writing slices in place would cost the backward a copy per token).
+    if graph:
+        num_fs, den_fs, outs = [None] * T, [None] * T, [None] * T
+    else:
+        num_fs, den_fs, outs = (v.new_empty(T, B, H, n, dtype=dt) for n in (Dv, 1, Dv))
     S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
-    reads = [None] * T  # the forward reads q_t^T S^F_t, q_t^T z^F_t, freed as the backward sweep uses them
     for s0, s1 in blocks:
         qb, kb, vb = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k, s0, s1)
         for t in range(s0, s1):
             S_f, z_f = step(S_f, z_f, t, a_fwd, kb[:, :, t - s0], vb[:, :, t - s0])
-            reads[t] = read(S_f, z_f, qb[:, :, t - s0])
+            num_fs[t], den_fs[t] = read(S_f, z_f, qb[:, :, t - s0])
     S_b, z_b = torch.zeros_like(S_f), torch.zeros_like(z_f)
-    outs = [None] * T
     for s0, s1 in reversed(blocks):
         qb, kb, vb = span_qkv(q, k, v, valid, keys, dt, phi_q, phi_k, s0, s1)
         for t in range(s1 - 1, s0 - 1, -1):
             qt, kt, vt = qb[:, :, t - s0], kb[:, :, t - s0], vb[:, :, t - s0]
             S_b, z_b = step(S_b, z_b, t, a_bwd, kt, vt)
             num_b, den_b = read(S_b, z_b, qt)
-            (num_f, den_f), reads[t] = reads[t], None
             self_w = (qt * kt).sum(-1, keepdim=True)  # q_t . k_t: in both sweeps, counted once
-            num = num_f + num_b - self_w * vt
-            outs[t] = common.normalize_output(num, den_f + den_b - self_w, eps) if scaled else num
-    o = torch.stack(outs, 2) if T else v.new_zeros(B, H, 0, Dv)
+            num = num_fs[t] + num_b - self_w * vt
+            outs[t] = common.normalize_output(num, den_fs[t] + den_b - self_w, eps) if scaled else num
+    if graph:
+        o = torch.stack(outs, 2) if T else v.new_zeros(B, H, 0, Dv)
+    else:
+        o = outs.movedim(0, 2).contiguous()
     return o.to(out_dtype), LionState(S_f, z_f, S_b, z_b)
