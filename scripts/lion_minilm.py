@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="docs/results", help="where lion-minilm.{md,json,png} go ('' = nowhere)")
     p.add_argument("--stem", default="lion-minilm")
     p.add_argument("--threads", type=int, default=1, help="torch threads for training and timing")
+    p.add_argument("--seed", type=int, default=0, help="training seed (sentence order, batches, initialisation); "
+                   "the held-out test sentences do not depend on it")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--stage1-tokens", type=int, default=150_000)
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
 
     config = TrainConfig(
         method=args.method, model="minilm-l6", data=args.data, out=args.out, seq_len=args.seq_len,
-        val_rows=args.val_sentences, batch_size=args.batch_size, stage1_tokens=args.stage1_tokens,
+        val_rows=args.val_sentences, seed=args.seed, batch_size=args.batch_size, stage1_tokens=args.stage1_tokens,
         stage2_tokens=args.stage2_tokens, stage1_lr=args.stage1_lr, stage2_lr=args.stage2_lr,
         lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank, distill=args.distill,
         relational=args.relational, relational_temperature=args.relational_temperature,
