@@ -15,9 +15,9 @@ c_t = b_t - log a_t (exclusive) and b_end = b_{s1-1}, every factor below is <= 1
 (e^{b_end - c_t} = Π_{k=t..s1-1} a_k: the query's own gate is in, as in the mask.) With
 ``log_a_back`` the backward sweep's b_end and c (and the intra mask's upper triangle) come from
 those gates instead. The forward sweep keeps each chunk's intra + forward reads; the backward
-sweep adds its reads and writes the chunk's output. Without autograd the output is written in
-place and each chunk's reads are freed once used, so extra memory is O(B H (C^2 + F Dv)) plus
-one row sum per token. Given feature maps (``phi_q`` / ``phi_k``, q and k then the raw heads),
+sweep adds its reads and writes the chunk's output. Without autograd the forward reads go where
+the output will be and are overwritten by it, so extra memory is O(B H (C^2 + F Dv)) plus one
+row sum and two gate sums per token. Given feature maps (``phi_q`` / ``phi_k``, q and k then the raw heads),
 it makes a chunk's features when a sweep reaches it, twice in all, so no F-wide tensor spans the
 input either; under autograd, which keeps every chunk's features for the backward anyway, it
 makes them once for the whole input.
@@ -59,6 +59,9 @@ def lion_chunk(
 
     S_f, z_f = v.new_zeros(B, H, F, Dv, dtype=dt), v.new_zeros(B, H, F, dtype=dt)
     reads = []  # per chunk: (decays or None, num, den) after the intra and forward terms
+    if in_place:  # num goes where the chunk's output will, den into one row sum per token
+        out = v.new_empty(B, H, T, Dv, dtype=dt)
+        dens = v.new_empty(B, H, T, 1, dtype=dt) if scaled else None
     for s0, s1 in spans:
         qc, kc, vc = chunk(s0, s1)
         weights = qc @ kc.transpose(-1, -2)  # (B, H, C, C)
@@ -76,6 +79,12 @@ def lion_chunk(
             k_fwd = kc * (b_end - b).exp().unsqueeze(-1)
         num = weights @ vc + q_fwd @ S_f
         den = weights.sum(-1, keepdim=True) + q_fwd @ z_f.unsqueeze(-1) if scaled else None
+        if in_place:
+            out[:, :, s0:s1] = num
+            num = out[:, :, s0:s1]
+            if scaled:
+                dens[:, :, s0:s1] = den
+                den = dens[:, :, s0:s1]
         reads.append((decays, num, den))
         if b_end is not None:
             S_f, z_f = b_end.exp().unsqueeze(-1) * S_f, b_end.exp() * z_f
@@ -83,7 +92,6 @@ def lion_chunk(
         z_f = z_f + k_fwd.sum(2)
 
     S_b, z_b = torch.zeros_like(S_f), torch.zeros_like(z_f)
-    out = v.new_empty(B, H, T, Dv, dtype=dt) if in_place else None
     pieces = [None] * len(spans)
     for i in range(len(spans) - 1, -1, -1):
         s0, s1 = spans[i]
