@@ -8,7 +8,8 @@ docs/results/lion-minilm.{md,json,png}.
 Everything it measures comes from the library (``linearize.train.encoder.run_encoder`` and
 ``linearize.eval.embed.run_embed_eval``); this file only picks the settings, times the training
 and writes the record (also to OUT/results.json). ``--resume`` continues a killed run.
-``--rerender JSON`` rewrites the record's Markdown and PNG from its JSON without training, and
+``--rerender JSON`` rewrites the record's Markdown and PNG from its JSON without training,
+``--retime JSON`` measures its timing table again with the code as it is (and says so on the page), and
 ``--trials JSON`` puts shorter exploratory runs into the record (what was tried, with its figures), where the
 Markdown shows each set of them as a table: {"sets": [{"intro": "...", "runs": [...]}, ...], "notes": "..."} (or
 the first record's single {"runs": [...]}).
@@ -71,11 +72,15 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--rerender", default="", help="a record's JSON: rewrite its .md/.png, no training")
     p.add_argument("--trials", default="", help="a JSON list of exploratory runs to record beside the result")
+    p.add_argument("--retime", default="", help="a record's JSON: measure its timing table again with the code as "
+                   "it is (the record's checkpoint, --threads, --lengths), then rewrite it as --rerender does")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.rerender:
-        path = Path(args.rerender)
+    if args.rerender or args.retime:
+        path = Path(args.rerender or args.retime)
         data = json.loads(path.read_text())
+        if args.retime:
+            data["cost"] = retime(data["checkpoint"], [int(n) for n in args.lengths.split(",") if n], args.threads)
         if "calibration" not in data:
             data["calibration"] = noise_calibration(data["data"], data["sentences"], data["max_length"])
         if "exact_keys" not in data:
@@ -122,6 +127,28 @@ def main(argv=None) -> int:
     if args.results:
         write_outputs(args.results, args.stem, data, results_markdown, embed_figure)
     return 0
+
+
+def retime(checkpoint: str, lengths: list[int], threads: int) -> dict:
+    """The timing table of ``run_embed_eval`` for the LION layers of ``checkpoint``, measured now, with the
+    command and date beside it (a record's table can then follow a change to the code without retraining)."""
+    import dataclasses
+    import datetime
+
+    from linearize.eval.embed import attention_cost
+    from linearize.models.checkpoint import load
+    from linearize.models.encoder import lion_layers
+
+    model = load(checkpoint)[0]
+    c = model.config
+    lion = lion_layers(model)[0].lion.config
+    cost = attention_cost(dataclasses.asdict(lion), heads=c.num_attention_heads,
+                          head_dim=c.hidden_size // c.num_attention_heads, hidden=c.hidden_size, lengths=lengths,
+                          threads=threads)
+    cost.update(variant=lion.variant, chunk_size=lion.chunk_size, sinks=lion.sinks, window=lion.window)
+    cost["remeasured"] = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
+                          "date": datetime.date.today().isoformat()}
+    return cost
 
 
 def noise_calibration(source: str, sentences: int, max_length: int, seed: int = 0) -> dict:
@@ -263,12 +290,13 @@ def results_markdown(data: dict) -> str:
         lines += ["Extra memory is the peak resident memory of the whole layer call above its inputs. Without "
                   "autograd the chunk and recurrent forms make φ(q) and φ(k) one chunk (block) of tokens at a "
                   f"time (F = {feat} features here) and mix the exact keys one chunk of queries at a time, so what "
-                  "grows with the input is a few tensors of the output's size (LION's unscaled output with its row "
-                  "sums, the forward sweep's reads, the output; "
+                  "grows with the input is a few tensors of the output's size (v with a column of ones, LION's "
+                  "unscaled output with its row sums, which the chunk form's forward sweep fills first, the output; "
                   f"{out_mib:.0f} MiB each at 16K tokens), beside the two (F x d) states per direction and one "
                   "chunk's C x C block. SDPA on the CPU runs a flash kernel whose extra memory is about its output. "
                   "The parallel form materialises T x T masks and weights (skipped where they would pass 4 GiB); "
-                  "the recurrent form is a Python loop over tokens, slow but the most literal RNN.", ""]
+                  "the recurrent form is a Python loop over tokens, slow but the most literal RNN." + _retimed(data),
+                  ""]
     lines += _why_section(data)
     lines += ["## Positions beyond 512", "",
               "MiniLM (like BERT) adds a learned absolute position embedding per token, with 512 of them. The "
@@ -374,6 +402,12 @@ def _chunk_wins(cost: dict, n: int) -> bool:
         return cost["forms"]["chunk"][i]["ms"] < cost["forms"]["sdpa"][i]["ms"]
     except (KeyError, ValueError):
         return False
+
+
+def _retimed(data: dict) -> str:
+    again = (data.get("cost") or {}).get("remeasured")
+    return (f" This table was measured again after the training run, on {again['date']}, with "
+            f"`{again['command']}`." if again else "")
 
 
 def _chunk_vs_sdpa(cost: dict | None, n: int) -> str:

@@ -47,3 +47,23 @@ def test_the_recorded_lion_page_keeps_its_stage2_trend():
     data = json.loads((root / "lion-minilm.json").read_text())
     assert data["stage2_trend"].startswith("Over stage 2 the validation cosine / agreement")
     assert data["stage2_trend"] in (root / "lion-minilm.md").read_text()
+
+
+def test_retime_measures_the_checkpoints_layer_again_and_the_page_says_so(lion_minilm, tmp_path, monkeypatch):
+    """``--retime``: the timing table of a record's checkpoint, measured with the code as it is, from the
+    checkpoint's own LION settings, with the command and date the page then quotes."""
+    import linearize
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    model = linearize.convert(BertModel(config).eval(), "lion-s", chunk_size=8, sinks=1, window=2)
+    linearize.save(model, tmp_path / "ckpt", merged=True)  # loads without a base model
+    monkeypatch.setattr("sys.argv", ["scripts/lion_minilm.py", "--retime", "x.json"])
+    cost = lion_minilm.retime(str(tmp_path / "ckpt"), [24], threads=1)
+    assert (cost["heads"], cost["head_dim"], cost["chunk_size"], cost["sinks"], cost["window"]) == (2, 16, 8, 1, 2)
+    for form, rows in cost["forms"].items():
+        assert [r["tokens"] for r in rows] == [24] and rows[0]["ms"] > 0, (form, rows)
+    assert cost["remeasured"]["command"] == ".venv/bin/python scripts/lion_minilm.py --retime x.json"
+    assert "measured again after the training run" in lion_minilm._retimed({"cost": cost})
+    assert lion_minilm._retimed({"cost": {"forms": {}}}) == ""
