@@ -132,20 +132,14 @@ def main(argv=None) -> int:
 def retime(checkpoint: str, lengths: list[int], threads: int) -> dict:
     """The timing table of ``run_embed_eval`` for the LION layers of ``checkpoint``, measured now, with the
     command and date beside it (a record's table can then follow a change to the code without retraining)."""
-    import dataclasses
     import datetime
 
-    from linearize.eval.embed import attention_cost
+    from linearize.eval.embed import lion_attention_cost
     from linearize.models.checkpoint import load
     from linearize.models.encoder import lion_layers
 
     model = load(checkpoint)[0]
-    c = model.config
-    lion = lion_layers(model)[0].lion.config
-    cost = attention_cost(dataclasses.asdict(lion), heads=c.num_attention_heads,
-                          head_dim=c.hidden_size // c.num_attention_heads, hidden=c.hidden_size, lengths=lengths,
-                          threads=threads)
-    cost.update(variant=lion.variant, chunk_size=lion.chunk_size, sinks=lion.sinks, window=lion.window)
+    cost = lion_attention_cost(lion_layers(model)[0].lion.config, model.config, lengths=lengths, threads=threads)
     cost["remeasured"] = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
                           "date": datetime.date.today().isoformat()}
     return cost

@@ -179,6 +179,17 @@ def attention_cost(lion: dict, *, heads: int, head_dim: int, hidden: int, length
     return {"forms": results, "threads": threads, "batch": 1, "heads": heads, "head_dim": head_dim}
 
 
+def lion_attention_cost(lion, model_config, **kw) -> dict:
+    """``attention_cost`` (its keyword arguments ``kw``) of one LION layer with config ``lion`` in an encoder
+    of ``model_config``'s head shapes; the result also names the variant, chunk size and exact keys."""
+    import dataclasses
+
+    heads, hidden = model_config.num_attention_heads, model_config.hidden_size
+    cost = attention_cost(dataclasses.asdict(lion), heads=heads, head_dim=hidden // heads, hidden=hidden, **kw)
+    cost.update(variant=lion.variant, chunk_size=lion.chunk_size, sinks=lion.sinks, window=lion.window)
+    return cost
+
+
 def _exact_text(cost: dict) -> str:
     """', exact scores for 1 sink + a window of 2' when the layer keeps exact keys (else '')."""
     n, w = cost.get("sinks") or 0, cost.get("window") or 0
@@ -228,9 +239,7 @@ def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, se
         rows.append({"model": label, "seconds": time.perf_counter() - start, **embedding_quality(s_emb, t_emb)})
         log(f"  {label}: mean cosine {rows[-1]['mean_cosine']:.4f}, NN agreement {rows[-1]['nn_agreement']:.3f}")
         if label == "trained":
-            shape = {"heads": model.config.num_attention_heads,
-                     "head_dim": model.config.hidden_size // model.config.num_attention_heads,
-                     "hidden": model.config.hidden_size}
+            model_config = model.config
             lion_cfg = lion_layers(model)[0].lion.config if lion_layers(model) else None
         del model
     out = {"checkpoint": str(checkpoint), "method": meta["method"], "base": meta["base"]["name"], "data": data,
@@ -239,14 +248,10 @@ def run_embed_eval(checkpoint: str, data: str, out_dir: str | os.PathLike, *, se
     enc = tokenizer(held_out, truncation=True, max_length=max_length)["input_ids"]
     out["tokens_per_sentence"] = sum(map(len, enc)) / len(enc)
     if timing and lion_cfg is not None:
-        import dataclasses
-
-        log(f"attention cost, {meta['method']} vs SDPA (batch 1, {shape['heads']} heads of {shape['head_dim']}):")
-        out["cost"] = attention_cost(dataclasses.asdict(lion_cfg), **shape, lengths=list(lengths), forms=forms,
-                                     threads=threads, memory_limit_gb=memory_limit_gb, progress=progress)
-        out["cost"]["variant"] = lion_cfg.variant
-        out["cost"]["chunk_size"] = lion_cfg.chunk_size
-        out["cost"]["sinks"], out["cost"]["window"] = lion_cfg.sinks, lion_cfg.window
+        log(f"attention cost, {meta['method']} vs SDPA (batch 1, {model_config.num_attention_heads} heads of "
+            f"{model_config.hidden_size // model_config.num_attention_heads}):")
+        out["cost"] = lion_attention_cost(lion_cfg, model_config, lengths=list(lengths), forms=forms, threads=threads,
+                                          memory_limit_gb=memory_limit_gb, progress=progress)
     write_outputs(out_dir, STEM, out, embed_markdown, embed_figure)
     return out
 
