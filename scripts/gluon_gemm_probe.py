@@ -1,0 +1,126 @@
+"""Gluon probe (issue 6): does a hand-written Hopper kernel (TMA loads, mbarriers, async wgmma,
+a multi-stage ring) compile here for sm_90a and, on an H100/H200, compute C = A @ B right and how fast
+against cuBLAS? The first step toward the warp-specialised Lizard kernels the Triton paths could
+not reach (docs/results/kernels-h200.md)."""
+import argparse, json, sys
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm,
+                BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    nbytes: gl.constexpr = (BM * BK + BK * BN) * 2
+    nk = gl.cdiv(K, BK)
+    for i in gl.static_range(STAGES - 1):  # fill the ring
+        ok = i < nk
+        mbarrier.expect(bars.index(i), nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [pid_m * BM, i * BK], bars.index(i), a_s.index(i), pred=ok)
+        tma.async_copy_global_to_shared(b_desc, [i * BK, pid_n * BN], bars.index(i), b_s.index(i), pred=ok)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    for k in range(nk):
+        s = k % STAGES
+        mbarrier.wait(bars.index(s), (k // STAGES) & 1)
+        acc = warpgroup_mma(a_s.index(s), b_s.index(s), acc, is_async=True)
+        # one product in flight: the one before it is done, so its stage can be refilled
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_s.index(s), b_s.index(s)))
+        nxt = k + STAGES - 1
+        t = nxt % STAGES
+        ok = nxt < nk
+        mbarrier.expect(bars.index(t), nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [pid_m * BM, nxt * BK], bars.index(t), a_s.index(t), pred=ok)
+        tma.async_copy_global_to_shared(b_desc, [nxt * BK, pid_n * BN], bars.index(t), b_s.index(t), pred=ok)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    gl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(gl.bfloat16), mask=mask)
+
+
+def descriptors(a, b, BM, BN, BK):
+    la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    lb = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+    return TensorDescriptor.from_tensor(a, [BM, BK], la), TensorDescriptor.from_tensor(b, [BK, BN], lb)
+
+
+def gemm(a, b, BM=128, BN=128, BK=64, stages=4, warps=8):
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    da, db = descriptors(a, b, BM, BN, BK)
+    grid = (triton_cdiv(M, BM), triton_cdiv(N, BN))
+    gemm_kernel[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
+    return c
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8):
+    """Compile for sm_90a without a GPU; returns (registers, spills, shared bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as tcompile
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    a = torch.empty(512, 256, dtype=torch.bfloat16)
+    b = torch.empty(256, 384, dtype=torch.bfloat16)
+    da, db = descriptors(a, b, BM, BN, BK)
+    args = {"a_desc": da, "b_desc": db, "c_ptr": a, "M": 512, "N": 384, "K": 256, "stride_cm": 384}
+    sig = {k: mangle_type(v) for k, v in args.items()}
+    consts = {"BM": BM, "BN": BN, "BK": BK, "STAGES": stages}
+    sig.update({k: "constexpr" for k in consts})
+    names = [q.name for q in gemm_kernel.params]
+    src = GluonASTSource(gemm_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return k.metadata.shared, k.asm.get("ptx", "")[:0] or "compiled"
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.compile_only:
+        print(compile_only())
+        sys.exit(0)
+    import triton
+    rows = []
+    dev = "cuda"
+    name = torch.cuda.get_device_name()
+    for (M, N, K) in [(1000, 1000, 1000), (4096, 4096, 4096), (8192, 8192, 8192)]:
+        a = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
+        b = torch.randn(K, N, dtype=torch.bfloat16, device=dev)
+        ref = (a.float() @ b.float())
+        for cfg in [dict(BM=128, BN=128, BK=64, stages=4, warps=8), dict(BM=128, BN=256, BK=64, stages=3, warps=8),
+                    dict(BM=64, BN=128, BK=64, stages=4, warps=4)]:
+            try:
+                c = gemm(a, b, **cfg)
+                err = ((c.float() - ref).norm() / ref.norm()).item()
+                ms = triton.testing.do_bench(lambda: gemm(a, b, **cfg), rep=200)
+                row = {"M": M, "N": N, "K": K, **cfg, "rel_err": err, "ms": ms, "tflops": 2 * M * N * K / ms / 1e9}
+            except Exception as e:  # noqa: BLE001  (a probe: report and go on)
+                row = {"M": M, "N": N, "K": K, **cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        ms = triton.testing.do_bench(lambda: a @ b, rep=200)
+        rows.append({"M": M, "N": N, "K": K, "cublas_ms": ms, "tflops": 2 * M * N * K / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        json.dump({"gpu": name, "torch": torch.__version__, "triton": triton.__version__, "rows": rows},
+                  open(args.out, "w"), indent=1)
