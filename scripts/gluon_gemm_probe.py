@@ -51,19 +51,74 @@ def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm,
     gl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(gl.bfloat16), mask=mask)
 
 
+@gluon.jit
+def _ws_producer(a_desc, b_desc, a_s, b_s, ready, empty, off_m, off_n, nk,
+                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: TMA loads into the ring, each stage once the consumers have released it."""
+    nbytes: gl.constexpr = (BM * BK + BK * BN) * 2
+    for k in range(nk):
+        s = k % STAGES
+        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_s.index(s))
+        tma.async_copy_global_to_shared(b_desc, [k * BK, off_n], ready.index(s), b_s.index(s))
+
+
+@gluon.jit
+def _ws_consumer(a_s, b_s, ready, empty, nk, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The default partition: async wgmma on each stage as it lands, one product in flight; a stage
+    is released when the product after it has been issued and the one reading it is done."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    for k in range(nk):
+        s = k % STAGES
+        mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+        acc = warpgroup_mma(a_s.index(s), b_s.index(s), acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_s.index(s), b_s.index(s)))
+        mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), pred=k > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (acc,)  # warp_specialize takes the default partition's results as a tuple
+
+
+@gluon.jit
+def ws_gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """gemm_kernel with warp specialisation: a producer warp for the loads beside the consumers."""
+    off_m = gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    nk = gl.cdiv(K, BK)
+    acc = gl.warp_specialize([(_ws_consumer, (a_s, b_s, ready, empty, nk, BM, BN, STAGES)),
+                              (_ws_producer, (a_desc, b_desc, a_s, b_s, ready, empty, off_m, off_n, nk,
+                                              BM, BN, BK, STAGES))], [1], [24])[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BN, 16])
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    gl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(gl.bfloat16), mask=mask)
+
+
 def descriptors(a, b, BM, BN, BK):
     la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     lb = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
     return TensorDescriptor.from_tensor(a, [BM, BK], la), TensorDescriptor.from_tensor(b, [BK, BN], lb)
 
 
-def gemm(a, b, BM=128, BN=128, BK=64, stages=4, warps=8):
+def gemm(a, b, BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     da, db = descriptors(a, b, BM, BN, BK)
     grid = (triton_cdiv(M, BM), triton_cdiv(N, BN))
-    gemm_kernel[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
+    (ws_gemm_kernel if ws else gemm_kernel)[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
     return c
 
 
@@ -71,7 +126,7 @@ def triton_cdiv(a, b):
     return (a + b - 1) // b
 
 
-def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8):
+def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
     """Compile for sm_90a without a GPU; returns (registers, spills, shared bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
@@ -85,8 +140,9 @@ def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8):
     sig = {k: mangle_type(v) for k, v in args.items()}
     consts = {"BM": BM, "BN": BN, "BK": BK, "STAGES": stages}
     sig.update({k: "constexpr" for k in consts})
-    names = [q.name for q in gemm_kernel.params]
-    src = GluonASTSource(gemm_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    fn = ws_gemm_kernel if ws else gemm_kernel
+    names = [q.name for q in fn.params]
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()})
     k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return k.metadata.shared, k.asm.get("ptx", "")[:0] or "compiled"
 
@@ -97,7 +153,7 @@ if __name__ == "__main__":
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.compile_only:
-        print(compile_only())
+        print(compile_only(), compile_only(ws=True), compile_only(BN=256, stages=3, ws=True))
         sys.exit(0)
     import triton
     rows = []
@@ -108,7 +164,9 @@ if __name__ == "__main__":
         b = torch.randn(K, N, dtype=torch.bfloat16, device=dev)
         ref = (a.float() @ b.float())
         for cfg in [dict(BM=128, BN=128, BK=64, stages=4, warps=8), dict(BM=128, BN=256, BK=64, stages=3, warps=8),
-                    dict(BM=64, BN=128, BK=64, stages=4, warps=4)]:
+                    dict(BM=64, BN=128, BK=64, stages=4, warps=4),
+                    dict(BM=128, BN=128, BK=64, stages=4, warps=8, ws=True),
+                    dict(BM=128, BN=256, BK=64, stages=3, warps=8, ws=True)]:
             try:
                 c = gemm(a, b, **cfg)
                 err = ((c.float() - ref).norm() / ref.norm()).item()
