@@ -1,9 +1,19 @@
 """Gluon probe (issue 6): does a hand-written Hopper kernel (TMA loads, mbarriers, async wgmma,
 a multi-stage ring) compile here for sm_90a and, on an H100/H200, compute C = A @ B right and how fast
 against cuBLAS? The first step toward the warp-specialised Lizard kernels the Triton paths could
-not reach (docs/results/kernels-h200.md)."""
-import argparse, json, sys
+not reach (docs/results/kernels-h200.md).
+
+    python3 scripts/gluon_gemm_probe.py --out gluon-gemm.json   # on the GPU: right, and how fast
+    python3 scripts/gluon_gemm_probe.py --compile-only          # anywhere: compiles for sm_90a
+
+Result on an H200: docs/results/gluon-gemm-probe-h200.json.
+"""
+import argparse
+import json
+import sys
+
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -117,17 +127,13 @@ def gemm(a, b, BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     da, db = descriptors(a, b, BM, BN, BK)
-    grid = (triton_cdiv(M, BM), triton_cdiv(N, BN))
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     (ws_gemm_kernel if ws else gemm_kernel)[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
     return c
 
 
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
-    """Compile for sm_90a without a GPU; returns (registers, spills, shared bytes)."""
+    """Compile for sm_90a without a GPU; returns the shared memory one block takes, in bytes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -144,7 +150,7 @@ def compile_only(BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
     names = [q.name for q in fn.params]
     src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()})
     k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return k.metadata.shared, k.asm.get("ptx", "")[:0] or "compiled"
+    return k.metadata.shared
 
 
 if __name__ == "__main__":
@@ -153,9 +159,9 @@ if __name__ == "__main__":
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.compile_only:
-        print(compile_only(), compile_only(ws=True), compile_only(BN=256, stages=3, ws=True))
+        for kw in ({}, {"ws": True}, {"BN": 256, "stages": 3, "ws": True}):
+            print(kw, "compiled for sm_90a,", compile_only(**kw), "bytes of shared memory")
         sys.exit(0)
-    import triton
     rows = []
     dev = "cuda"
     name = torch.cuda.get_device_name()
