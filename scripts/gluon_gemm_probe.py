@@ -128,7 +128,8 @@ def gemm(a, b, BM=128, BN=128, BK=64, stages=4, warps=8, ws=False):
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     da, db = descriptors(a, b, BM, BN, BK)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    (ws_gemm_kernel if ws else gemm_kernel)[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
+    kernel = ws_gemm_kernel if ws else gemm_kernel
+    kernel[grid](da, db, c, M, N, K, c.stride(0), BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
     return c
 
 
