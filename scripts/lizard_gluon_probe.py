@@ -1,0 +1,165 @@
+"""Issue 6: the fused Gluon Lizard forward (kernels/lizard_gluon.py) against the torch reference
+and the Triton one-op forward, then timed side by side with it (inference, no gradient).
+
+    python3 scripts/lizard_gluon_probe.py --out lizard-gluon.json   # on an H100/H200
+    python3 scripts/lizard_gluon_probe.py --compile-only            # anywhere: sm_90a resources
+
+Rounds alternate the two forwards; the figures are medians of triton.testing.do_bench.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+SHAPES = [(16, 2048, (1,)), (4, 8192, (1, 2)), (1, 32768, (4, 8))]  # (B, T, segment counts to try)
+
+
+def compile_only(has_init=False, nsink=4) -> dict:
+    """Compile the kernel for sm_90a without a GPU: shared memory, registers and spills (ptxas -v)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as tcompile
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from linearize.kernels import lizard_gluon as L
+
+    x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
+    d = TensorDescriptor.from_tensor(x, [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16))
+    f32 = torch.empty(10, dtype=torch.float32)
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, LG=f32, SINK=f32, ALPHA=f32, Y=x, S_IN=f32, Z_IN=f32,
+                S_OUT=f32, Z_OUT=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+    sig = {k: mangle_type(v) for k, v in args.items()}
+    consts = dict(W=128, NSINK=nsink, HAS_INIT=has_init, D=128, F=128, DV=128, C=64)
+    sig.update({k: "constexpr" for k in consts})
+    fn = L._lizard_fwd_kernel
+    names = [q.name for q in fn.params]
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()})
+    k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    out = {"shared_bytes": k.metadata.shared}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if os.path.exists(ptxas):
+        path = "/tmp/lizard_gluon.ptx"
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", "/dev/null"], capture_output=True, text=True)
+        out["ptxas"] = [ln.strip() for ln in r.stderr.splitlines() if "spill" in ln or "Used" in ln]
+    return out
+
+
+def inputs(B, T, H=32, D=128, sinks=4, seed=0):
+    from linearize.bench.kernels import _shape_inputs
+    x = _shape_inputs(B, T, H, D, D, sinks, torch.bfloat16, torch.device("cuda"), seed)
+    return dict(phi_q=x["lq"], phi_k=x["lk"], v=x["v"], log_g=x["log_g"], q_w=x["q"], k_w=x["k"],
+                alpha=x["alpha"], sinks=x["sinks"] if sinks else None)
+
+
+def triton_fwd(x, window=128):
+    from linearize.kernels.lizard import lizard_attention
+    return lizard_attention(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
+                            window=window, sink_logits=x["sinks"])
+
+
+def fused_fwd(x, nseg=1, window=128):
+    from linearize.kernels import lizard_gluon as L
+    T = x["v"].shape[2]
+    nc = T // 64
+    seg_len = math.ceil(nc / nseg) * 64
+    nseg = math.ceil(T / seg_len)
+    s_in = z_in = None
+    if nseg > 1:
+        s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
+    return L.lizard_fwd_fused(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
+                              x["sinks"], window=window, scale=x["q_w"].shape[-1] ** -0.5, eps=1e-6, nseg=nseg,
+                              S_in=s_in, z_in=z_in)
+
+
+def reference(x, window=128):
+    """The torch path in fp32 (LINEARIZE_KERNELS=0)."""
+    from linearize.kernels.lizard import lizard_attention
+    old = os.environ.get("LINEARIZE_KERNELS")
+    os.environ["LINEARIZE_KERNELS"] = "0"
+    try:
+        f = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
+        y, g, _ = lizard_attention(f["phi_q"], f["phi_k"], f["v"], f["log_g"], f["q_w"], f["k_w"], f["alpha"],
+                                   window=window, sink_logits=f["sinks"])
+    finally:
+        if old is None:
+            del os.environ["LINEARIZE_KERNELS"]
+        else:
+            os.environ["LINEARIZE_KERNELS"] = old
+    return y, g
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check(rows):
+    for (B, H, T, nseg, sinks, window) in [(2, 4, 256, 1, 4, 128), (1, 3, 640, 1, 0, 128), (2, 2, 1024, 4, 4, 128),
+                                          (1, 2, 4096, 8, 2, 128), (2, 4, 384, 1, 4, 100)]:
+        x = inputs(B, T, H, sinks=sinks, seed=B * T + nseg)
+        with torch.no_grad():
+            y_ref, st_ref = reference(x, window)
+            y_tri = triton_fwd(x, window)[0]
+            y, S, z = fused_fwd(x, nseg, window)
+        torch.cuda.synchronize()
+        row = {"check": True, "B": B, "H": H, "T": T, "nseg": nseg, "sinks": sinks, "window": window,
+               "rel_fused": rel(y, y_ref), "rel_triton": rel(y_tri, y_ref), "rel_S": rel(S, st_ref.S),
+               "rel_z": rel(z, st_ref.z), "finite": bool(torch.isfinite(y).all())}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def bench(rows, rounds=3):
+    import triton
+    for B, T, segs in SHAPES:
+        x = inputs(B, T)
+        fns = {"triton lizard fwd": lambda: triton_fwd(x)}
+        for n in segs:
+            fns[f"gluon fused fwd nseg={n}"] = (lambda n=n: fused_fwd(x, n))
+        with torch.no_grad():
+            y_tri = triton_fwd(x)[0]
+            for name, fn in fns.items():
+                fn()
+            for r in range(rounds):
+                for name, fn in fns.items():
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                    row = {"B": B, "T": T, "H": 32, "method": name, "round": r, "ms": ms}
+                    if r == 0 and name != "triton lizard fwd":
+                        row["rel_vs_triton"] = rel(fn()[0], y_tri)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--out", default="")
+    p.add_argument("--no-bench", action="store_true")
+    a = p.parse_args()
+    if a.compile_only:
+        print(json.dumps(compile_only()))
+        sys.exit(0)
+    rows = []
+    t0 = time.time()
+    try:
+        check(rows)
+        if not a.no_bench:
+            bench(rows)
+    finally:
+        if a.out:
+            import triton
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "commit": commit, "command": " ".join(sys.argv), "wall_s": time.time() - t0, "rows": rows},
+                      open(a.out, "w"), indent=1)
