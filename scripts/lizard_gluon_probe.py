@@ -36,7 +36,7 @@ def compile_only(has_init=False, nsink=4) -> dict:
     x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
     d = TensorDescriptor.from_tensor(x, [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16))
     f32 = torch.empty(10, dtype=torch.float32)
-    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, LG=f32, SINK=f32, ALPHA=f32, Y=x, S_IN=f32, Z_IN=f32,
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
                 S_OUT=f32, Z_OUT=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(W=128, NSINK=nsink, HAS_INIT=has_init, D=128, F=128, DV=128, C=64)

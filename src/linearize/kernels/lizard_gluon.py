@@ -57,7 +57,7 @@ def _load_kv(kd, vd, row, bar, k_dst, v_dst):
 
 
 @gluon.jit
-def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_IN, S_OUT, Z_OUT,
+def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT,
                        T, H, seg_len, nseg, qk_scale, eps,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
@@ -82,12 +82,14 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_
     col_b: gl.constexpr = gl.SliceLayout(0, blk)
     dt: gl.constexpr = qw_d.dtype
 
-    # ---- shared memory: the window's key/value ring, one slot per other tile, S for phi_q S
+    # ---- shared memory: the window's key/value ring, one slot per other tile, S for phi_q S, and
+    # x: K~ (phi_k rescaled, the state update's operand), then y on its way out
     k_s = gl.allocate_shared_memory(dt, [3, C, D], kw_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
     q_s = gl.allocate_shared_memory(dt, [C, D], qw_d.layout)
     fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
     fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
+    x_s = gl.allocate_shared_memory(dt, [C, DV], y_d.layout)
     s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([F, DV], dt)
     st_s = gl.allocate_shared_memory(dt, [F, DV], s_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -144,6 +146,29 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_
         ph = ci & 1
         j = ci + 2  # ring index of this chunk's keys/values; j - 1 and j - 2 hold the two before
         t_q = c * C + rows_a  # query positions
+        more = ci + 1 < nc
+        # b_t: the gates' cumulative sum from the chunk start (precomputed), in each layout used
+        bl = BL + row0 + c * C
+        b_end = gl.load(bl + C - 1)
+
+        # ---- first what reads phi_q and phi_k, so that their slots take the next chunk's early:
+        # A = phi_q phi_k^T and phi_q S (async); phi_q . z, K~ and z (plain reads) beside them
+        mbarrier.wait(q_bar.index(1), ph)
+        mbarrier.wait(q_bar.index(2), ph)
+        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), zero_a, use_acc=False, is_async=True)
+        o_i = warpgroup_mma(fq_s, st_s, zero_o, use_acc=False, is_async=True)
+        qz = gl.convert_layout(gl.sum(fq_s.load(blk).to(gl.float32) * z[None, :], axis=1), row_o)
+        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - gl.load(bl + rows_b))[:, None]
+        z = z * gl.exp(b_end) + gl.sum(kt, axis=0)
+        tma.store_wait(0)  # the chunk before's y has left x
+        gl.thread_barrier()
+        x_s.store(kt.to(dt))
+        a, o_i, _, _, _ = warpgroup_mma_wait(0, deps=(a, o_i, fq_s, fk_s, st_s))
+        fence_async_shared()
+        gl.thread_barrier()  # phi_q, phi_k read by both warpgroups; K~ in x for the state update
+        if more:
+            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
+            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
 
         # ---- window scores against the three key tiles
         mbarrier.wait(q_bar.index(0), ph)
@@ -156,16 +181,10 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_
         s2 = warpgroup_mma(q_s, k2.permute((1, 0)), zero_a, use_acc=False, is_async=True)
         s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
         gl.thread_barrier()  # both warpgroups are done with q_w: bring in the next chunk's
-        if ci + 1 < nc:
+        if more:
             _load_tile(qw_d, row0 + (c + 1) * C, q_bar.index(0), q_s)
 
-        # ---- the gates: b_t, the cumulative sum from the chunk start, in every layout used
-        g_c = gl.load(LG + row0 + c * C + cols_a)
-        b_r = gl.sum(gl.where(causal, g_c[None, :] + zero_a, 0.0), axis=1)  # (C,) rows of mma_a
-        b_end = gl.sum(g_c, axis=0)
-        b_c = gl.convert_layout(b_r, col_a)
-
-        # ---- window softmax (log2 units), sinks included; masked before the exp
+        # ---- window softmax (log2 units), sinks included; masked before the exp; P V async
         s0 = gl.where(_visible(t_q, (c - 2) * C + cols_a, W), s0 * qk_scale, -float("inf"))
         s1 = gl.where(_visible(t_q, (c - 1) * C + cols_a, W), s1 * qk_scale, -float("inf"))
         s2 = gl.where(_visible(t_q, c * C + cols_a, W), s2 * qk_scale, -float("inf"))
@@ -175,12 +194,6 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_
         p1 = gl.exp2(s1 - m[:, None])
         p2 = gl.exp2(s2 - m[:, None])
         l_w = gl.sum(p0, axis=1) + gl.sum(p1, axis=1) + gl.sum(p2, axis=1) + gl.exp2(sink2 - m)
-
-        # ---- gated scores and the read of the state, beside the window's P V
-        mbarrier.wait(q_bar.index(1), ph)
-        mbarrier.wait(q_bar.index(2), ph)
-        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), zero_a, use_acc=False, is_async=True)
-        o_i = warpgroup_mma(fq_s, st_s, zero_o, use_acc=False, is_async=True)
         v0 = v_s.index((j - 2) % 3)
         v1 = v_s.index((j - 1) % 3)
         v2 = v_s.index(j % 3)
@@ -190,46 +203,31 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, LG, SINK, ALPHA, Y, S_IN, Z_
         o_w = warpgroup_mma(p0, v0, zero_o, use_acc=False, is_async=True)
         o_w = warpgroup_mma(p1, v1, o_w, is_async=True)
         o_w = warpgroup_mma(p2, v2, o_w, is_async=True)
-        a, o_i, o_w, _, _, _, _, _, _, _, _, _ = warpgroup_mma_wait(
-            0, deps=(a, o_i, o_w, p0, p1, p2, fq_s, fk_s, st_s, v0, v1, v2))
-        # phi_q . z (a plain read of phi_q's slot)
-        qz = gl.convert_layout(gl.sum(fq_s.load(blk).to(gl.float32) * z[None, :], axis=1), row_o)
-        gl.thread_barrier()  # phi_q and the oldest key/value slot are free: the next chunk's tiles
-        if ci + 1 < nc:
-            fence_async_shared()
-            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
-            _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
-                     k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
-        # ---- gated output: e^{b_t} phi_q S + A V, and its normaliser
-        a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
+        # ---- gated output e^{b_t} phi_q S + A V and its normaliser; the state update
+        a = a * gl.exp(gl.where(causal, gl.load(bl + rows_a)[:, None] - gl.load(bl + cols_a)[None, :],
+                                -float("inf")))
         den = gl.convert_layout(gl.sum(a, axis=1), row_o)
-        e_t = gl.convert_layout(gl.exp(b_r), row_o)
+        e_t = gl.exp(gl.load(bl + rows_o))
         a_op = gl.convert_layout(a.to(dt), dot_p)
         num = warpgroup_mma(a_op, v2, o_i * e_t[:, None], is_async=True)
-
-        # ---- the state: S <- e^{b_end} S + K~^T V with K~ = phi_k e^{b_end - b_s}, written over phi_k
-        fk_r = fk_s.load(blk).to(gl.float32)
-        kt = fk_r * gl.exp(b_end - gl.convert_layout(b_r, row_b))[:, None]
-        z = z * gl.exp(b_end) + gl.sum(kt, axis=0)
-        fk_s.store(kt.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        S = warpgroup_mma(fk_s.permute((1, 0)), v2, S * gl.exp(b_end), is_async=True)
-        num, S, _, _, _ = warpgroup_mma_wait(0, deps=(num, S, a_op, fk_s, v2))
-        gl.thread_barrier()  # S's old copy and phi_k's slot are free
+        S = warpgroup_mma(x_s.permute((1, 0)), v2, S * gl.exp(b_end), is_async=True)
+        o_w, num, S, _, _, _, _, _, _, _, _ = warpgroup_mma_wait(
+            0, deps=(o_w, num, S, p0, p1, p2, a_op, x_s, v0, v1, v2))
+        gl.thread_barrier()  # the oldest key/value slot, S's copy and x are free
+        if more:
+            _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
+                     k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
         st_s.store(S.to(dt))
-        if ci + 1 < nc:
-            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
+
+        # ---- combine; y leaves through x by TMA
+        y = num / (den + qz * e_t + eps)[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
+        x_s.store(y.to(dt))
         fence_async_shared()
-
-        # ---- combine and store
-        den = den + qz * e_t
-        y = num / (den + eps)[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-        yp = Y + (row0 + c * C + rows_o)[:, None] * DV + dv_o[None, :]
-        gl.store(yp, y.to(Y.dtype.element_ty))
         gl.thread_barrier()
+        tma.async_copy_shared_to_global(y_d, [row0 + c * C, 0], x_s)
 
+    tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
         mbarrier.invalidate(q_bar.index(i))
@@ -276,14 +274,15 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     seg_chunks = math.ceil(nc / nseg)
     nseg = math.ceil(nc / seg_chunks)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
-    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k)]
     y = torch.empty_like(v)
+    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
-    lg = log_g.contiguous()
+    # b_t: the gates' cumulative sum within each chunk of BT tokens, from its start
+    b = log_g.float().reshape(B, H, nc, BT).cumsum(-1).reshape(B, H, T).contiguous()
     _lizard_fwd_kernel[(nseg, B * H)](
-        *descs, lg, sinks if sinks is not None else lg, alpha.float().contiguous(), y,
+        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T,
         T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, D=D, F=F, DV=DV, C=BT,
