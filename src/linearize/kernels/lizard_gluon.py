@@ -57,7 +57,172 @@ def _load_kv(kd, vd, row, bar, k_dst, v_dst):
 
 
 @gluon.jit
-def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT,
+def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
+                      kv_bar, q_bar, st_ready, st_free, kt_ready, kt_free, row0, c0, nc, i_h, qk_scale, eps,
+                      W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+    """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
+    from the state the state partition left in st_s / zq_s, the combine and y. It also makes K~
+    (phi_k rescaled, in phi_k's slot) for the state partition, and issues every load."""
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    mma_z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+    dt: gl.constexpr = qw_d.dtype
+
+    if NSINK > 0:  # the sinks' log-sum-exp (log2 units): a logit each in the window's denominator
+        sk = gl.load(SINK + i_h * NSINK + gl.arange(0, NSINK, layout=gl.BlockedLayout([1], [32], [4], [0])))
+        sk = sk * 1.4426950408889634
+        smax = gl.max(sk, axis=0)
+        sink2 = smax + gl.log2(gl.sum(gl.exp2(sk - smax), axis=0))
+    else:
+        sink2 = -float("inf")
+    alpha = gl.load(ALPHA + i_h)
+    rows_s = gl.arange(0, C, layout=row_s)
+    cols_s = gl.arange(0, C, layout=col_s)
+    rows_o = gl.arange(0, C, layout=row_o)
+    dv_o = gl.arange(0, DV, layout=col_o)
+    rows_b = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    zcols = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_z))
+    causal = cols_s[None, :] <= rows_s[:, None]
+
+    for ci in range(nc):
+        c = c0 + ci
+        ph = ci & 1
+        j = ci + 2  # ring index of this chunk's keys/values; j - 1 and j - 2 hold the two before
+        more = ci + 1 < nc
+        bl = BL + row0 + c * C  # b_t, the gates' cumulative sum from the chunk start (precomputed)
+        t_q = c * C + rows_s
+
+        # ---- window: scores against the three key tiles, softmax with the sinks, P V (async)
+        mbarrier.wait(q_bar.index(0), ph)
+        mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+        k0 = k_s.index((j - 2) % 3)
+        k1 = k_s.index((j - 1) % 3)
+        k2 = k_s.index(j % 3)
+        s0 = warpgroup_mma(q_s, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+        s1 = warpgroup_mma(q_s, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+        s2 = warpgroup_mma(q_s, k2.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+        s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
+        gl.thread_barrier()
+        if more:
+            _load_tile(qw_d, row0 + (c + 1) * C, q_bar.index(0), q_s)
+        s0 = gl.where(_visible(t_q, (c - 2) * C + cols_s, W), s0 * qk_scale, -float("inf"))
+        s1 = gl.where(_visible(t_q, (c - 1) * C + cols_s, W), s1 * qk_scale, -float("inf"))
+        s2 = gl.where(_visible(t_q, c * C + cols_s, W), s2 * qk_scale, -float("inf"))
+        m = gl.maximum(gl.max(gl.maximum(gl.maximum(s0, s1), s2), axis=1), sink2)
+        p0 = gl.exp2(s0 - m[:, None])
+        l_w = gl.sum(p0, axis=1) + gl.exp2(sink2 - m)
+        p0 = gl.convert_layout(p0.to(dt), dot_o)
+        p1 = gl.exp2(s1 - m[:, None])
+        l_w += gl.sum(p1, axis=1)
+        p1 = gl.convert_layout(p1.to(dt), dot_o)
+        p2 = gl.exp2(s2 - m[:, None])
+        l_w += gl.sum(p2, axis=1)
+        p2 = gl.convert_layout(p2.to(dt), dot_o)
+        v0 = v_s.index((j - 2) % 3)
+        v1 = v_s.index((j - 1) % 3)
+        v2 = v_s.index(j % 3)
+        o_w = warpgroup_mma(p0, v0, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
+        o_w = warpgroup_mma(p1, v1, o_w, is_async=True)
+        o_w = warpgroup_mma(p2, v2, o_w, is_async=True)
+
+        # ---- gated: A = phi_q phi_k^T, phi_q S and phi_q z from the state partition's copies
+        mbarrier.wait(q_bar.index(1), ph)
+        mbarrier.wait(q_bar.index(2), ph)
+        mbarrier.wait(st_ready, ph)
+        # (P V done first: the three P operands' registers are free before the gated products')
+        o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
+        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+        o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
+        qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_z), use_acc=False, is_async=True)
+        a, o_i, qz, _, _, _, _ = warpgroup_mma_wait(0, deps=(a, o_i, qz, fq_s, fk_s, st_s, zq_s))
+        gl.thread_barrier()
+        mbarrier.arrive(st_free)  # S's copy is read: the state partition may write the next
+        if more:
+            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
+        # K~ = phi_k e^{b_end - b_s} (factors <= 1) over phi_k's slot, for the state partition
+        b_end = gl.load(bl + C - 1)
+        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - gl.load(bl + rows_b))[:, None]
+        fk_s.store(kt.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(kt_ready)
+        a = a * gl.exp(gl.where(causal, gl.load(bl + rows_s)[:, None] - gl.load(bl + cols_s)[None, :],
+                                -float("inf")))
+        den = gl.convert_layout(gl.sum(a, axis=1), row_o)
+        e_t = gl.exp(gl.load(bl + rows_o))
+        a_op = gl.convert_layout(a.to(dt), dot_o)
+        num = warpgroup_mma(a_op, v2, o_i * e_t[:, None], is_async=True)
+        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_op, v2))
+        gl.thread_barrier()
+        if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
+            _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
+                     k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
+
+        # ---- combine and store
+        qzr = gl.convert_layout(gl.sum(gl.where(zcols[None, :] < 2, qz, 0.0), axis=1), row_o)
+        y = num / (den + qzr * e_t + eps)[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
+        gl.store(Y + (row0 + c * C + rows_o)[:, None] * DV + dv_o[None, :], y.to(Y.dtype.element_ty))
+        if more:  # phi_k's slot, once the state partition has read K~
+            mbarrier.wait(kt_free, ph)
+            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
+    return (alpha,)
+
+
+@gluon.jit
+def _state_partition(v_s, fk_s, st_s, zq_s, ones_s, kv_bar, st_ready, st_free, kt_ready, kt_free, BL,
+                     S_IN, Z_IN, S_OUT, Z_OUT, row0, c0, nc, i_bh, i_s, nseg,
+                     HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+    """One warpgroup carrying the state: S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1
+    (z in every column of a (F, 16) product), then S in st_s and z as a bf16 hi + lo pair in zq_s
+    for the next chunk's output."""
+    mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    dt: gl.constexpr = st_s.dtype
+    f_S = gl.arange(0, F, layout=gl.SliceLayout(1, mma_S))
+    dv_S = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))
+    f_Z = gl.arange(0, F, layout=gl.SliceLayout(1, mma_Z))
+    zc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_Z))
+    if HAS_INIT:
+        S = gl.load(S_IN + (i_bh * nseg + i_s) * F * DV + f_S[:, None] * DV + dv_S[None, :])
+        z = gl.load(Z_IN + (i_bh * nseg + i_s) * F + f_Z[:, None] + 0 * zc[None, :])
+    else:
+        S = gl.zeros([F, DV], gl.float32, layout=mma_S)
+        z = gl.zeros([F, 16], gl.float32, layout=mma_Z)
+    for ci in range(nc + 1):
+        if ci > 0:
+            j = ci + 1  # ring index of chunk ci - 1's values
+            g = gl.exp(gl.load(BL + row0 + (c0 + ci) * C - 1))
+            mbarrier.wait(kt_ready, (ci - 1) & 1)
+            mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+            vj = v_s.index(j % 3)
+            kt = fk_s.permute((1, 0))
+            S = warpgroup_mma(kt, vj, S * g, is_async=True)
+            z = warpgroup_mma(kt, ones_s, z * g, is_async=True)
+            S, z, _, _, _ = warpgroup_mma_wait(0, deps=(S, z, fk_s, vj, ones_s))
+            gl.thread_barrier()
+            mbarrier.arrive(kt_free)
+            mbarrier.wait(st_free, (ci - 1) & 1)
+        if ci < nc:
+            st_s.store(S.to(dt))
+            z_hi = z.to(dt)
+            z_lo = (z - z_hi.to(gl.float32)).to(dt)
+            zq_s.store(gl.where(zc[None, :] == 0, z_hi, gl.where(zc[None, :] == 1, z_lo, 0.0)).to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(st_ready)
+    if i_s == nseg - 1:
+        gl.store(S_OUT + i_bh * F * DV + f_S[:, None] * DV + dv_S[None, :], S)
+        gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+
+
+@gluon.jit
+def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, S_IN, Z_IN, S_OUT, Z_OUT,
                        T, H, seg_len, nseg, qk_scale, eps,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
@@ -67,61 +232,28 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     row0 = i_bh * T  # the (B*H*T, .) views' first row of this batch x head
     c0 = i_s * (seg_len // C)
     nc = gl.minimum(seg_len // C, T // C - c0)
-
-    # ---- layouts: two warpgroups side by side along N (each M=64 product is split in columns)
-    mma_a: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, C // 2, 16])
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, DV // 2, 16])
-    dot_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    row_a: gl.constexpr = gl.SliceLayout(1, mma_a)
-    col_a: gl.constexpr = gl.SliceLayout(0, mma_a)
-    row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-    col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
-    row_b: gl.constexpr = gl.SliceLayout(1, blk)
-    col_b: gl.constexpr = gl.SliceLayout(0, blk)
     dt: gl.constexpr = qw_d.dtype
 
-    # ---- shared memory: the window's key/value ring, one slot per other tile, S for phi_q S, and
-    # x: K~ (phi_k rescaled, the state update's operand), then y on its way out
+    # ---- shared memory: the window's key/value ring, one slot per other tile, the state's copies
     k_s = gl.allocate_shared_memory(dt, [3, C, D], kw_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
     q_s = gl.allocate_shared_memory(dt, [C, D], qw_d.layout)
     fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
     fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
-    x_s = gl.allocate_shared_memory(dt, [C, DV], y_d.layout)
-    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([F, DV], dt)
-    st_s = gl.allocate_shared_memory(dt, [F, DV], s_layout)
+    st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
+    zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
+    ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # q_w, phi_q, phi_k
+    hs = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(4):
+        mbarrier.init(hs.index(i), count=1)
+    ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
 
-    # ---- the state entering the segment
-    f_o = gl.arange(0, F, layout=row_o)
-    dv_o = gl.arange(0, DV, layout=col_o)
-    f_b = gl.arange(0, F, layout=col_b)
-    if HAS_INIT:
-        sp = S_IN + (i_bh * nseg + i_s) * F * DV
-        S = gl.load(sp + f_o[:, None] * DV + dv_o[None, :])
-        z = gl.load(Z_IN + (i_bh * nseg + i_s) * F + f_b)
-    else:
-        S = gl.zeros([F, DV], gl.float32, layout=mma_o)
-        z = gl.zeros([F], gl.float32, layout=col_b)
-    st_s.store(S.to(dt))
-
-    # ---- the sinks' log-sum-exp (log2 units): a logit each in the window's denominator
-    if NSINK > 0:
-        sk = gl.load(SINK + i_h * NSINK + gl.arange(0, NSINK, layout=gl.BlockedLayout([1], [32], [8], [0])))
-        sk = sk * 1.4426950408889634
-        smax = gl.max(sk, axis=0)
-        sink2 = smax + gl.log2(gl.sum(gl.exp2(sk - smax), axis=0))
-    else:
-        sink2 = -float("inf")
-    alpha = gl.load(ALPHA + i_h)
-
-    # ---- prologue: the key/value tiles of the two chunks before the first, and the first chunk's
+    # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
         # (rows before the tensor's first hold nothing a query sees: clamped, they are masked out)
         _load_kv(kw_d, v_d, gl.maximum(row0 + (c0 + r - 2) * C, 0), kv_bar.index(r), k_s.index(r), v_s.index(r))
@@ -133,107 +265,22 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     mbarrier.wait(kv_bar.index(0), 0)
     mbarrier.wait(kv_bar.index(1), 0)
 
-    rows_a = gl.arange(0, C, layout=row_a)
-    cols_a = gl.arange(0, C, layout=col_a)
-    rows_o = gl.arange(0, C, layout=row_o)
-    rows_b = gl.arange(0, C, layout=row_b)
-    causal = cols_a[None, :] <= rows_a[:, None]
-    zero_a = gl.zeros([C, C], gl.float32, layout=mma_a)
-    zero_o = gl.zeros([C, DV], gl.float32, layout=mma_o)
-
-    for ci in range(nc):
-        c = c0 + ci
-        ph = ci & 1
-        j = ci + 2  # ring index of this chunk's keys/values; j - 1 and j - 2 hold the two before
-        t_q = c * C + rows_a  # query positions
-        more = ci + 1 < nc
-        # b_t: the gates' cumulative sum from the chunk start (precomputed), in each layout used
-        bl = BL + row0 + c * C
-        b_end = gl.load(bl + C - 1)
-
-        # ---- first what reads phi_q and phi_k, so that their slots take the next chunk's early:
-        # A = phi_q phi_k^T and phi_q S (async); phi_q . z, K~ and z (plain reads) beside them
-        mbarrier.wait(q_bar.index(1), ph)
-        mbarrier.wait(q_bar.index(2), ph)
-        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), zero_a, use_acc=False, is_async=True)
-        o_i = warpgroup_mma(fq_s, st_s, zero_o, use_acc=False, is_async=True)
-        qz = gl.convert_layout(gl.sum(fq_s.load(blk).to(gl.float32) * z[None, :], axis=1), row_o)
-        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - gl.load(bl + rows_b))[:, None]
-        z = z * gl.exp(b_end) + gl.sum(kt, axis=0)
-        tma.store_wait(0)  # the chunk before's y has left x
-        gl.thread_barrier()
-        x_s.store(kt.to(dt))
-        a, o_i, _, _, _ = warpgroup_mma_wait(0, deps=(a, o_i, fq_s, fk_s, st_s))
-        fence_async_shared()
-        gl.thread_barrier()  # phi_q, phi_k read by both warpgroups; K~ in x for the state update
-        if more:
-            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
-            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
-
-        # ---- window scores against the three key tiles
-        mbarrier.wait(q_bar.index(0), ph)
-        mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
-        k0 = k_s.index((j - 2) % 3)
-        k1 = k_s.index((j - 1) % 3)
-        k2 = k_s.index(j % 3)
-        s0 = warpgroup_mma(q_s, k0.permute((1, 0)), zero_a, use_acc=False, is_async=True)
-        s1 = warpgroup_mma(q_s, k1.permute((1, 0)), zero_a, use_acc=False, is_async=True)
-        s2 = warpgroup_mma(q_s, k2.permute((1, 0)), zero_a, use_acc=False, is_async=True)
-        s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
-        gl.thread_barrier()  # both warpgroups are done with q_w: bring in the next chunk's
-        if more:
-            _load_tile(qw_d, row0 + (c + 1) * C, q_bar.index(0), q_s)
-
-        # ---- window softmax (log2 units), sinks included; masked before the exp; P V async
-        s0 = gl.where(_visible(t_q, (c - 2) * C + cols_a, W), s0 * qk_scale, -float("inf"))
-        s1 = gl.where(_visible(t_q, (c - 1) * C + cols_a, W), s1 * qk_scale, -float("inf"))
-        s2 = gl.where(_visible(t_q, c * C + cols_a, W), s2 * qk_scale, -float("inf"))
-        m = gl.maximum(gl.maximum(gl.max(s0, axis=1), gl.max(s1, axis=1)), gl.max(s2, axis=1))
-        m = gl.maximum(m, sink2)
-        p0 = gl.exp2(s0 - m[:, None])
-        p1 = gl.exp2(s1 - m[:, None])
-        p2 = gl.exp2(s2 - m[:, None])
-        l_w = gl.sum(p0, axis=1) + gl.sum(p1, axis=1) + gl.sum(p2, axis=1) + gl.exp2(sink2 - m)
-        v0 = v_s.index((j - 2) % 3)
-        v1 = v_s.index((j - 1) % 3)
-        v2 = v_s.index(j % 3)
-        p0 = gl.convert_layout(p0.to(dt), dot_p)
-        p1 = gl.convert_layout(p1.to(dt), dot_p)
-        p2 = gl.convert_layout(p2.to(dt), dot_p)
-        o_w = warpgroup_mma(p0, v0, zero_o, use_acc=False, is_async=True)
-        o_w = warpgroup_mma(p1, v1, o_w, is_async=True)
-        o_w = warpgroup_mma(p2, v2, o_w, is_async=True)
-
-        # ---- gated output e^{b_t} phi_q S + A V and its normaliser; the state update
-        a = a * gl.exp(gl.where(causal, gl.load(bl + rows_a)[:, None] - gl.load(bl + cols_a)[None, :],
-                                -float("inf")))
-        den = gl.convert_layout(gl.sum(a, axis=1), row_o)
-        e_t = gl.exp(gl.load(bl + rows_o))
-        a_op = gl.convert_layout(a.to(dt), dot_p)
-        num = warpgroup_mma(a_op, v2, o_i * e_t[:, None], is_async=True)
-        S = warpgroup_mma(x_s.permute((1, 0)), v2, S * gl.exp(b_end), is_async=True)
-        o_w, num, S, _, _, _, _, _, _, _, _ = warpgroup_mma_wait(
-            0, deps=(o_w, num, S, p0, p1, p2, a_op, x_s, v0, v1, v2))
-        gl.thread_barrier()  # the oldest key/value slot, S's copy and x are free
-        if more:
-            _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
-                     k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
-        st_s.store(S.to(dt))
-
-        # ---- combine; y leaves through x by TMA
-        y = num / (den + qz * e_t + eps)[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-        x_s.store(y.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(y_d, [row0 + c * C, 0], x_s)
-
-    tma.store_wait(0)
+    st_ready = hs.index(0)
+    st_free = hs.index(1)
+    kt_ready = hs.index(2)
+    kt_free = hs.index(3)
+    gl.warp_specialize([
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
+                             kv_bar, q_bar, st_ready, st_free, kt_ready, kt_free, row0, c0, nc, i_h, qk_scale,
+                             eps, W, NSINK, F, DV, C)),
+        (_state_partition, (v_s, fk_s, st_s, zq_s, ones_s, kv_bar, st_ready, st_free, kt_ready, kt_free, BL,
+                            S_IN, Z_IN, S_OUT, Z_OUT, row0, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C)),
+    ], [4], [208])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
         mbarrier.invalidate(q_bar.index(i))
-    if i_s == nseg - 1:
-        gl.store(S_OUT + i_bh * F * DV + f_o[:, None] * DV + dv_o[None, :], S)
-        gl.store(Z_OUT + i_bh * F + f_b, z)
+    for i in gl.static_range(4):
+        mbarrier.invalidate(hs.index(i))
 
 
 @gluon.jit
@@ -275,18 +322,18 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     nseg = math.ceil(nc / seg_chunks)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
     y = torch.empty_like(v)
-    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k, y)]
+    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k)]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
     # b_t: the gates' cumulative sum within each chunk of BT tokens, from its start
     b = log_g.float().reshape(B, H, nc, BT).cumsum(-1).reshape(B, H, T).contiguous()
     _lizard_fwd_kernel[(nseg, B * H)](
-        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
+        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(), y,
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T,
         T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, D=D, F=F, DV=DV, C=BT,
-        num_warps=8)
+        num_warps=4)
     return y, S_T, z_T
 
 
