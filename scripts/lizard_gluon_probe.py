@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 SHAPES = [(16, 2048, (1,)), (4, 8192, (1, 2)), (1, 32768, (4, 8))]  # (B, T, segment counts to try)
 
 
-def compile_only(has_init=False, nsink=4) -> dict:
+def compile_only(has_init=False, nsink=4, nprof=0) -> dict:
     """Compile the kernel for sm_90a without a GPU: shared memory, registers and spills (ptxas -v)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -36,10 +36,10 @@ def compile_only(has_init=False, nsink=4) -> dict:
     x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
     d = TensorDescriptor.from_tensor(x, [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16))
     f32 = torch.empty(10, dtype=torch.float32)
-    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, BL=f32, SINK=f32, ALPHA=f32, Y=x, S_IN=f32, Z_IN=f32,
-                S_OUT=f32, Z_OUT=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
+                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
-    consts = dict(W=128, NSINK=nsink, HAS_INIT=has_init, D=128, F=128, DV=128, C=64)
+    consts = dict(W=128, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=64)
     sig.update({k: "constexpr" for k in consts})
     fn = L._lizard_fwd_kernel
     names = [q.name for q in fn.params]
@@ -69,7 +69,7 @@ def triton_fwd(x, window=128):
                             window=window, sink_logits=x["sinks"])
 
 
-def fused_fwd(x, nseg=1, window=128):
+def fused_fwd(x, nseg=1, window=128, prof=None):
     from linearize.kernels import lizard_gluon as L
     T = x["v"].shape[2]
     nc = T // 64
@@ -80,7 +80,7 @@ def fused_fwd(x, nseg=1, window=128):
         s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
     return L.lizard_fwd_fused(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
                               x["sinks"], window=window, scale=x["q_w"].shape[-1] ** -0.5, eps=1e-6, nseg=nseg,
-                              S_in=s_in, z_in=z_in)
+                              S_in=s_in, z_in=z_in, prof=prof)
 
 
 def reference(x, window=128):
@@ -141,12 +141,33 @@ def bench(rows, rounds=3):
                     print(json.dumps(row), flush=True)
 
 
+PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi, state copy",
+                     "P V wait, gated products", "K~ out", "A decay, A V", "combine, y, phi_k load"],
+          "state": ["wait phi_k read", "K~, S and z update", "to the next chunk", "copies out, phi_k load", "", "", "", ""]}
+
+
+def profile(rows, B=16, T=2048):
+    """Cycles per chunk in each phase of both partitions' loops (clock64 between marks; program means)."""
+    x = inputs(B, T)
+    prof = torch.zeros(B * 32, 16, dtype=torch.int64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            fused_fwd(x, 1, prof=prof)
+        torch.cuda.synchronize()
+    per = (prof.double().mean(0) / (T // 64)).tolist()
+    row = {"profile": True, "B": B, "T": T, "note": "cycles per chunk, accumulated over 3 calls",
+           "output": dict(zip(PHASES["output"], per[:8])), "state": dict(zip(PHASES["state"][:4], per[8:12]))}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     if a.compile_only:
         print(json.dumps(compile_only()))
@@ -156,6 +177,8 @@ if __name__ == "__main__":
     try:
         if not a.no_check:
             check(rows)
+        if a.profile:
+            profile(rows)
         if not a.no_bench:
             bench(rows)
     finally:

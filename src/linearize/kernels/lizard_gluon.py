@@ -57,12 +57,27 @@ def _load_kv(kd, vd, row, bar, k_dst, v_dst):
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
-                      kv_bar, q_bar, st_ready, st_free, kt_ready, kt_free, row0, c0, nc, i_h, qk_scale, eps,
-                      W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+def _tick(acc, t_prev, k: gl.constexpr):
+    """PROF builds: add the cycles since t_prev to phase k of acc ((8,) int64); returns (acc, now)."""
+    idx = gl.arange(0, 8, layout=acc.type.layout)
+    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [idx], dtype=gl.int64, is_pure=False, pack=1)
+    return gl.where(idx == k, acc + (t - t_prev), acc), t
+
+
+@gluon.jit
+def _prof_init():
+    acc = gl.zeros([8], gl.int64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    return _tick(acc, acc, 8)
+
+
+@gluon.jit
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s, y_s,
+                      kv_bar, q_bar, st_ready, st_free, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, PROF,
+                      W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
+                      NPROF: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
-    from the state the state partition left in st_s / zq_s, the combine and y. It also makes K~
-    (phi_k rescaled, in phi_k's slot) for the state partition, and issues every load."""
+    from the state the state partition left in st_s / zq_s, the combine, and y out by TMA. It issues
+    every load but phi_k's (the state partition rescales phi_k in place, then brings the next)."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -90,6 +105,8 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
     zcols = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_z))
     causal = cols_s[None, :] <= rows_s[:, None]
 
+    if NPROF > 0:
+        pacc, pt = _prof_init()
     for ci in range(nc):
         c = c0 + ci
         ph = ci & 1
@@ -97,10 +114,17 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
         more = ci + 1 < nc
         bl = BL + row0 + c * C  # b_t, the gates' cumulative sum from the chunk start (precomputed)
         t_q = c * C + rows_s
+        b_r = gl.load(bl + rows_s)  # (issued early: their latency hides behind the window)
+        b_c = gl.load(bl + cols_s)
+        e_t = gl.exp(gl.load(bl + rows_o))
 
         # ---- window: scores against the three key tiles, softmax with the sinks, P V (async)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(q_bar.index(0), ph)
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
         k0 = k_s.index((j - 2) % 3)
         k1 = k_s.index((j - 1) % 3)
         k2 = k_s.index(j % 3)
@@ -111,6 +135,8 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
         gl.thread_barrier()
         if more:
             _load_tile(qw_d, row0 + (c + 1) * C, q_bar.index(0), q_s)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 1)
         s0 = gl.where(_visible(t_q, (c - 2) * C + cols_s, W), s0 * qk_scale, -float("inf"))
         s1 = gl.where(_visible(t_q, (c - 1) * C + cols_s, W), s1 * qk_scale, -float("inf"))
         s2 = gl.where(_visible(t_q, c * C + cols_s, W), s2 * qk_scale, -float("inf"))
@@ -132,9 +158,13 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
         o_w = warpgroup_mma(p2, v2, o_w, is_async=True)
 
         # ---- gated: A = phi_q phi_k^T, phi_q S and phi_q z from the state partition's copies
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 2)
         mbarrier.wait(q_bar.index(1), ph)
         mbarrier.wait(q_bar.index(2), ph)
         mbarrier.wait(st_ready, ph)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
         # (P V done first: the three P operands' registers are free before the gated products')
         o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
         a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
@@ -145,17 +175,12 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
         mbarrier.arrive(st_free)  # S's copy is read: the state partition may write the next
         if more:
             _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
-        # K~ = phi_k e^{b_end - b_s} (factors <= 1) over phi_k's slot, for the state partition
-        b_end = gl.load(bl + C - 1)
-        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - gl.load(bl + rows_b))[:, None]
-        fk_s.store(kt.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(kt_ready)
-        a = a * gl.exp(gl.where(causal, gl.load(bl + rows_s)[:, None] - gl.load(bl + cols_s)[None, :],
-                                -float("inf")))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 4)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
+        a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
         den = gl.convert_layout(gl.sum(a, axis=1), row_o)
-        e_t = gl.exp(gl.load(bl + rows_o))
         a_op = gl.convert_layout(a.to(dt), dot_o)
         num = warpgroup_mma(a_op, v2, o_i * e_t[:, None], is_async=True)
         num, _, _ = warpgroup_mma_wait(0, deps=(num, a_op, v2))
@@ -165,22 +190,43 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s,
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
         # ---- combine and store
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 6)
         qzr = gl.convert_layout(gl.sum(gl.where(zcols[None, :] < 2, qz, 0.0), axis=1), row_o)
         y = num / (den + qzr * e_t + eps)[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-        gl.store(Y + (row0 + c * C + rows_o)[:, None] * DV + dv_o[None, :], y.to(Y.dtype.element_ty))
-        if more:  # phi_k's slot, once the state partition has read K~
-            mbarrier.wait(kt_free, ph)
-            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
+        tma.store_wait(0)  # the chunk before's y has left y_s
+        gl.thread_barrier()
+        y_s.store(y.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(y_d, [row0 + c * C, 0], y_s)
+    tma.store_wait(0)
+    if NPROF > 0:
+        gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     return (alpha,)
 
 
 @gluon.jit
-def _state_partition(v_s, fk_s, st_s, zq_s, ones_s, kv_bar, st_ready, st_free, kt_ready, kt_free, BL,
-                     S_IN, Z_IN, S_OUT, Z_OUT, row0, c0, nc, i_bh, i_s, nseg,
-                     HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
-    """One warpgroup carrying the state: S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1
-    (z in every column of a (F, 16) product), then S in st_s and z as a bf16 hi + lo pair in zq_s
-    for the next chunk's output."""
+def _state_out(S, z, st_s, zq_s, zc):
+    """The state's copies for the output partition: S in bf16, z as a bf16 hi + lo pair (columns 0, 1)."""
+    dt: gl.constexpr = st_s.dtype
+    st_s.store(S.to(dt))
+    z_hi = z.to(dt)
+    z_lo = (z - z_hi.to(gl.float32)).to(dt)
+    zq_s.store(gl.where(zc[None, :] == 0, z_hi, gl.where(zc[None, :] == 1, z_lo, 0.0)).to(dt))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _state_partition(fk_d, v_s, fk_s, st_s, zq_s, ones_s, kv_bar, q_bar, st_ready, st_free, BL,
+                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg,
+                     HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
+                     NPROF: gl.constexpr):
+    """One warpgroup carrying the state. Per chunk, once the output partition has read phi_k and the
+    state's copies: K~ = phi_k e^{b_end - b_s} (factors <= 1) over phi_k's slot, S <- e^{b_end} S +
+    K~^T V and z <- e^{b_end} z + K~^T 1 (z in every column of a (F, 16) product), the next chunk's
+    phi_k, then S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk's output."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
@@ -194,37 +240,54 @@ def _state_partition(v_s, fk_s, st_s, zq_s, ones_s, kv_bar, st_ready, st_free, k
     else:
         S = gl.zeros([F, DV], gl.float32, layout=mma_S)
         z = gl.zeros([F, 16], gl.float32, layout=mma_Z)
-    for ci in range(nc + 1):
-        if ci > 0:
-            j = ci + 1  # ring index of chunk ci - 1's values
-            g = gl.exp(gl.load(BL + row0 + (c0 + ci) * C - 1))
-            mbarrier.wait(kt_ready, (ci - 1) & 1)
-            mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
-            vj = v_s.index(j % 3)
-            kt = fk_s.permute((1, 0))
-            S = warpgroup_mma(kt, vj, S * g, is_async=True)
-            z = warpgroup_mma(kt, ones_s, z * g, is_async=True)
-            S, z, _, _, _ = warpgroup_mma_wait(0, deps=(S, z, fk_s, vj, ones_s))
-            gl.thread_barrier()
-            mbarrier.arrive(kt_free)
-            mbarrier.wait(st_free, (ci - 1) & 1)
-        if ci < nc:
-            st_s.store(S.to(dt))
-            z_hi = z.to(dt)
-            z_lo = (z - z_hi.to(gl.float32)).to(dt)
-            zq_s.store(gl.where(zc[None, :] == 0, z_hi, gl.where(zc[None, :] == 1, z_lo, 0.0)).to(dt))
-            fence_async_shared()
-            gl.thread_barrier()
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_b = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    _state_out(S, z, st_s, zq_s, zc)
+    mbarrier.arrive(st_ready)
+    if NPROF > 0:
+        pacc, pt = _prof_init()
+    for ci in range(nc):
+        c = c0 + ci
+        j = ci + 2  # ring index of this chunk's values
+        bl = BL + row0 + c * C
+        b_end = gl.load(bl + C - 1)
+        b_r = gl.load(bl + rows_b)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 2)
+        mbarrier.wait(st_free, ci & 1)  # the output partition has read phi_k and the copies
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
+        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - b_r)[:, None]
+        fk_s.store(kt.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        g = gl.exp(b_end)
+        mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+        vj = v_s.index(j % 3)
+        ktT = fk_s.permute((1, 0))
+        S = warpgroup_mma(ktT, vj, S * g, is_async=True)
+        z = warpgroup_mma(ktT, ones_s, z * g, is_async=True)
+        S, z, _, _, _ = warpgroup_mma_wait(0, deps=(S, z, fk_s, vj, ones_s))
+        gl.thread_barrier()
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 1)
+        if ci + 1 < nc:
+            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
+            _state_out(S, z, st_s, zq_s, zc)
             mbarrier.arrive(st_ready)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
+    if NPROF > 0:
+        gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if i_s == nseg - 1:
         gl.store(S_OUT + i_bh * F * DV + f_S[:, None] * DV + dv_S[None, :], S)
         gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
 
 
 @gluon.jit
-def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, S_IN, Z_IN, S_OUT, Z_OUT,
+def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
                        T, H, seg_len, nseg, qk_scale, eps,
-                       W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr,
+                       W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
@@ -243,13 +306,14 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, S_IN, Z_
     st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
     zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
     ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
+    y_s = gl.allocate_shared_memory(dt, [C, DV], y_d.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # q_w, phi_q, phi_k
-    hs = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
+    hs = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(4):
+    for i in gl.static_range(2):
         mbarrier.init(hs.index(i), count=1)
     ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
 
@@ -267,19 +331,18 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, S_IN, Z_
 
     st_ready = hs.index(0)
     st_free = hs.index(1)
-    kt_ready = hs.index(2)
-    kt_free = hs.index(3)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, fk_d, BL, SINK, ALPHA, Y, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
-                             kv_bar, q_bar, st_ready, st_free, kt_ready, kt_free, row0, c0, nc, i_h, qk_scale,
-                             eps, W, NSINK, F, DV, C)),
-        (_state_partition, (v_s, fk_s, st_s, zq_s, ones_s, kv_bar, st_ready, st_free, kt_ready, kt_free, BL,
-                            S_IN, Z_IN, S_OUT, Z_OUT, row0, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C)),
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
+                             y_s, kv_bar, q_bar, st_ready, st_free, row0, c0, nc, i_h, i_bh, i_s,
+                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
+        (_state_partition, (fk_d, v_s, fk_s, st_s, zq_s, ones_s, kv_bar, q_bar, st_ready, st_free, BL,
+                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C,
+                            NPROF)),
     ], [4], [208])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
         mbarrier.invalidate(q_bar.index(i))
-    for i in gl.static_range(4):
+    for i in gl.static_range(2):
         mbarrier.invalidate(hs.index(i))
 
 
@@ -307,7 +370,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
-                     z_in: Optional[torch.Tensor] = None):
+                     z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32.
 
     ``nseg`` > 1: the sequence in that many segments of whole chunks, one program each; S_in
@@ -322,17 +385,17 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     nseg = math.ceil(nc / seg_chunks)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
     y = torch.empty_like(v)
-    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k)]
+    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
     # b_t: the gates' cumulative sum within each chunk of BT tokens, from its start
     b = log_g.float().reshape(B, H, nc, BT).cumsum(-1).reshape(B, H, T).contiguous()
     _lizard_fwd_kernel[(nseg, B * H)](
-        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(), y,
-        S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T,
+        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
+        S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
         T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
-        W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, D=D, F=F, DV=DV, C=BT,
+        W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8, D=D, F=F, DV=DV, C=BT,
         num_warps=4)
     return y, S_T, z_T
 
