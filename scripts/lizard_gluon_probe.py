@@ -141,9 +141,10 @@ def bench(rows, rounds=3):
                     print(json.dumps(row), flush=True)
 
 
-PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi, state copy",
-                     "P V wait, gated products", "K~ out", "A decay, A V", "combine, y, phi_k load"],
-          "state": ["wait phi_k read", "K~, S and z update", "to the next chunk", "copies out, phi_k load", "", "", "", ""]}
+PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
+                     "P V wait, phi_q S and phi_q z", "A V", "next loads", "combine, y out"],
+          "state": ["wait phi_q, phi_k", "A, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
+                    "", "", "", ""]}
 
 
 def profile(rows, B=16, T=2048):

@@ -71,8 +71,8 @@ def _prof_init():
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s, y_s,
-                      kv_bar, q_bar, st_ready, st_free, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, PROF,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, zq_s, a_s, den_s,
+                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, PROF,
                       W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                       NPROF: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
@@ -113,9 +113,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         j = ci + 2  # ring index of this chunk's keys/values; j - 1 and j - 2 hold the two before
         more = ci + 1 < nc
         bl = BL + row0 + c * C  # b_t, the gates' cumulative sum from the chunk start (precomputed)
-        b_r = gl.load(bl + rows_s)  # (issued early: their latency hides behind the window)
-        b_c = gl.load(bl + cols_s)
-        e_t = gl.exp(gl.load(bl + rows_o))
+        e_t = gl.exp(gl.load(bl + rows_o))  # (issued early: its latency hides behind the window)
 
         # ---- window: scores against the three key tiles, softmax with the sinks, P V (async)
         if NPROF > 0:
@@ -156,38 +154,33 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         o_w = warpgroup_mma(p1, v1, o_w, is_async=True)
         o_w = warpgroup_mma(p2, v2, o_w, is_async=True)
 
-        # ---- gated: A = phi_q phi_k^T, phi_q S and phi_q z from the state partition's copies
+        # ---- gated: e^{b_t} phi_q S + A V, from the state partition's copies of S, z and A
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 2)
         mbarrier.wait(q_bar.index(1), ph)
-        mbarrier.wait(q_bar.index(2), ph)
         mbarrier.wait(st_ready, ph)
+        mbarrier.wait(a_ready, ph)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
         # P V done first: the three P operands' registers are free before the gated products'
         # (queuing these behind P V instead spills: 0.82 against 0.75 ms at B16 T2048, v5's JSON)
         o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
-        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
-                          use_acc=False, is_async=True)
         o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False,
                             is_async=True)
         qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_z), use_acc=False,
                            is_async=True)
-        a, o_i, qz, _, _, _, _ = warpgroup_mma_wait(0, deps=(a, o_i, qz, fq_s, fk_s, st_s, zq_s))
-        gl.thread_barrier()
-        mbarrier.arrive(st_free)  # S's copy is read: the state partition may write the next
-        if more:
-            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
+        o_i, qz, _, _, _ = warpgroup_mma_wait(0, deps=(o_i, qz, fq_s, st_s, zq_s))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
+        num = warpgroup_mma(a_s, v2, o_i * e_t[:, None], is_async=True)
+        den = den_s.load(row_o)
+        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_s, v2))
+        gl.thread_barrier()
+        mbarrier.arrive(st_free)  # the copies of S, z and A are read: the state partition may write the next
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
-        a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
-        den = gl.convert_layout(gl.sum(a, axis=1), row_o)
-        a_op = gl.convert_layout(a.to(dt), dot_o)
-        num = warpgroup_mma(a_op, v2, o_i * e_t[:, None], is_async=True)
-        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_op, v2))
-        gl.thread_barrier()
+        if more:  # phi_q (the state partition's A is done: a_ready)
+            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
         if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
             _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
@@ -211,10 +204,13 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
 
 
 @gluon.jit
-def _state_out(S, z, st_s, zq_s, zc):
-    """The state's copies for the output partition: S in bf16, z as a bf16 hi + lo pair (columns 0, 1)."""
+def _state_out(S0, S1, z, st_s, zq_s, zc):
+    """The state's copies for the output partition: S (its two halves of feature rows) in bf16, z as a
+    bf16 hi + lo pair (columns 0, 1)."""
     dt: gl.constexpr = st_s.dtype
-    st_s.store(S.to(dt))
+    FH: gl.constexpr = S0.shape[0]
+    st_s.slice(0, FH).store(S0.to(dt))
+    st_s.slice(FH, FH).store(S1.to(dt))
     z_hi = z.to(dt)
     z_lo = (z - z_hi.to(gl.float32)).to(dt)
     zq_s.store(gl.where(zc[None, :] == 0, z_hi, gl.where(zc[None, :] == 1, z_lo, 0.0)).to(dt))
@@ -223,68 +219,96 @@ def _state_out(S, z, st_s, zq_s, zc):
 
 
 @gluon.jit
-def _state_partition(fk_d, v_s, fk_s, st_s, zq_s, ones_s, kv_bar, q_bar, st_ready, st_free, BL,
+def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
+                     a_ready, BL,
                      S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                      NPROF: gl.constexpr):
-    """One warpgroup carrying the state. Per chunk, once the output partition has read phi_k and the
-    state's copies: K~ = phi_k e^{b_end - b_s} (factors <= 1) over phi_k's slot, S <- e^{b_end} S +
-    K~^T V and z <- e^{b_end} z + K~^T 1 (z in every column of a (F, 16) product), the next chunk's
-    phi_k, then S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk's output."""
+    """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
+    (s <= t) and their row sums for the output partition (a_s, den_s); K~ = phi_k e^{b_end - b_s}
+    (factors <= 1) over phi_k's slot; S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1 (z in
+    every column of a (F, 16) product); the next chunk's phi_k; then, once the output partition has
+    read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
-    f_S = gl.arange(0, F, layout=gl.SliceLayout(1, mma_S))
+    FH: gl.constexpr = F // 2  # S in two halves of feature rows: each one's bf16 copy is made alone
+    f_S = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_S))
     dv_S = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))
     f_Z = gl.arange(0, F, layout=gl.SliceLayout(1, mma_Z))
     zc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_Z))
+    s_off = f_S[:, None] * DV + dv_S[None, :]
     if HAS_INIT:
-        S = gl.load(S_IN + (i_bh * nseg + i_s) * F * DV + f_S[:, None] * DV + dv_S[None, :])
+        sp = S_IN + (i_bh * nseg + i_s) * F * DV
+        S0 = gl.load(sp + s_off)
+        S1 = gl.load(sp + FH * DV + s_off)
         z = gl.load(Z_IN + (i_bh * nseg + i_s) * F + f_Z[:, None] + 0 * zc[None, :])
     else:
-        S = gl.zeros([F, DV], gl.float32, layout=mma_S)
+        S0 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+        S1 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
         z = gl.zeros([F, 16], gl.float32, layout=mma_Z)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows_b = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    _state_out(S, z, st_s, zq_s, zc)
+    rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    _state_out(S0, S1, z, st_s, zq_s, zc)
     mbarrier.arrive(st_ready)
     if NPROF > 0:
         pacc, pt = _prof_init()
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    causal = cols_s[None, :] <= rows_s[:, None]
     for ci in range(nc):
         c = c0 + ci
+        ph = ci & 1
         j = ci + 2  # ring index of this chunk's values
         bl = BL + row0 + c * C
         b_end = gl.load(bl + C - 1)
-        b_r = gl.load(bl + rows_b)
+        b_r = gl.load(bl + rows_s)
+        b_c = gl.load(bl + cols_s)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 2)
-        mbarrier.wait(st_free, ci & 1)  # the output partition has read phi_k and the copies
+        mbarrier.wait(q_bar.index(1), ph)
+        mbarrier.wait(q_bar.index(2), ph)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 0)
-        kt = fk_s.load(blk).to(gl.float32) * gl.exp(b_end - b_r)[:, None]
-        fk_s.store(kt.to(dt))
+        # A for the output partition (its copy of the chunk before was read: st_free below)
+        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
+                          use_acc=False, is_async=True)
+        a, _, _ = warpgroup_mma_wait(0, deps=(a, fq_s, fk_s))
+        a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
+        den_s.store(gl.sum(a, axis=1))
+        a_s.store(a.to(dt))
+        for h in gl.static_range(2):  # K~ in two halves of rows (fewer registers live beside S)
+            part = fk_s.slice(h * (C // 2), C // 2)
+            b_h = gl.load(bl + h * (C // 2) + rows_b)
+            part.store((part.load(blk).to(gl.float32) * gl.exp(b_end - b_h)[:, None]).to(dt))
         fence_async_shared()
         gl.thread_barrier()
+        mbarrier.arrive(a_ready)
         g = gl.exp(b_end)
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         vj = v_s.index(j % 3)
         ktT = fk_s.permute((1, 0))
-        S = warpgroup_mma(ktT, vj, S * g, is_async=True)
+        S0 = warpgroup_mma(fk_s.slice(0, FH, dim=1).permute((1, 0)), vj, S0 * g, is_async=True)
+        S1 = warpgroup_mma(fk_s.slice(FH, FH, dim=1).permute((1, 0)), vj, S1 * g, is_async=True)
         z = warpgroup_mma(ktT, ones_s, z * g, is_async=True)
-        S, z, _, _, _ = warpgroup_mma_wait(0, deps=(S, z, fk_s, vj, ones_s))
+        S0, S1, z, _, _, _ = warpgroup_mma_wait(0, deps=(S0, S1, z, fk_s, vj, ones_s))
         gl.thread_barrier()
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
         if ci + 1 < nc:
             _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
-            _state_out(S, z, st_s, zq_s, zc)
-            mbarrier.arrive(st_ready)
+        mbarrier.wait(st_free, ph)  # the output partition has read the copies (S, z, A)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
+        if ci + 1 < nc:
+            _state_out(S0, S1, z, st_s, zq_s, zc)
+            mbarrier.arrive(st_ready)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if i_s == nseg - 1:
-        gl.store(S_OUT + i_bh * F * DV + f_S[:, None] * DV + dv_S[None, :], S)
+        gl.store(S_OUT + i_bh * F * DV + s_off, S0)
+        gl.store(S_OUT + i_bh * F * DV + FH * DV + s_off, S1)
         gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
 
 
@@ -311,13 +335,15 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
     ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
     y_s = gl.allocate_shared_memory(dt, [C, DV], y_d.layout)
+    a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
+    den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # q_w, phi_q, phi_k
-    hs = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
+    hs = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(3):
         mbarrier.init(hs.index(i), count=1)
     ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
 
@@ -335,18 +361,20 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
 
     st_ready = hs.index(0)
     st_free = hs.index(1)
+    a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, fk_s, st_s, zq_s,
-                             y_s, kv_bar, q_bar, st_ready, st_free, row0, c0, nc, i_h, i_bh, i_s,
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, zq_s, a_s,
+                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s,
                              nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
-        (_state_partition, (fk_d, v_s, fk_s, st_s, zq_s, ones_s, kv_bar, q_bar, st_ready, st_free, BL,
+        (_state_partition, (fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
+                            st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C,
                             NPROF)),
-    ], [4], [208])
+    ], [4], [232])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
         mbarrier.invalidate(q_bar.index(i))
-    for i in gl.static_range(2):
+    for i in gl.static_range(3):
         mbarrier.invalidate(hs.index(i))
 
 
