@@ -120,7 +120,7 @@ def check(rows):
         print(json.dumps(row), flush=True)
 
 
-def bench(rows, rounds=3):
+def bench(rows, rounds=5):
     import triton
     for B, T, segs in SHAPES:
         x = inputs(B, T)
@@ -142,8 +142,8 @@ def bench(rows, rounds=3):
 
 
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
-                     "P V wait, phi_q S and phi_q z", "A V", "next loads", "combine, y out"],
-          "state": ["wait phi_q, phi_k", "A, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
+                     "P V wait, phi_q S", "A V", "next loads", "combine, y out"],
+          "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
                     "", "", "", ""]}
 
 

@@ -71,16 +71,16 @@ def _prof_init():
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, zq_s, a_s, den_s,
-                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, PROF,
-                      W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
+                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps,
+                      PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                       NPROF: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
-    from the state the state partition left in st_s / zq_s, the combine, and y out by TMA. It issues
-    every load but phi_k's (the state partition rescales phi_k in place, then brings the next)."""
+    e^{b_t} phi_q S + A V from the state partition's copies of S (st_s) and A (a_s) over its den
+    (den_s), the combine, and y out by TMA. It issues every load but phi_k's (the state partition
+    rescales phi_k in place, then brings the next)."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
-    mma_z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
@@ -102,7 +102,6 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
     rows_o = gl.arange(0, C, layout=row_o)
     dv_o = gl.arange(0, DV, layout=col_o)
     rows_b = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    zcols = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_z))
     causal = cols_s[None, :] <= rows_s[:, None]
 
     if NPROF > 0:
@@ -167,9 +166,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
         o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False,
                             is_async=True)
-        qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_z), use_acc=False,
-                           is_async=True)
-        o_i, qz, _, _, _ = warpgroup_mma_wait(0, deps=(o_i, qz, fq_s, st_s, zq_s))
+        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fq_s, st_s))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
         num = warpgroup_mma(a_s, v2, o_i * e_t[:, None], is_async=True)
@@ -188,9 +185,8 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         # ---- combine and store
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
-        qzr = gl.convert_layout(gl.sum(gl.where(zcols[None, :] < 2, qz, 0.0), axis=1), row_o)
         # one division per row, not per element
-        y = num * (1.0 / (den + qzr * e_t + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
+        y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
         tma.store_wait(0)  # the chunk before's y has left y_s
         gl.thread_barrier()
         y_s.store(y.to(dt))
@@ -257,6 +253,8 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
     rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
     causal = cols_s[None, :] <= rows_s[:, None]
+    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    qc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_q))
     for ci in range(nc):
         c = c0 + ci
         ph = ci & 1
@@ -272,11 +270,16 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 0)
         # A for the output partition (its copy of the chunk before was read: st_free below)
+        # and the normaliser's whole den = rowsum(A) + e^{b_t} phi_q . z (z of the chunk before, as
+        # the hi + lo pair in zq_s)
         a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
                           use_acc=False, is_async=True)
-        a, _, _ = warpgroup_mma_wait(0, deps=(a, fq_s, fk_s))
+        qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_q), use_acc=False,
+                           is_async=True)
+        a, qz, _, _, _ = warpgroup_mma_wait(0, deps=(a, qz, fq_s, fk_s, zq_s))
         a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
-        den_s.store(gl.sum(a, axis=1))
+        qz = gl.convert_layout(gl.sum(gl.where(qc[None, :] < 2, qz, 0.0), axis=1), gl.SliceLayout(1, mma_s))
+        den_s.store(gl.sum(a, axis=1) + gl.exp(b_r) * qz)
         a_s.store(a.to(dt))
         for h in gl.static_range(2):  # K~ in two halves of rows (fewer registers live beside S)
             part = fk_s.slice(h * (C // 2), C // 2)
@@ -298,7 +301,7 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
             pacc, pt = _tick(pacc, pt, 1)
         if ci + 1 < nc:
             _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
-        mbarrier.wait(st_free, ph)  # the output partition has read the copies (S, z, A)
+        mbarrier.wait(st_free, ph)  # the output partition has read the copies of S and A
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
         if ci + 1 < nc:
@@ -363,7 +366,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     st_free = hs.index(1)
     a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, zq_s, a_s,
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s,
                              den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s,
                              nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
         (_state_partition, (fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
