@@ -24,27 +24,10 @@ SHAPES = [(16, 2048, (1,)), (4, 8192, (1, 2)), (1, 32768, (4, 8))]  # (B, T, seg
 def compile_only(has_init=False, nsink=4, nprof=0) -> dict:
     """Compile the kernel for sm_90a without a GPU: shared memory, registers and spills (ptxas -v)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as tcompile
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     from linearize.kernels import lizard_gluon as L
 
-    x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
-    d = TensorDescriptor.from_tensor(x, [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16))
-    f32 = torch.empty(10, dtype=torch.float32)
-    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
-                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
-    sig = {k: mangle_type(v) for k, v in args.items()}
-    consts = dict(W=128, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=64)
-    sig.update({k: "constexpr" for k in consts})
-    fn = L._lizard_fwd_kernel
-    names = [q.name for q in fn.params]
-    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()})
-    k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    k = L.compile_for_hopper(has_init=has_init, nsink=nsink, nprof=nprof)
     out = {"shared_bytes": k.metadata.shared}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if os.path.exists(ptxas):
@@ -141,6 +124,22 @@ def bench(rows, rounds=5):
                     print(json.dumps(row), flush=True)
 
 
+def sweep_segments(rows, rounds=3):
+    """The fused forward's time against its segment count where batch x heads leave SMs idle."""
+    import triton
+    for B, T, segs in [(1, 32768, (4, 8, 16, 32)), (2, 16384, (1, 2, 4, 8, 16))]:
+        x = inputs(B, T)
+        with torch.no_grad():
+            for n in segs:
+                fused_fwd(x, n)
+            for r in range(rounds):
+                for n in segs:
+                    ms = triton.testing.do_bench(lambda: fused_fwd(x, n), warmup=50, rep=300, return_mode="median")
+                    row = {"segments": n, "B": B, "T": T, "H": 32, "round": r, "ms": ms}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+
+
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
                      "P V wait, phi_q S", "A V", "next loads", "combine, y out"],
           "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
@@ -169,6 +168,7 @@ if __name__ == "__main__":
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--segments", action="store_true")
     a = p.parse_args()
     if a.compile_only:
         print(json.dumps(compile_only()))
@@ -180,6 +180,8 @@ if __name__ == "__main__":
             check(rows)
         if a.profile:
             profile(rows)
+        if a.segments:
+            sweep_segments(rows)
         if not a.no_bench:
             bench(rows)
     finally:

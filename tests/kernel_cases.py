@@ -314,6 +314,56 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     return err
 
 
+def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 4, state: bool = False,
+                      segments: int | None = None, B: int = 2, H: int = 3, seed: int = 0) -> dict[str, float]:
+    """lizard_attention in inference on CUDA, where it runs the fused Gluon forward (asserted), vs
+    gla_parallel + alpha * window_attn_parallel in fp64: y and both states. Lizard's widths (128);
+    ``segments`` forces LizardKernelConfig.fused_segments."""
+    from linearize.kernels import lizard as kliz
+    from linearize.kernels import lizard_gluon
+    from linearize.ops.gla import GLAState, gla_parallel
+    from linearize.ops.window_attn import window_attn_parallel
+
+    g = _gen(seed)
+    D = 128
+    fq, fk = (torch.rand(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v, qw, kw = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    log_g = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) * 3 + 2)
+    alpha = torch.randn(H, generator=g, dtype=torch.float64)
+    sinks = torch.randn(H, nsink, generator=g, dtype=torch.float64) if nsink else None
+    st = None
+    if state:
+        st = GLAState(torch.randn(B, H, D, D, generator=g, dtype=torch.float64),
+                      torch.rand(B, H, D, generator=g, dtype=torch.float64) * 3)
+    # the reference sees what the kernel sees: inputs rounded to the kernel's dtypes first
+    fq, fk, v, qw, kw = (x.to(dtype).double() for x in (fq, fk, v, qw, kw))
+    log_g, alpha = log_g.float().double(), alpha.float().double()
+    sinks = sinks.float().double() if nsink else None
+    y_g, s_g = gla_parallel(fq, fk, v, log_g, state=st)
+    y_w, s_w = window_attn_parallel(qw, kw, v, window=W, sink_logits=sinks)
+    y = y_g + alpha[:, None, None] * y_w
+
+    dev = torch.device("cuda")
+    calls = []
+    fused = lizard_gluon.lizard_fwd_fused
+    lizard_gluon.lizard_fwd_fused = lambda *a, **k: calls.append(k.get("nseg")) or fused(*a, **k)
+    try:
+        with torch.no_grad():
+            y2, sg2, sw2 = kliz.lizard_attention(
+                *(x.to(dev, dtype) for x in (fq, fk, v)), log_g.to(dev, torch.float32),
+                *(x.to(dev, dtype) for x in (qw, kw)), alpha.to(dev, torch.float32), window=W,
+                sink_logits=sinks.to(dev, torch.float32) if nsink else None,
+                state=GLAState(st.S.to(dev, torch.float32), st.z.to(dev, torch.float32)) if state else None,
+                config=kliz.LizardKernelConfig(fused_segments=segments))
+        torch.cuda.synchronize()
+    finally:
+        lizard_gluon.lizard_fwd_fused = fused
+    assert calls, "lizard_attention did not run the fused forward"
+    assert segments is None or state or calls[0] == segments, calls
+    return {"y": rel_rms(y2.cpu(), y), "S": rel_rms(sg2.S.cpu(), s_g.S), "z": rel_rms(sg2.z.cpu(), s_g.z),
+            "window.k": rel_rms(sw2.k.cpu(), s_w.k), "window.v": rel_rms(sw2.v.cpu(), s_w.v)}
+
+
 # name -> (case function, kwargs, dtype); small shapes for the CPU interpreter (T not a multiple
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16

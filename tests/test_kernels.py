@@ -312,6 +312,62 @@ def test_gpu_lizard_one_op_matches_reference(variant, dtype):
     assert_errors(err, KTOL[dtype], f"lizard {variant} {dtype}")
 
 
+def _needs_hopper_gluon():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused Gluon forward is for Hopper (sm_90)")
+    pytest.importorskip("triton.experimental.gluon")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["plain", "segments 4", "segments 8", "state", "no sinks", "window 100",
+                                     "T=64", "fp16"])
+def test_gpu_lizard_fused_forward_matches_reference(variant):
+    """The fused Gluon forward (kernels/lizard_gluon.py), as lizard_attention runs it in inference
+    on Hopper, against the fp64 reference: y, the gated state and the window state, at Lizard's
+    widths (128 features, head dim 128, window 128 with 4 sink logits unless the variant says),
+    with sequence segments (each one's entering state from the pre-pass and scan), an initial
+    state, no sinks, a window of 100, one chunk, and fp16."""
+    from kernel_cases import lizard_fused_case
+
+    _needs_hopper_gluon()
+    kw = dict(T=1024, W=128, nsink=4)
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    if variant.startswith("segments"):
+        kw["segments"] = int(variant.split()[1])
+    kw.update(state=variant == "state", nsink=0 if variant == "no sinks" else 4,
+              W=100 if variant == "window 100" else 128, T=64 if variant == "T=64" else kw["T"])
+    err = lizard_fused_case(dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"lizard fused {variant}")
+
+
+@needs_cuda
+def test_gpu_lizard_fused_forward_only_where_no_gradient_is_recorded(monkeypatch):
+    """Training keeps the Triton one op (its backward needs what the fused forward does not keep);
+    inference on Hopper takes the fused kernel, and agrees with the Triton forward."""
+    from linearize.kernels import lizard as kliz
+    from linearize.kernels import lizard_gluon
+
+    _needs_hopper_gluon()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, T, D = 1, 2, 512, 128
+    fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
+    v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
+    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
+    alpha = torch.ones(H, device="cuda")
+    fused, calls = lizard_gluon.lizard_fwd_fused, []
+    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    with torch.no_grad():
+        y_fused = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
+        assert calls == [1]
+        y_passes = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha,
+                                         config=kliz.LizardKernelConfig(fused_fwd=False))[0]
+        assert calls == [1]
+    assert rel_rms(y_fused, y_passes) < 1e-2
+    v.requires_grad_()
+    y_train = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
+    assert calls == [1] and y_train.requires_grad
+
+
 @needs_cuda
 @pytest.mark.parametrize("window_first", [False, True])
 def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):

@@ -206,3 +206,28 @@ def test_gluon_probe_kernels_compile_for_hopper(ws):
     spec.loader.exec_module(probe)
     shared = probe.compile_only(ws=ws)
     assert 4 * (128 * 64 + 64 * 128) * 2 <= shared <= HOPPER_SMEM, shared
+
+
+@pytest.mark.parametrize("has_init, nsink", [(False, 4), (True, 0)])
+def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, tmp_path):
+    """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference,
+    compiles for sm_90a within one block's shared memory, and Triton's ptxas assembles it (its two
+    warp-specialised partitions, their register limits included). What it computes is checked on a
+    GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*)."""
+    import os
+    import subprocess
+
+    from linearize.kernels import lizard_gluon
+
+    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink)
+    assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton's ptxas is not installed")
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

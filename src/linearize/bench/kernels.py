@@ -10,7 +10,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
-  triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention)
+  triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
+                       gets it: on Hopper the forward without gradients is the fused Gluon kernel
+                       (kernels.lizard_gluon), training the Triton passes
+  triton lizard, passes (ours)  the same with LizardKernelConfig(fused_fwd=False): the Triton
+                       passes in the forward too (fwd+bwd identical to the line above)
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
-           "torch lizard (ours)", "triton lizard (ours)")
+           "torch lizard (ours)", "triton lizard (ours)", "triton lizard, passes (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -142,7 +146,7 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
 def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
     """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
     from ..kernels.gla import gla_chunk_triton
-    from ..kernels.lizard import lizard_attention
+    from ..kernels.lizard import LizardKernelConfig, lizard_attention
     from ..ops.gla import gla_chunk
 
     def leaves(*names):
@@ -168,12 +172,14 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
-    def lizard():
-        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls)[0]
+    def lizard(config=None):
+        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls, config=config)[0]
 
     args = [lq, lk, lv, lg, wq, wk, la, ls]
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
+    passes = LizardKernelConfig(fused_fwd=False)
+    out["triton lizard, passes (ours)"] = (_with_kernels("1", lambda: lizard(passes)), args, dy)
     return out
 
 
@@ -242,7 +248,8 @@ def run_kernel_bench(
                 cells[name] = {"fwd": _cell(forward, reps)}
             cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves)
         checks = {}
-        for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)")):
+        for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)"),
+                     ("triton lizard, passes (ours)", "torch lizard (ours)")):
             if a in table and b in table and a in chosen:
                 try:
                     with torch.no_grad():

@@ -17,8 +17,10 @@ from it, run beside it on the second stream; then the gated main pass adds alpha
 epilogue. Backward: the gated reverse state passes on the second stream beside the window's
 backward, then the gated chunk pass adding its dv into the window's. The sequential passes walk
 their chunks one after another in few programs, and the window's many short programs fill the
-rest of the GPU. Elsewhere the torch ops and a torch combine, the same computation
-``layers.hybrid.HybridAttention`` runs for Lizard.
+rest of the GPU. Where no gradient is recorded, on Hopper, the forward is instead one hand-written
+Gluon kernel when its scope holds (``lizard_gluon``; ``LizardKernelConfig.fused_fwd``). Elsewhere
+the torch ops and a torch combine, the same computation ``layers.hybrid.HybridAttention`` runs for
+Lizard.
 """
 
 from __future__ import annotations
@@ -68,7 +70,16 @@ class LizardKernelConfig:
     ``split_prologue``: with the window first, overlap_fwd and segments, the normaliser's chain
     (its segment pre-pass, scan and pass) runs on a stream of its own beside the state's
     (``gla.fwd_prologue``'s ``z_stream``), both beside the window (H200, forward: 1.50 -> 1.46 ms
-    at B1 T32768, 1.47 -> 1.40 at B2 T16384; docs/results/kernels-h200-split-prologue.json)."""
+    at B1 T32768, 1.47 -> 1.40 at B2 T16384; docs/results/kernels-h200-split-prologue.json).
+    ``fused_fwd``: where no gradient is recorded, on Hopper (sm_90), the whole forward runs as ONE
+    hand-written Gluon kernel (``kernels.lizard_gluon``: a warpgroup for the window and the output
+    beside one carrying the state), when its scope holds (bf16/fp16, widths 128, T a multiple of
+    64, window 65..129, no padding, normalised plain features). H200, bf16, 32 heads, median ms,
+    against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at
+    B4 T8192 (docs/results/lizard-gluon-h200-v7.json).
+    ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``);
+    with more than one, each segment's entering state comes from the gated op's segment pre-pass
+    and scan, and every segment is a program of its own."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
@@ -76,6 +87,8 @@ class LizardKernelConfig:
     overlap_bwd: bool = True
     side_priority: int = -1
     split_prologue: bool = True
+    fused_fwd: bool = True
+    fused_segments: Optional[int] = None
 
 
 CONFIG = LizardKernelConfig()
@@ -267,8 +280,58 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
+    if (config.fused_fwd and kmin is None and normalize and not log_space_features and not differentiable
+            and not _records_grad(phi_q, phi_k, log_g, q_w, alpha, sinks, S0, z0)):
+        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, config)
+        if fused is not None:
+            join_stream(copier, *w_state)
+            return fused[0], GLAState(fused[1], fused[2]), w_state
     y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
                                     bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
                                     config, torch.is_grad_enabled())
     join_stream(copier, *w_state)
     return y, GLAState(S, z), w_state
+
+
+def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
+    """Segments for the fused forward: none where the (batch x head) programs keep at least half the
+    multiprocessors busy (each segment's entering state costs a pre-pass over the sequence: at
+    B4 T8192, 128 programs on 132 SMs, one segment ran 0.623 ms against two's 0.869); else the
+    power of two that gives about two programs per multiprocessor, segments at least 16 chunks
+    long (B1 T32768: 8 segments 0.926 ms, 4 segments 1.074; H200,
+    docs/results/lizard-gluon-h200-v7.json)."""
+    if 2 * B * H >= sms:
+        return 1
+    n = 1
+    while B * H * n < 2 * sms and T // (64 * 2 * n) >= 16:
+        n *= 2
+    return n
+
+
+def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg):
+    """(y, S_T, z_T) from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply."""
+    try:
+        from . import lizard_gluon
+    except ImportError:  # a Triton without Gluon
+        return None
+    if not lizard_gluon.supports(phi_q, phi_k, v, log_g, q_w, k_w, window, sinks, S0):
+        return None
+    from .dispatch import device_sms
+
+    B, H, T, _ = v.shape
+    nseg = 1 if S0 is not None else (cfg.fused_segments or fused_segment_count(B, H, T, device_sms(v)))
+    nc = T // lizard_gluon.BT
+    seg_len = -(-nc // nseg) * lizard_gluon.BT
+    nseg = -(-T // seg_len)
+    s_in = z_in = None
+    if S0 is not None:
+        s_in = S0.float().reshape(B * H, 1, *S0.shape[2:]).contiguous()
+        z_in = z0.float().reshape(B * H, 1, z0.shape[-1]).contiguous()
+    elif nseg > 1:
+        s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
+    return lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
+                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in)

@@ -382,19 +382,23 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
 
 
 def supports(phi_q, phi_k, v, log_g, q_w, k_w, window: int, sinks, S0) -> bool:
-    """Whether ``lizard_fwd_fused`` takes these inputs (see the module's scope)."""
+    """Whether ``lizard_fwd_fused`` takes these inputs (see the module's scope; S0 is accepted and
+    then runs without segments)."""
     if not (v.is_cuda and torch.cuda.get_device_capability(v.device)[0] == 9):
         return False
     B, H, T, DV = v.shape
-    return (v.dtype in (torch.bfloat16, torch.float16) and all(x.dtype == v.dtype for x in (phi_q, phi_k, q_w, k_w))
-            and phi_q.shape[-1] == phi_k.shape[-1] == q_w.shape[-1] == k_w.shape[-1] == DV == 128
+    xs = (phi_q, phi_k, v, q_w, k_w)
+    return (v.dtype in (torch.bfloat16, torch.float16) and all(x.dtype == v.dtype for x in xs)
+            and all(x.shape[:3] == v.shape[:3] and x.shape[-1] == 128 for x in xs)
             and T % BT == 0 and T > 0 and 64 < window <= 129 and log_g.dtype == torch.float32
-            and (sinks is None or sinks.shape[1] in (1, 2, 4, 8, 16)))
+            and (sinks is None or sinks.shape[1] in (1, 2, 4, 8, 16))
+            # TMA reads whole rows from 16-byte aligned bases
+            and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) -> (B*H*T, D) rows, contiguous."""
-    return x.contiguous().view(-1, x.shape[-1])
+    """(B, H, T, D) contiguous -> (B*H*T, D) rows."""
+    return x.view(-1, x.shape[-1])
 
 
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
@@ -454,3 +458,24 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
         s_in, z_in, g_seg, s_in, z_in, nseg, DK=F, DV=DV, BK=kgla.pow2(F), BV=BVS, HAS_INIT=False, REVERSE=False,
         DO_S=True, DO_Z=True, num_warps=4)
     return s_in, z_in
+
+
+def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0):
+    """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
+    (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as tcompile
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
+    d = TensorDescriptor.from_tensor(x, [BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.bfloat16))
+    f32 = torch.empty(16, dtype=torch.float32)
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
+                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+    sig = {k: mangle_type(v) for k, v in args.items()}
+    consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT)
+    sig.update({k: "constexpr" for k in consts})
+    names = [p.name for p in _lizard_fwd_kernel.params]
+    src = GluonASTSource(_lizard_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
