@@ -298,16 +298,18 @@ def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
 
 
 def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
-    """Segments for the fused forward: none where the (batch x head) programs keep at least half the
-    multiprocessors busy (each segment's entering state costs a pre-pass over the sequence: at
-    B4 T8192, 128 programs on 132 SMs, one segment ran 0.623 ms against two's 0.869); else the
-    power of two that gives about two programs per multiprocessor, segments at least 16 chunks
-    long (B1 T32768: 8 segments 0.926 ms, 4 segments 1.074; H200,
-    docs/results/lizard-gluon-h200-v7.json)."""
+    """Segments for the fused forward (each one a program; its entering state costs a pre-pass over
+    the sequence before it). None where the (batch x head) programs keep at least half the
+    multiprocessors busy; else the most, in powers of two, that make at most two programs per
+    multiprocessor, at least 16 chunks long each. H200 (132 SMs), 32 heads, median ms
+    (docs/results/lizard-gluon-h200-segments.json, lizard-gluon-h200-v7.json):
+    B1 T32768: 4 segments 1.081, **8** 0.924, 16 0.949, 32 1.096;
+    B2 T16384: 1 1.099, 2 1.052, **4** 0.884, 8 0.906, 16 1.035;
+    B4 T8192: **1** 0.623, 2 0.869."""
     if 2 * B * H >= sms:
         return 1
     n = 1
-    while B * H * n < 2 * sms and T // (64 * 2 * n) >= 16:
+    while B * H * n * 2 <= 2 * sms and T // (64 * 2 * n) >= 16:
         n *= 2
     return n
 
