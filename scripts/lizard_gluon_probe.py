@@ -140,6 +140,30 @@ def sweep_segments(rows, rounds=3):
                     print(json.dumps(row), flush=True)
 
 
+def window_state_copy(rows, rounds=3):
+    """lizard_attention in inference (fused forward + the window's state for decoding): the state's
+    copy on a stream of its own (overlap_fwd) or after the kernel on the same stream."""
+    import triton
+
+    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+    from linearize.kernels.window import _new_state
+    for B, T in [(16, 2048), (1, 32768)]:
+        x = inputs(B, T)
+        args = (x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"])
+        fns = {f"overlap_fwd={o}": (lambda o=o: lizard_attention(*args, sink_logits=x["sinks"],
+                                                                 config=LizardKernelConfig(overlap_fwd=o)))
+               for o in (True, False)}
+        fns["fused kernel alone"] = lambda: fused_fwd(x, 1 if B * 32 >= 66 else 8)
+        fns["state copy alone"] = lambda: _new_state(None, x["k_w"], x["v"], 127, torch.float32)
+        with torch.no_grad():
+            for r in range(rounds):
+                for name, fn in fns.items():
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                    row = {"copy": name, "B": B, "T": T, "round": r, "ms": ms}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+
+
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
                      "P V wait, phi_q S", "A V", "next loads", "combine, y out"],
           "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
@@ -169,6 +193,7 @@ if __name__ == "__main__":
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--segments", action="store_true")
+    p.add_argument("--copy", action="store_true")
     a = p.parse_args()
     if a.compile_only:
         print(json.dumps(compile_only()))
@@ -182,6 +207,8 @@ if __name__ == "__main__":
             profile(rows)
         if a.segments:
             sweep_segments(rows)
+        if a.copy:
+            window_state_copy(rows)
         if not a.no_bench:
             bench(rows)
     finally:
