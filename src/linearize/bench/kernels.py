@@ -13,7 +13,7 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
                        gets it: on Hopper the forward without gradients is the fused Gluon kernel
                        (kernels.lizard_gluon), training the Triton passes
-  triton lizard, passes (ours)  the same with LizardKernelConfig(fused_fwd=False): the Triton
+  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False): the Triton
                        passes in the forward too (fwd+bwd identical to the line above)
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
-           "torch lizard (ours)", "triton lizard (ours)", "triton lizard, passes (ours)")
+           "torch lizard (ours)", "triton lizard (ours)", "triton lizard passes (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -179,7 +179,7 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
     passes = LizardKernelConfig(fused_fwd=False)
-    out["triton lizard, passes (ours)"] = (_with_kernels("1", lambda: lizard(passes)), args, dy)
+    out["triton lizard passes (ours)"] = (_with_kernels("1", lambda: lizard(passes)), args, dy)
     return out
 
 
@@ -249,7 +249,7 @@ def run_kernel_bench(
             cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves)
         checks = {}
         for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)"),
-                     ("triton lizard, passes (ours)", "torch lizard (ours)")):
+                     ("triton lizard passes (ours)", "torch lizard (ours)")):
             if a in table and b in table and a in chosen:
                 try:
                     with torch.no_grad():
