@@ -166,7 +166,8 @@ def window_state_copy(rows, rounds=3):
 
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
                      "P V wait, phi_q S", "A V", "next loads", "combine, y out"],
-          "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk", "wait copies read, phi_k load",
+          "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk",
+                    "wait copies read, phi_k load",
                     "", "", "", ""]}
 
 
@@ -214,7 +215,12 @@ if __name__ == "__main__":
     finally:
         if a.out:
             import triton
+            import hashlib
+            # (the device copy's git HEAD can be stale: the kernel source's hash says what ran)
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            src = os.path.join(os.path.dirname(__file__), "..", "src", "linearize", "kernels", "lizard_gluon.py")
+            kernel_sha = hashlib.sha256(open(src, "rb").read()).hexdigest()[:16]
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "commit": commit, "command": " ".join(sys.argv), "wall_s": time.time() - t0, "rows": rows},
+                       "commit": commit, "lizard_gluon_sha256": kernel_sha, "command": " ".join(sys.argv),
+                       "wall_s": time.time() - t0, "rows": rows},
                       open(a.out, "w"), indent=1)

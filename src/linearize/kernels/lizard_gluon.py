@@ -124,9 +124,12 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         k0 = k_s.index((j - 2) % 3)
         k1 = k_s.index((j - 1) % 3)
         k2 = k_s.index(j % 3)
-        s0 = warpgroup_mma(q_s, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
-        s1 = warpgroup_mma(q_s, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
-        s2 = warpgroup_mma(q_s, k2.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+        s0 = warpgroup_mma(q_s, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                           is_async=True)
+        s1 = warpgroup_mma(q_s, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                           is_async=True)
+        s2 = warpgroup_mma(q_s, k2.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                           is_async=True)
         s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
         gl.thread_barrier()
         if more:
@@ -428,7 +431,8 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
         T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
-        W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8, D=D, F=F, DV=DV, C=BT,
+        W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
+        D=D, F=F, DV=DV, C=BT,
         num_warps=4)
     return y, S_T, z_T
 
