@@ -164,6 +164,31 @@ def window_state_copy(rows, rounds=3):
                     print(json.dumps(row), flush=True)
 
 
+def model_layout(rows, rounds=3):
+    """lizard_attention in inference with q_w, k_w, v contiguous or as a model gives them ((B, T, H, D)
+    projections seen as (B, H, T, D)), read in place by the fused forward either way."""
+    import triton
+
+    from linearize.kernels.lizard import lizard_attention
+    for B, T in [(16, 2048), (1, 32768)]:
+        x = inputs(B, T)
+        bthd = {n: x[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("q_w", "k_w", "v")}
+        fns = {}
+        for name, src in (("contiguous", x), ("model layout", {**x, **bthd})):
+            fns[name] = (lambda a=src: lizard_attention(a["phi_q"], a["phi_k"], a["v"], a["log_g"], a["q_w"],
+                                                        a["k_w"], a["alpha"], sink_logits=a["sinks"]))
+        with torch.no_grad():
+            ys = [fn()[0].float() for fn in fns.values()]
+            rows.append({"layout_check": True, "B": B, "T": T, "rel": rel(ys[1], ys[0])})
+            print(json.dumps(rows[-1]), flush=True)
+            for r in range(rounds):
+                for name, fn in fns.items():
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                    row = {"layout": name, "B": B, "T": T, "round": r, "ms": ms}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+
+
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",
                      "P V wait, phi_q S", "A V", "next loads", "combine, y out"],
           "state": ["wait phi_q, phi_k", "A, den, K~, S and z update", "to the next chunk",
@@ -195,6 +220,7 @@ if __name__ == "__main__":
     p.add_argument("--profile", action="store_true")
     p.add_argument("--segments", action="store_true")
     p.add_argument("--copy", action="store_true")
+    p.add_argument("--layout", action="store_true")
     a = p.parse_args()
     if a.compile_only:
         print(json.dumps(compile_only()))
@@ -210,6 +236,8 @@ if __name__ == "__main__":
             sweep_segments(rows)
         if a.copy:
             window_state_copy(rows)
+        if a.layout:
+            model_layout(rows)
         if not a.no_bench:
             bench(rows)
     finally:

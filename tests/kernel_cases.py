@@ -315,10 +315,12 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
 
 
 def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 4, state: bool = False,
-                      segments: int | None = None, B: int = 2, H: int = 3, seed: int = 0) -> dict[str, float]:
+                      segments: int | None = None, bthd: bool = False, B: int = 2, H: int = 3,
+                      seed: int = 0) -> dict[str, float]:
     """lizard_attention in inference on CUDA, where it runs the fused Gluon forward (asserted), vs
     gla_parallel + alpha * window_attn_parallel in fp64: y and both states. Lizard's widths (128);
-    ``segments`` forces LizardKernelConfig.fused_segments."""
+    ``segments`` forces LizardKernelConfig.fused_segments; ``bthd``: q_w, k_w and v come as a model
+    gives them, (B, T, H, D) projections transposed to (B, H, T, D)."""
     from linearize.kernels import lizard as kliz
     from linearize.kernels import lizard_gluon
     from linearize.ops.gla import GLAState, gla_parallel
@@ -349,9 +351,13 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
     lizard_gluon.lizard_fwd_fused = lambda *a, **k: calls.append(k.get("nseg")) or fused(*a, **k)
     try:
         with torch.no_grad():
+            def put(x):
+                x = x.to(dev, dtype)
+                return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x
+
             y2, sg2, sw2 = kliz.lizard_attention(
-                *(x.to(dev, dtype) for x in (fq, fk, v)), log_g.to(dev, torch.float32),
-                *(x.to(dev, dtype) for x in (qw, kw)), alpha.to(dev, torch.float32), window=W,
+                fq.to(dev, dtype), fk.to(dev, dtype), put(v), log_g.to(dev, torch.float32), put(qw), put(kw),
+                alpha.to(dev, torch.float32), window=W,
                 sink_logits=sinks.to(dev, torch.float32) if nsink else None,
                 state=GLAState(st.S.to(dev, torch.float32), st.z.to(dev, torch.float32)) if state else None,
                 config=kliz.LizardKernelConfig(fused_segments=segments))

@@ -320,20 +320,22 @@ def _needs_hopper_gluon():
 
 @needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "segments 4", "segments 8", "state", "no sinks", "window 100",
-                                     "T=64", "fp16"])
+                                     "T=64", "fp16", "model layout", "model layout segments 4"])
 def test_gpu_lizard_fused_forward_matches_reference(variant):
     """The fused Gluon forward (kernels/lizard_gluon.py), as lizard_attention runs it in inference
     on Hopper, against the fp64 reference: y, the gated state and the window state, at Lizard's
     widths (128 features, head dim 128, window 128 with 4 sink logits unless the variant says),
     with sequence segments (each one's entering state from the pre-pass and scan), an initial
-    state, no sinks, a window of 100, one chunk, and fp16."""
+    state, no sinks, a window of 100, one chunk, fp16, and q_w, k_w, v in a model's layout
+    ((B, T, H, D) projections seen as (B, H, T, D): no copy, read in place)."""
     from kernel_cases import lizard_fused_case
 
     _needs_hopper_gluon()
     kw = dict(T=1024, W=128, nsink=4)
     dtype = torch.float16 if variant == "fp16" else torch.bfloat16
-    if variant.startswith("segments"):
-        kw["segments"] = int(variant.split()[1])
+    if "segments" in variant:
+        kw["segments"] = int(variant.split()[-1])
+    kw["bthd"] = variant.startswith("model layout")
     kw.update(state=variant == "state", nsink=0 if variant == "no sinks" else 4,
               W=100 if variant == "window 100" else 128, T=64 if variant == "T=64" else kw["T"])
     err = lizard_fused_case(dtype, **kw)

@@ -44,16 +44,16 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _load_tile(desc, row, bar, dst):
+def _load_tile(desc, row, col, bar, dst):
     mbarrier.expect(bar, dst.numel * 2)  # 16-bit elements
-    tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, dst)
 
 
 @gluon.jit
-def _load_kv(kd, vd, row, bar, k_dst, v_dst):
+def _load_kv(kd, vd, row_k, col_k, row_v, col_v, bar, k_dst, v_dst):
     mbarrier.expect(bar, (k_dst.numel + v_dst.numel) * 2)
-    tma.async_copy_global_to_shared(kd, [row, 0], bar, k_dst)
-    tma.async_copy_global_to_shared(vd, [row, 0], bar, v_dst)
+    tma.async_copy_global_to_shared(kd, [row_k, col_k], bar, k_dst)
+    tma.async_copy_global_to_shared(vd, [row_v, col_v], bar, v_dst)
 
 
 @gluon.jit
@@ -72,7 +72,8 @@ def _prof_init():
 
 @gluon.jit
 def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
-                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps,
+                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, rc, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
+                      eps,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                       NPROF: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
@@ -133,7 +134,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
         gl.thread_barrier()
         if more:
-            _load_tile(qw_d, row0 + (c + 1) * C, q_bar.index(0), q_s)
+            _load_tile(qw_d, rc[0] + (c + 1) * C, rc[1], q_bar.index(0), q_s)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
         # The visible keys of the chunk two back (col > row + 128 - W) and of the chunk itself
@@ -180,9 +181,9 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
         if more:  # phi_q (the state partition's A is done: a_ready)
-            _load_tile(fq_d, row0 + (c + 1) * C, q_bar.index(1), fq_s)
+            _load_tile(fq_d, rc[6] + (c + 1) * C, rc[7], q_bar.index(1), fq_s)
         if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
-            _load_kv(kw_d, v_d, row0 + (c + 1) * C, kv_bar.index((j + 1) % 3),
+            _load_kv(kw_d, v_d, rc[2] + (c + 1) * C, rc[3], rc[4] + (c + 1) * C, rc[5], kv_bar.index((j + 1) % 3),
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
         # ---- combine and store
@@ -220,7 +221,7 @@ def _state_out(S0, S1, z, st_s, zq_s, zc):
 @gluon.jit
 def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
                      a_ready, BL,
-                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg,
+                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, rc, c0, nc, i_bh, i_s, nseg,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                      NPROF: gl.constexpr):
     """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
@@ -303,7 +304,7 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
         if ci + 1 < nc:
-            _load_tile(fk_d, row0 + (c + 1) * C, q_bar.index(2), fk_s)
+            _load_tile(fk_d, rc[8] + (c + 1) * C, rc[9], q_bar.index(2), fk_s)
         mbarrier.wait(st_free, ph)  # the output partition has read the copies of S and A
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
@@ -320,13 +321,18 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
 
 @gluon.jit
 def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
-                       T, H, seg_len, nseg, qk_scale, eps,
+                       lay_qw, lay_kw, lay_v, lay_fq, lay_fk, T, H, seg_len, nseg, qk_scale, eps,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
-    row0 = i_bh * T  # the (B*H*T, .) views' first row of this batch x head
+    row0 = i_bh * T  # y's and b's (B*H*T, .) rows: this batch x head's first
+    # each input's first row and its column in its own 2-D view (``_view2d``): (b*sb + h*sh, h*sc)
+    i_b = i_bh // H
+    rc = (i_b * lay_qw[0] + i_h * lay_qw[1], i_h * lay_qw[2], i_b * lay_kw[0] + i_h * lay_kw[1], i_h * lay_kw[2],
+          i_b * lay_v[0] + i_h * lay_v[1], i_h * lay_v[2], i_b * lay_fq[0] + i_h * lay_fq[1], i_h * lay_fq[2],
+          i_b * lay_fk[0] + i_h * lay_fk[1], i_h * lay_fk[2])
     c0 = i_s * (seg_len // C)
     nc = gl.minimum(seg_len // C, T // C - c0)
     dt: gl.constexpr = qw_d.dtype
@@ -356,10 +362,11 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
         # (rows before the tensor's first hold nothing a query sees: clamped, they are masked out)
-        _load_kv(kw_d, v_d, gl.maximum(row0 + (c0 + r - 2) * C, 0), kv_bar.index(r), k_s.index(r), v_s.index(r))
-    _load_tile(qw_d, row0 + c0 * C, q_bar.index(0), q_s)
-    _load_tile(fq_d, row0 + c0 * C, q_bar.index(1), fq_s)
-    _load_tile(fk_d, row0 + c0 * C, q_bar.index(2), fk_s)
+        _load_kv(kw_d, v_d, gl.maximum(rc[2] + (c0 + r - 2) * C, 0), rc[3], gl.maximum(rc[4] + (c0 + r - 2) * C, 0),
+                 rc[5], kv_bar.index(r), k_s.index(r), v_s.index(r))
+    _load_tile(qw_d, rc[0] + c0 * C, rc[1], q_bar.index(0), q_s)
+    _load_tile(fq_d, rc[6] + c0 * C, rc[7], q_bar.index(1), fq_s)
+    _load_tile(fk_d, rc[8] + c0 * C, rc[9], q_bar.index(2), fk_s)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.wait(kv_bar.index(0), 0)
@@ -370,11 +377,11 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     a_ready = hs.index(2)
     gl.warp_specialize([
         (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s,
-                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, c0, nc, i_h, i_bh, i_s,
+                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, rc, c0, nc, i_h, i_bh, i_s,
                              nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
         (_state_partition, (fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
-                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C,
+                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, rc, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C,
                             NPROF)),
     ], [4], [232])
     for i in gl.static_range(3):
@@ -395,13 +402,20 @@ def supports(phi_q, phi_k, v, log_g, q_w, k_w, window: int, sinks, S0) -> bool:
             and all(x.shape[:3] == v.shape[:3] and x.shape[-1] == 128 for x in xs)
             and T % BT == 0 and T > 0 and 64 < window <= 129 and log_g.dtype == torch.float32
             and (sinks is None or sinks.shape[1] in (1, 2, 4, 8, 16))
-            # TMA reads whole rows from 16-byte aligned bases
-            and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs))
+            # TMA reads whole rows from 16-byte aligned bases, in one of two layouts
+            and all(_view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) contiguous -> (B*H*T, D) rows."""
-    return x.view(-1, x.shape[-1])
+def _view2d(x: torch.Tensor):
+    """(B, H, T, D) -> (2-D view for a TMA descriptor, (sb, sh, sc)) such that batch b, head h,
+    token t is row b*sb + h*sh + t, columns h*sc onward; None for other layouts. Two layouts:
+    (B, H, T, D) contiguous, and the (B, T, H, D) projection a model transposes to (B, H, T, D)."""
+    B, H, T, D = x.shape
+    if x.is_contiguous():
+        return x.view(B * H * T, D), (H * T, T, 0)
+    if x.transpose(1, 2).is_contiguous():
+        return x.transpose(1, 2).view(B * T, H * D), (T, 0, D)
+    return None
 
 
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
@@ -421,7 +435,8 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     nseg = math.ceil(nc / seg_chunks)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
     y = torch.empty_like(v)
-    descs = [TensorDescriptor.from_tensor(_rows(x), [BT, x.shape[-1]], lay) for x in (q_w, k_w, v, phi_q, phi_k, y)]
+    views = [_view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
+    descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
@@ -430,7 +445,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     _lizard_fwd_kernel[(nseg, B * H)](
         *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
-        T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
+        *(spec for _, spec in views[:5]), T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         D=D, F=F, DV=DV, C=BT,
         num_warps=4)
@@ -476,7 +491,8 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
     d = TensorDescriptor.from_tensor(x, [BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.bfloat16))
     f32 = torch.empty(16, dtype=torch.float32)
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
-                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+                S_OUT=f32, Z_OUT=f32, PROF=f32, lay_qw=(1024, 256, 0), lay_kw=(256, 0, 128), lay_v=(1024, 256, 0),
+                lay_fq=(1024, 256, 0), lay_fk=(256, 0, 128), T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT)
     sig.update({k: "constexpr" for k in consts})
