@@ -71,8 +71,16 @@ def _prof_init():
 
 
 @gluon.jit
+def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
+    if (MODEL_LAYOUT >> i) & 1:
+        return i_b * T, i_h * D
+    else:
+        return row0, 0
+
+
+@gluon.jit
 def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
-                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, rc, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
+                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
                       eps,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                       NPROF: gl.constexpr):
@@ -134,7 +142,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
         gl.thread_barrier()
         if more:
-            _load_tile(qw_d, rc[0] + (c + 1) * C, rc[1], q_bar.index(0), q_s)
+            _load_tile(qw_d, r_q + (c + 1) * C, c_q, q_bar.index(0), q_s)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
         # The visible keys of the chunk two back (col > row + 128 - W) and of the chunk itself
@@ -181,9 +189,9 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
         if more:  # phi_q (the state partition's A is done: a_ready)
-            _load_tile(fq_d, rc[6] + (c + 1) * C, rc[7], q_bar.index(1), fq_s)
+            _load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
         if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
-            _load_kv(kw_d, v_d, rc[2] + (c + 1) * C, rc[3], rc[4] + (c + 1) * C, rc[5], kv_bar.index((j + 1) % 3),
+            _load_kv(kw_d, v_d, r_k + (c + 1) * C, c_k, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3),
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
         # ---- combine and store
@@ -221,7 +229,7 @@ def _state_out(S0, S1, z, st_s, zq_s, zc):
 @gluon.jit
 def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
                      a_ready, BL,
-                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, rc, c0, nc, i_bh, i_s, nseg,
+                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                      NPROF: gl.constexpr):
     """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
@@ -304,7 +312,7 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
         if ci + 1 < nc:
-            _load_tile(fk_d, rc[8] + (c + 1) * C, rc[9], q_bar.index(2), fk_s)
+            _load_tile(fk_d, r_fk + (c + 1) * C, c_fk, q_bar.index(2), fk_s)
         mbarrier.wait(st_free, ph)  # the output partition has read the copies of S and A
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
@@ -321,18 +329,21 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
 
 @gluon.jit
 def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
-                       lay_qw, lay_kw, lay_v, lay_fq, lay_fk, T, H, seg_len, nseg, qk_scale, eps,
+                       T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
     row0 = i_bh * T  # y's and b's (B*H*T, .) rows: this batch x head's first
-    # each input's first row and its column in its own 2-D view (``_view2d``): (b*sb + h*sh, h*sc)
+    # each input's first row and its column in its own 2-D view (``_view2d``): bit i of
+    # MODEL_LAYOUT set for input i (q_w, k_w, v, phi_q, phi_k) read from (B*T, H*D) rows
     i_b = i_bh // H
-    rc = (i_b * lay_qw[0] + i_h * lay_qw[1], i_h * lay_qw[2], i_b * lay_kw[0] + i_h * lay_kw[1], i_h * lay_kw[2],
-          i_b * lay_v[0] + i_h * lay_v[1], i_h * lay_v[2], i_b * lay_fq[0] + i_h * lay_fq[1], i_h * lay_fq[2],
-          i_b * lay_fk[0] + i_h * lay_fk[1], i_h * lay_fk[2])
+    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
+    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
+    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    r_fq, c_fq = _row_col(MODEL_LAYOUT, 3, i_b, i_h, row0, T, F)
+    r_fk, c_fk = _row_col(MODEL_LAYOUT, 4, i_b, i_h, row0, T, F)
     c0 = i_s * (seg_len // C)
     nc = gl.minimum(seg_len // C, T // C - c0)
     dt: gl.constexpr = qw_d.dtype
@@ -362,11 +373,11 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
         # (rows before the tensor's first hold nothing a query sees: clamped, they are masked out)
-        _load_kv(kw_d, v_d, gl.maximum(rc[2] + (c0 + r - 2) * C, 0), rc[3], gl.maximum(rc[4] + (c0 + r - 2) * C, 0),
-                 rc[5], kv_bar.index(r), k_s.index(r), v_s.index(r))
-    _load_tile(qw_d, rc[0] + c0 * C, rc[1], q_bar.index(0), q_s)
-    _load_tile(fq_d, rc[6] + c0 * C, rc[7], q_bar.index(1), fq_s)
-    _load_tile(fk_d, rc[8] + c0 * C, rc[9], q_bar.index(2), fk_s)
+        _load_kv(kw_d, v_d, gl.maximum(r_k + (c0 + r - 2) * C, 0), c_k, gl.maximum(r_v + (c0 + r - 2) * C, 0),
+                 c_v, kv_bar.index(r), k_s.index(r), v_s.index(r))
+    _load_tile(qw_d, r_q + c0 * C, c_q, q_bar.index(0), q_s)
+    _load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
+    _load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.wait(kv_bar.index(0), 0)
@@ -377,11 +388,12 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     a_ready = hs.index(2)
     gl.warp_specialize([
         (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s,
-                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, rc, c0, nc, i_h, i_bh, i_s,
+                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
                              nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
         (_state_partition, (fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
-                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, rc, c0, nc, i_bh, i_s, nseg, HAS_INIT, F, DV, C,
+                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, HAS_INIT, F,
+                            DV, C,
                             NPROF)),
     ], [4], [232])
     for i in gl.static_range(3):
@@ -434,7 +446,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     seg_chunks = math.ceil(nc / nseg)
     nseg = math.ceil(nc / seg_chunks)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
-    y = torch.empty_like(v)
+    y = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, Dv) contiguous, whatever v's layout
     views = [_view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
@@ -445,8 +457,9 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     _lizard_fwd_kernel[(nseg, B * H)](
         *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
-        *(spec for _, spec in views[:5]), T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
+        T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
+        MODEL_LAYOUT=sum(1 << i for i, (_, spec) in enumerate(views[:5]) if spec[1] == 0),
         D=D, F=F, DV=DV, C=BT,
         num_warps=4)
     return y, S_T, z_T
@@ -479,7 +492,8 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
     return s_in, z_in
 
 
-def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0):
+def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
+                       model_layout: int = 0):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from triton.backends.compiler import GPUTarget
@@ -491,10 +505,10 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
     d = TensorDescriptor.from_tensor(x, [BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.bfloat16))
     f32 = torch.empty(16, dtype=torch.float32)
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
-                S_OUT=f32, Z_OUT=f32, PROF=f32, lay_qw=(1024, 256, 0), lay_kw=(256, 0, 128), lay_v=(1024, 256, 0),
-                lay_fq=(1024, 256, 0), lay_fk=(256, 0, 128), T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
-    consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT)
+    consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
+                  MODEL_LAYOUT=model_layout)
     sig.update({k: "constexpr" for k in consts})
     names = [p.name for p in _lizard_fwd_kernel.params]
     src = GluonASTSource(_lizard_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
