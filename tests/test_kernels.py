@@ -467,3 +467,45 @@ def test_gpu_long_bf16_extreme_gates_stay_finite():
     assert rel_rms(st.S, ref_st.S) <= 1e-2
     w, _ = window_attn_triton(q, k, v, window=128, sink_logits=torch.zeros(H, 4, device="cuda"))
     assert torch.isfinite(w).all()
+
+
+# ----------------------------------------------------------------------------- fused forward: host side (CPU)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "model", "other"])
+def test_fused_forward_views_map_every_element(layout):
+    """lizard_gluon._view2d: the 2-D view a TMA descriptor reads, with (sb, sh, sc) such that
+    element (b, h, t, d) sits at row b*sb + h*sh + t, column h*sc + d; None for other layouts."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels.lizard_gluon import _view2d
+
+    B, H, T, D = 2, 3, 5, 4
+    base = torch.arange(B * H * T * D, dtype=torch.float32)
+    if layout == "contiguous":
+        x = base.view(B, H, T, D)
+    elif layout == "model":
+        x = base.view(B, T, H, D).transpose(1, 2)
+    else:
+        x = base.view(B, H, D, T).transpose(2, 3)
+    got = _view2d(x)
+    if layout == "other":
+        assert got is None
+        return
+    x2, (sb, sh, sc) = got
+    assert x2.data_ptr() == x.data_ptr()
+    for b in range(B):
+        for h in range(H):
+            rows = x2[b * sb + h * sh: b * sb + h * sh + T, h * sc: h * sc + D]
+            assert torch.equal(rows, x[b, h])
+
+
+def test_fused_forward_segment_rule():
+    """fused_segment_count: no split where batch x heads keep half the SMs busy; else powers of two
+    up to two programs per SM, segments at least 16 chunks of 64 long (the H200 sweep's optima)."""
+    from linearize.kernels.lizard import fused_segment_count
+
+    assert [fused_segment_count(B, 32, T, 132) for B, T in ((16, 2048), (4, 8192), (2, 16384), (1, 32768))] \
+        == [1, 1, 4, 8]
+    assert fused_segment_count(1, 1, 1 << 20, 132) == 256  # 2 * 132 // 1 rounded down to a power of two
+    assert fused_segment_count(1, 32, 4096, 132) == 4  # 64 chunks: at most 4 segments of 16
+    assert fused_segment_count(1, 32, 1024, 132) == 1
