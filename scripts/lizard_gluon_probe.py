@@ -124,27 +124,27 @@ def bench(rows, rounds=5):
                     print(json.dumps(row), flush=True)
 
 
+def _timed_rounds(rows, fns, key, B, T, rounds):
+    """Median ms of each function, the functions alternating, ``rounds`` times; one row each."""
+    import triton
+    with torch.no_grad():
+        for r in range(rounds):
+            for name, fn in fns.items():
+                ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                rows.append({key: name, "B": B, "T": T, "H": 32, "round": r, "ms": ms})
+                print(json.dumps(rows[-1]), flush=True)
+
+
 def sweep_segments(rows, rounds=3):
     """The fused forward's time against its segment count where batch x heads leave SMs idle."""
-    import triton
     for B, T, segs in [(1, 32768, (4, 8, 16, 32)), (2, 16384, (1, 2, 4, 8, 16))]:
         x = inputs(B, T)
-        with torch.no_grad():
-            for n in segs:
-                fused_fwd(x, n)
-            for r in range(rounds):
-                for n in segs:
-                    ms = triton.testing.do_bench(lambda: fused_fwd(x, n), warmup=50, rep=300, return_mode="median")
-                    row = {"segments": n, "B": B, "T": T, "H": 32, "round": r, "ms": ms}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        _timed_rounds(rows, {n: (lambda n=n: fused_fwd(x, n)) for n in segs}, "segments", B, T, rounds)
 
 
 def window_state_copy(rows, rounds=3):
     """lizard_attention in inference (fused forward + the window's state for decoding): the state's
     copy on a stream of its own (overlap_fwd) or after the kernel on the same stream."""
-    import triton
-
     from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
     from linearize.kernels.window import _new_state
     for B, T in [(16, 2048), (1, 32768)]:
@@ -155,20 +155,12 @@ def window_state_copy(rows, rounds=3):
                for o in (True, False)}
         fns["fused kernel alone"] = lambda: fused_fwd(x, 1 if B * 32 >= 66 else 8)
         fns["state copy alone"] = lambda: _new_state(None, x["k_w"], x["v"], 127, torch.float32)
-        with torch.no_grad():
-            for r in range(rounds):
-                for name, fn in fns.items():
-                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-                    row = {"copy": name, "B": B, "T": T, "round": r, "ms": ms}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        _timed_rounds(rows, fns, "copy", B, T, rounds)
 
 
 def model_layout(rows, rounds=3):
     """lizard_attention in inference with q_w, k_w, v contiguous or as a model gives them ((B, T, H, D)
     projections seen as (B, H, T, D)), read in place by the fused forward either way."""
-    import triton
-
     from linearize.kernels.lizard import lizard_attention
     for B, T in [(16, 2048), (1, 32768)]:
         x = inputs(B, T)
@@ -181,12 +173,7 @@ def model_layout(rows, rounds=3):
             ys = [fn()[0].float() for fn in fns.values()]
             rows.append({"layout_check": True, "B": B, "T": T, "rel": rel(ys[1], ys[0])})
             print(json.dumps(rows[-1]), flush=True)
-            for r in range(rounds):
-                for name, fn in fns.items():
-                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-                    row = {"layout": name, "B": B, "T": T, "round": r, "ms": ms}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        _timed_rounds(rows, fns, "layout", B, T, rounds)
 
 
 PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "wait phi_q, copies",

@@ -32,7 +32,6 @@ import math
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -91,11 +90,9 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-    col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
     dt: gl.constexpr = qw_d.dtype
 
     if NSINK > 0:  # the sinks' log-sum-exp (log2 units): a logit each in the window's denominator
@@ -109,8 +106,6 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
     rows_s = gl.arange(0, C, layout=row_s)
     cols_s = gl.arange(0, C, layout=col_s)
     rows_o = gl.arange(0, C, layout=row_o)
-    dv_o = gl.arange(0, DV, layout=col_o)
-    rows_b = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
     causal = cols_s[None, :] <= rows_s[:, None]
 
     if NPROF > 0:
