@@ -8,7 +8,6 @@ Rounds alternate the two forwards; the figures are medians of triton.testing.do_
 """
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -54,10 +53,7 @@ def triton_fwd(x, window=128):
 
 def fused_fwd(x, nseg=1, window=128, prof=None):
     from linearize.kernels import lizard_gluon as L
-    T = x["v"].shape[2]
-    nc = T // 64
-    seg_len = math.ceil(nc / nseg) * 64
-    nseg = math.ceil(T / seg_len)
+    nseg, seg_len = L.segment_plan(x["v"].shape[2], nseg)
     s_in = z_in = None
     if nseg > 1:
         s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)

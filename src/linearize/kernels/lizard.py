@@ -299,7 +299,7 @@ def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
 
 def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
     """Segments for the fused forward (each one a program; its entering state costs a pre-pass over
-    the sequence before it). None where the (batch x head) programs keep at least half the
+    the sequence before it). One where the (batch x head) programs keep at least half the
     multiprocessors busy; else the most, in powers of two, that make at most two programs per
     multiprocessor, at least 16 chunks long each. H200 (132 SMs), 32 heads, median ms
     (docs/results/lizard-gluon-h200-segments.json, lizard-gluon-h200-v7.json):
@@ -309,7 +309,7 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
     if 2 * B * H >= sms:
         return 1
     n = 1
-    while B * H * n * 2 <= 2 * sms and T // (64 * 2 * n) >= 16:
+    while B * H * n <= sms and T // (64 * 2 * n) >= 16:  # doubling n keeps <= 2 per SM
         n *= 2
     return n
 
@@ -326,9 +326,7 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, windo
 
     B, H, T, _ = v.shape
     nseg = 1 if S0 is not None else (cfg.fused_segments or fused_segment_count(B, H, T, device_sms(v)))
-    nc = T // lizard_gluon.BT
-    seg_len = -(-nc // nseg) * lizard_gluon.BT
-    nseg = -(-T // seg_len)
+    nseg, seg_len = lizard_gluon.segment_plan(T, nseg)
     s_in = z_in = None
     if S0 is not None:
         s_in = S0.float().reshape(B * H, 1, *S0.shape[2:]).contiguous()

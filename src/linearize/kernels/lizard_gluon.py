@@ -425,21 +425,25 @@ def _view2d(x: torch.Tensor):
     return None
 
 
+def segment_plan(T: int, nseg: int) -> tuple[int, int]:
+    """(segments, tokens per segment) for about ``nseg`` segments of whole chunks over T tokens."""
+    seg_chunks = math.ceil(T // BT / nseg)
+    return math.ceil(T // BT / seg_chunks), seg_chunks * BT
+
+
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32.
 
-    ``nseg`` > 1: the sequence in that many segments of whole chunks, one program each; S_in
+    ``nseg`` > 1: the sequence in about that many segments (``segment_plan``), one program each; S_in
     (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) the states entering each (fp32), from the
     gated op's segment pre-pass and scan. Without segments, S_in/z_in the initial state or None."""
     B, H, T, DV = v.shape
     F = phi_q.shape[-1]
     D = q_w.shape[-1]
     el = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    nc = T // BT
-    seg_chunks = math.ceil(nc / nseg)
-    nseg = math.ceil(nc / seg_chunks)
+    nseg, seg_len = segment_plan(T, nseg)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
     y = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, Dv) contiguous, whatever v's layout
     views = [_view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
@@ -452,7 +456,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     _lizard_fwd_kernel[(nseg, B * H)](
         *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
-        T, H, seg_chunks * BT, nseg, scale * LOG2E, eps,
+        T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=sum(1 << i for i, (_, spec) in enumerate(views[:5]) if spec[1] == 0),
         D=D, F=F, DV=DV, C=BT,
