@@ -3,11 +3,14 @@ sinks and the combine, for inference (no intermediates kept for a backward).
 
     y = gla(phi_q, phi_k, v, log_g) / den + alpha_h * window(q_w, k_w, v; sinks)
 
-One program per (segment, batch x head) walks its chunks of 64 tokens in order, carrying the
-state S (F x Dv, fp32, in registers) and the normaliser z (F). Every tile is read from HBM once:
-the window's keys and values of the two chunks before stay in a ring of three shared-memory
-slots, and each chunk's tiles are brought in by TMA while the chunk before is being computed
-(the loads of chunk c+1 are issued as soon as the products that read their slots are done).
+One program per (segment, batch x head) walks its chunks of 64 tokens in order, in two
+warpgroups (``gl.warp_specialize``) that hand over through shared memory and mbarriers: the
+*output* warpgroup (the window, the gated output from the state's copy, the combine, y out by
+TMA; it issues every load but phi_k's) and the *state* warpgroup (A and the normaliser, K~, S and
+z in fp32 registers, S's bf16 copy, the next phi_k). Each warpgroup owns whole rows of its tiles,
+so no reduction or layout change crosses warpgroups. Every tile is read from HBM once: the
+window's keys and values of the two chunks before stay in a ring of three shared-memory slots,
+and each chunk's tiles come by TMA while the chunk before is computed.
 Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decreasing):
 
     window: s = q_w k_w^T * scale over the chunk and the two before (masked to t - w < s <= t),
@@ -18,12 +21,13 @@ Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decrea
     y     = num / (den + eps) + alpha_h * o_w
 
 Only factors <= 1 are ever formed (DESIGN.md, Lizard's factorisation). The Triton kernels
-(``kernels.lizard``) run the same forward as three passes; this kernel exists because their
-sum stays above the issue-6 target, and a fused walk needs explicit prefetching that Triton's
-pipeliner does not give (docs/results/kernels-h200.md).
+(``kernels.lizard``) run the same forward as three passes, about twice as long; a fused walk
+needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper
+(docs/results/kernels-h200.md has the versions, their profiles and timings).
 
 Scope: CUDA sm_90, bf16/fp16 inputs, F = D = Dv = 128, T a multiple of 64, window 65..129
-(three key tiles), v2 sink logits or none, normalised features (not log-space), no padding.
+(three key tiles), v2 sink logits or none, normalised features (not log-space), no padding;
+inputs (B, H, T, D) contiguous or (B, T, H, D) transposed, as a model's projections come.
 """
 
 from __future__ import annotations
