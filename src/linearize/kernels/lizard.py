@@ -280,8 +280,8 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if (config.fused_fwd and kmin is None and normalize and not log_space_features and not differentiable
-            and not _records_grad(phi_q, phi_k, log_g, q_w, alpha, sinks, S0, z0)):
+    if (config.fused_fwd and kmin is None and normalize and not log_space_features
+            and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)):
         fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, config)
         if fused is not None:
             join_stream(copier, *w_state)
@@ -294,6 +294,8 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
 
 
 def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records this call for any of xs (then the fused forward, which keeps
+    nothing for a backward, must not run)."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
