@@ -39,11 +39,12 @@ def _gen(seed: int) -> torch.Generator:
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
-             seed: int = 0) -> dict[str, float]:
+             bthd: bool = False, seed: int = 0) -> dict[str, float]:
     """gla_chunk_triton vs gla_parallel (fp64): o, final state, and d{q, k, v, log_g, S0, z0}.
     ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied;
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
-    ``tma=False``: the forward's pointer loads even where descriptors would apply."""
+    ``tma=False``: the forward's pointer loads even where descriptors would apply;
+    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D)."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -83,6 +84,8 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     loss.backward()
 
     k_in = [x.to(dev).requires_grad_() for x in ins]
+    if bthd:  # leaves in the model's layout
+        k_in[:3] = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in k_in[:3]]
     k_st = GLAState(*(x.float().to(dev).requires_grad_() for x in st)) if state else None
     if chunk is None:
         cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma)

@@ -342,6 +342,51 @@ def test_gpu_lizard_fused_forward_matches_reference(variant):
     assert_errors(err, KTOL[dtype], f"lizard fused {variant}")
 
 
+@pytest.fixture
+def gluon_chunk_calls(monkeypatch):
+    """The calls of the Gluon chunk pass (kernels/gla_gluon.py) while the test runs."""
+    from linearize.kernels import gla_gluon
+
+    _needs_hopper_gluon()
+    calls, run = [], gla_gluon.bwd_chunks
+    monkeypatch.setattr(gla_gluon, "bwd_chunks", lambda *a, **k: calls.append(k["dv_add"]) or run(*a, **k))
+    return calls
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["unnorm", "norm", "norm fp16", "norm state segments", "model layout",
+                                     "model layout norm", "T=64", "extreme gates"])
+def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
+    """The backward's chunk pass as the Gluon kernel (what gla_chunk_triton runs on Hopper where
+    its scope holds) against the fp64 reference: every gradient, unnormalised (fla's inputs) and
+    normalised, bf16 and fp16, from an initial state with sequence segments, q, k, v in a model's
+    layout, one chunk, gates near 0 and 1."""
+    dtype = torch.float16 if "fp16" in variant else torch.bfloat16
+    kw = dict(normalize="norm" in variant.split(), log_space=False, T=64 if variant == "T=64" else 1024,
+              DK=128, DV=128, B=2, H=3, chunk=None, bthd=variant.startswith("model layout"))
+    if "state" in variant:
+        kw.update(state=True, seg_chunks=5)
+    if variant == "extreme gates":
+        kw.update(extreme=True, normalize=True)
+    err = gla_case("cuda", dtype, **kw)
+    assert gluon_chunk_calls == [False], gluon_chunk_calls
+    assert_errors(err, KTOL[dtype], f"gla gluon chunk pass {variant}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["plain", "state segments first"])
+def test_gpu_lizard_one_op_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
+    """Lizard's one op with the gated chunk pass as the Gluon kernel, adding its dv into the
+    window's (T a multiple of 64, Lizard's widths), against the fp64 reference."""
+    kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, first="first" in variant,
+              state="state" in variant)
+    if "segments" in variant:
+        kw["seg_chunks"] = 5
+    err = lizard_case("cuda", torch.bfloat16, **kw)
+    assert gluon_chunk_calls == [True], gluon_chunk_calls
+    assert_errors(err, KTOL[torch.bfloat16], f"lizard gluon chunk pass {variant}")
+
+
 @needs_cuda
 def test_gpu_lizard_fused_forward_only_where_no_gradient_is_recorded(monkeypatch):
     """Training keeps the Triton one op (its backward needs what the fused forward does not keep);
@@ -474,10 +519,10 @@ def test_gpu_long_bf16_extreme_gates_stay_finite():
 
 @pytest.mark.parametrize("layout", ["contiguous", "model", "other"])
 def test_fused_forward_views_map_every_element(layout):
-    """lizard_gluon._view2d: the 2-D view a TMA descriptor reads, with (sb, sh, sc) such that
+    """gla_gluon.view2d: the 2-D view a TMA descriptor reads, with (sb, sh, sc) such that
     element (b, h, t, d) sits at row b*sb + h*sh + t, column h*sc + d; None for other layouts."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels.lizard_gluon import _view2d
+    from linearize.kernels.gla_gluon import view2d
 
     B, H, T, D = 2, 3, 5, 4
     base = torch.arange(B * H * T * D, dtype=torch.float32)
@@ -487,7 +532,7 @@ def test_fused_forward_views_map_every_element(layout):
         x = base.view(B, T, H, D).transpose(1, 2)
     else:
         x = base.view(B, H, D, T).transpose(2, 3)
-    got = _view2d(x)
+    got = view2d(x)
     if layout == "other":
         assert got is None
         return

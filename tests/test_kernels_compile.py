@@ -231,3 +231,31 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("normalize, dv_add, model_layout", [(False, False, 0), (True, True, 7)])
+def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_add, model_layout, tmp_path):
+    """kernels/gla_gluon.py, the backward's chunk pass the dispatch runs on Hopper: compiled for
+    sm_90a, its shared memory leaves room for two programs per multiprocessor (228 KB each, 1 KB
+    reserved per block), and ptxas assembles it without spilling registers (the Triton pass it
+    replaces spills). What it computes is checked on a GPU (test_gpu_gla_gluon_chunk_pass_*)."""
+    import os
+    import re
+    import subprocess
+
+    from linearize.kernels import gla_gluon
+
+    k = gla_gluon.compile_for_hopper(normalize=normalize, dv_add=dv_add, model_layout=model_layout)
+    assert 2 * (k.metadata.shared + 1024) <= 228 * 1024, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton's ptxas is not installed")
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    assert spills and max(spills) == 0, r.stderr[-2000:]

@@ -7,14 +7,17 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   fla gla              fla.ops.gla.chunk_gla (per-channel gates), where fla imports
   torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
                        (positive features, scalar log-gates, unnormalised)
-  triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs
+  triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
+                       the backward's chunk pass is the Gluon kernel (kernels.gla_gluon)
+  triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
                        gets it: on Hopper the forward without gradients is the fused Gluon kernel
-                       (kernels.lizard_gluon), training the Triton passes
-  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False): the Triton
-                       passes in the forward too (fwd+bwd identical to the line above)
+                       (kernels.lizard_gluon), training the Triton passes but for the gated
+                       chunk pass of the backward (kernels.gla_gluon)
+  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False) and
+                       GLAKernelConfig(gluon_bwd=False): the Triton passes only
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -34,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
-           "torch lizard (ours)", "triton lizard (ours)", "triton lizard passes (ours)")
+           "triton gla passes (ours)", "torch lizard (ours)", "triton lizard (ours)", "triton lizard passes (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -121,6 +125,20 @@ def _with_kernels(flag: str, fn: Callable):
     return run
 
 
+def _with_gla_config(fn: Callable, **changes):
+    """fn run with kernels.gla.CONFIG changed (the ops keep the config of their forward for
+    their backward)."""
+    from ..kernels import gla as kgla
+
+    def run(*args, **kwargs):
+        old = kgla.set_config(**changes)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            kgla.set_config(**dataclasses_asdict(old))
+    return run
+
+
 def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch.dtype, dev: torch.device,
                   seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -145,6 +163,7 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
 
 def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
     """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
+    from ..kernels import gla as kgla
     from ..kernels.gla import gla_chunk_triton
     from ..kernels.lizard import LizardKernelConfig, lizard_attention
     from ..ops.gla import gla_chunk
@@ -169,6 +188,9 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     kw = dict(normalize=False, log_space_features=False)
     out["torch gla (ours)"] = (lambda: gla_chunk(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
     out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
+    triton_only = replace(kgla.CONFIG, gluon_bwd=False)
+    out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=triton_only, **kw)[0],
+                                       [gq, gk, gv, gg], dy)
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
@@ -179,7 +201,8 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
     passes = LizardKernelConfig(fused_fwd=False)
-    out["triton lizard passes (ours)"] = (_with_kernels("1", lambda: lizard(passes)), args, dy)
+    out["triton lizard passes (ours)"] = (_with_kernels("1", _with_gla_config(lambda: lizard(passes), gluon_bwd=False)),
+                                          args, dy)
     return out
 
 
@@ -593,7 +616,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     if a.what == "tune":
         tune_kernel_configs(a.out, shapes, a.part, a.parts, a.compile_only, a.reps, kinds=a.kinds.split(","))
     elif a.what == "profile":
-        profile_kernels(a.out, shapes[0])
+        profile_kernels(a.out, shapes[0], **({"methods": a.methods.split(",")} if a.methods else {}))
     else:
         if a.tuned:
             print("tuned configs:", json.dumps(apply_tuned(a.tuned)), flush=True)

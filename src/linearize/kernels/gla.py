@@ -693,7 +693,10 @@ class GLAKernelConfig:
     forward 0.709 ms with 2 stages and 1.028 with 1, against 0.594 uncapped: the spills cost
     more than the occupancy buys); the normaliser computed inside the main pass with plain
     features and descriptors (Lizard's gated forward 0.925 against 0.908 with its own pass, so
-    the main pass is bound by its instructions, not by reading q and k twice)."""
+    the main pass is bound by its instructions, not by reading q and k twice).
+    ``gluon_bwd``: on Hopper, the backward's chunk pass is the hand-written Gluon kernel
+    (``kernels.gla_gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
+    multiple of 64, plain features); else this module's Triton pass."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -712,6 +715,7 @@ class GLAKernelConfig:
     fill: int = 2
     seg_chunks: Optional[int] = None
     tma: bool = True
+    gluon_bwd: bool = True
 
 
 CONFIG = GLAKernelConfig()
@@ -749,6 +753,17 @@ def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for the descriptors that kernels build on the device (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
+    """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
+    if not (cfg.gluon_bwd and q.is_cuda):
+        return None
+    try:
+        from . import gla_gluon
+    except ImportError:  # a Triton without Gluon
+        return None
+    return gla_gluon if gla_gluon.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
@@ -1025,11 +1040,16 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     dv = dv_into if dv_into is not None else torch.empty(v.shape, dtype=v.dtype, device=dev)
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
     NC, NVD, dlog_g, dS0, dz0 = p.NC, p.NVD, p.dlog_g, p.dS0, p.dz0
-    _gla_bwd_chunk_kernel[(NC, B * H)](
-        q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
-        *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
-        DV_ADD=dv_into is not None,
-        num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+    gluon = _gluon_bwd(cfg, q, k, v, BT, log_space)
+    if gluon is not None and (dv_into is None or dv_into.is_contiguous()):
+        gluon.bwd_chunks(q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
+                         normalize=normalize, eps=eps, dv_add=dv_into is not None)
+    else:
+        _gla_bwd_chunk_kernel[(NC, B * H)](
+            q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
+            *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
+            DV_ADD=dv_into is not None,
+            num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
     if dS0 is not None and not normalize:
         dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0

@@ -157,6 +157,8 @@ class _LizardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
                 window, scale, cfg, grad_mode):
+        from . import gla as kgla
+
         store = grad_mode and any(ctx.needs_input_grad[:10])
         y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
             phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window, scale,
@@ -165,7 +167,8 @@ class _LizardFunction(torch.autograd.Function):
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
         ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
-        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg)
+        # the backward runs with the gated op's config of its forward (a later set_config changes neither)
+        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG)
         ctx.set_materialize_grads(False)
         return y, S_T, z_T
 
@@ -180,11 +183,10 @@ class _LizardFunction(torch.autograd.Function):
             raise RuntimeError("lizard_attention's backward can run once per forward: it frees its intermediates "
                                "as it goes, so a second backward through the same graph (retain_graph=True) has "
                                "nothing to read; run the forward again")
-        normalize, log_space, eps, window, scale, segs, has_state, cfg = ctx.args
+        normalize, log_space, eps, window, scale, segs, has_state, cfg, gcfg = ctx.args
         if dy is None:
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
-        gcfg = kgla.CONFIG
         side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
         o_g = inter.pop("o_g")
         with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's

@@ -42,14 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gla_gluon import _load_tile, _row_col, model_layout_bits, view2d
+
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _load_tile(desc, row, col, bar, dst):
-    mbarrier.expect(bar, dst.numel * 2)  # 16-bit elements
-    tma.async_copy_global_to_shared(desc, [row, col], bar, dst)
 
 
 @gluon.jit
@@ -71,14 +67,6 @@ def _tick(acc, t_prev, k: gl.constexpr):
 def _prof_init():
     acc = gl.zeros([8], gl.int64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     return _tick(acc, acc, 8)
-
-
-@gluon.jit
-def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
-    if (MODEL_LAYOUT >> i) & 1:
-        return i_b * T, i_h * D
-    else:
-        return row0, 0
 
 
 @gluon.jit
@@ -335,7 +323,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     i_bh = gl.program_id(1)
     i_h = i_bh % H
     row0 = i_bh * T  # y's and b's (B*H*T, .) rows: this batch x head's first
-    # each input's first row and its column in its own 2-D view (``_view2d``): bit i of
+    # each input's first row and its column in its own 2-D view (``gla_gluon.view2d``): bit i of
     # MODEL_LAYOUT set for input i (q_w, k_w, v, phi_q, phi_k) read from (B*T, H*D) rows
     i_b = i_bh // H
     r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
@@ -414,19 +402,7 @@ def supports(phi_q, phi_k, v, log_g, q_w, k_w, window: int, sinks, S0) -> bool:
             and T % BT == 0 and T > 0 and 64 < window <= 129 and log_g.dtype == torch.float32
             and (sinks is None or sinks.shape[1] in (1, 2, 4, 8, 16))
             # TMA reads whole rows from 16-byte aligned bases, in one of two layouts
-            and all(_view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs))
-
-
-def _view2d(x: torch.Tensor):
-    """(B, H, T, D) -> (2-D view for a TMA descriptor, (sb, sh, sc)) such that batch b, head h,
-    token t is row b*sb + h*sh + t, columns h*sc onward; None for other layouts. Two layouts:
-    (B, H, T, D) contiguous, and the (B, T, H, D) projection a model transposes to (B, H, T, D)."""
-    B, H, T, D = x.shape
-    if x.is_contiguous():
-        return x.view(B * H * T, D), (H * T, T, 0)
-    if x.transpose(1, 2).is_contiguous():
-        return x.transpose(1, 2).view(B * T, H * D), (T, 0, D)
-    return None
+            and all(view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs))
 
 
 def segment_plan(T: int, nseg: int) -> tuple[int, int]:
@@ -450,7 +426,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     nseg, seg_len = segment_plan(T, nseg)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
     y = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, Dv) contiguous, whatever v's layout
-    views = [_view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
+    views = [view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
@@ -462,7 +438,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
-        MODEL_LAYOUT=sum(1 << i for i, (_, spec) in enumerate(views[:5]) if spec[1] == 0),
+        MODEL_LAYOUT=model_layout_bits(views[:5]),
         D=D, F=F, DV=DV, C=BT,
         num_warps=4)
     return y, S_T, z_T
