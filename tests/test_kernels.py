@@ -544,6 +544,79 @@ def test_fused_forward_views_map_every_element(layout):
             assert torch.equal(rows, x[b, h])
 
 
+class _LaunchRecorder:
+    """Stands in for a Gluon kernel on CPU: ``kernel[grid](*args, **constexprs)`` records the call,
+    so that a launcher's host side (shapes, views, descriptors, the arguments it computes) runs
+    without a GPU."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+@pytest.mark.parametrize("bthd", [False, True])
+def test_fused_forward_launch_host_side(bthd, monkeypatch):
+    """lizard_gluon.lizard_fwd_fused up to its launch, on CPU: the grid, b (the gates' cumulative
+    sum within each chunk), the layout bits and the descriptors' views. (A name the launcher lost
+    in a cleanup, 1bac744, went unnoticed until a GPU ran it: this runs every line of it in CI.)"""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import lizard_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(lizard_gluon, "_lizard_fwd_kernel", rec)
+    B, H, T, D = 2, 3, 256, 128
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(5)]
+    if bthd:  # q_w, k_w, v as a model's (B, T, H, D) projections
+        xs[:3] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs[:3]]
+    log_g = -torch.rand(B, H, T, generator=g)
+    fq, fk, v, qw, kw = xs[3], xs[4], xs[2], xs[0], xs[1]
+    y, S_T, z_T = lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), torch.zeros(H, 4),
+                                                window=128, scale=0.1, eps=1e-6, nseg=2)
+    (grid, args, kw_), = rec.calls
+    assert grid == (2, B * H) and kw_["MODEL_LAYOUT"] == (0b111 if bthd else 0)
+    b = args[6].view(B, H, T // 64, 64)
+    torch.testing.assert_close(b, log_g.view(B, H, T // 64, 64).cumsum(-1))
+    assert y.shape == v.shape and y.is_contiguous() and S_T.shape == (B, H, D, D) and z_T.shape == (B, H, D)
+    for desc, x in zip(args[:5], xs):
+        assert desc.base.data_ptr() == x.data_ptr() and list(desc.block_shape) == [64, 128]
+
+
+def test_gluon_chunk_pass_launch_host_side(monkeypatch):
+    """gla_gluon.bwd_chunks up to its launch, on CPU: the grid, b, the states' 2-D views (one
+    (F, Dv) tile per chunk) and the constexprs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import gla_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(gla_gluon, "_gla_bwd_chunk_kernel", rec)
+    B, H, T, D = 2, 3, 192, 128
+    NC = T // 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    log_g = -torch.rand(B, H, T, generator=g)
+    f32 = dict(dtype=torch.float32)
+    den, dden, dlog_g = (torch.zeros(B * H, T, **f32) for _ in range(3))
+    sc = torch.zeros(B * H, NC + 1, D, D, dtype=torch.bfloat16)
+    dsc = torch.zeros(B * H, NC, D, D, dtype=torch.bfloat16)
+    zc, dzc, yc = torch.zeros(B * H, NC + 1, D, **f32), torch.zeros(B * H, NC, D, **f32), torch.zeros(B * H, NC, 2, **f32)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    gla_gluon.bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, dlog_g, normalize=True,
+                         eps=1e-6, dv_add=True)
+    (grid, args, kw), = rec.calls
+    assert grid == (NC, B * H)
+    assert kw == dict(MODEL_LAYOUT=0, NORM=True, DV_ADD=True, NVD=2, F=D, DV=D, C=64, num_warps=4)
+    st, dst = args[4], args[5]
+    assert list(st.shape) == [B * H * (NC + 1) * D, D] and list(dst.shape) == [B * H * NC * D, D]
+    assert list(st.block_shape) == [D, D]
+    torch.testing.assert_close(args[6].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
+    with pytest.raises(ValueError, match="outside its scope"):
+        gla_gluon.bwd_chunks(q, k, v.transpose(2, 3), log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv,
+                             dlog_g, normalize=True, eps=1e-6, dv_add=False)
+
+
 def test_fused_forward_segment_rule():
     """fused_segment_count: no split where batch x heads keep half the SMs busy; else powers of two
     up to two programs per SM, segments at least 16 chunks of 64 long (the H200 sweep's optima)."""

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _load_tile, _row_col, model_layout_bits, view2d
+from .gla_gluon import _load_tile, _row_col, chunk_gates, model_layout_bits, view2d
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -431,8 +431,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
-    # b_t: the gates' cumulative sum within each chunk of BT tokens, from its start
-    b = log_g.float().reshape(B, H, nc, BT).cumsum(-1).reshape(B, H, T).contiguous()
+    b = chunk_gates(log_g)
     _lizard_fwd_kernel[(nseg, B * H)](
         *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
