@@ -113,9 +113,10 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
 
 def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, nsink: int,
                 fuse: bool = False, pad: int | None = None, bm: int | None = 16, bn: int = 16, B: int = 2,
-                H: int = 2, seed: int = 0, kv: dict | None = None) -> dict[str, float]:
+                H: int = 2, seed: int = 0, kv: dict | None = None, bthd: bool = False) -> dict[str, float]:
     """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}.
-    ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...)."""
+    ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...);
+    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D)."""
     from linearize.kernels import window as kwin
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
@@ -141,6 +142,8 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
 
     dev = torch.device(device)
     kin = [x.to(dev).requires_grad_() for x in ins]
+    if bthd:  # leaves in the model's layout
+        kin[:3] = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in kin[:3]]
     k_st = WindowState(st.k.float().to(dev), st.v.float().to(dev), st.pos.to(dev)) if st is not None else None
     cfg = kwin.CONFIG if bm is None else kwin.WindowKernelConfig(bm=bm, bn=bn)
     cfg = dataclasses.replace(cfg, **(kv or {}))

@@ -375,16 +375,43 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
 
 @needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "state segments first"])
-def test_gpu_lizard_one_op_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
-    """Lizard's one op with the gated chunk pass as the Gluon kernel, adding its dv into the
-    window's (T a multiple of 64, Lizard's widths), against the fp64 reference."""
+def test_gpu_lizard_one_op_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls, gluon_window_calls):
+    """Lizard's one op with both backward kernels in Gluon, the window's and the gated chunk pass
+    adding its dv into the window's (T a multiple of 64, Lizard's widths), against the fp64 reference."""
     kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, first="first" in variant,
               state="state" in variant)
     if "segments" in variant:
         kw["seg_chunks"] = 5
     err = lizard_case("cuda", torch.bfloat16, **kw)
-    assert gluon_chunk_calls == [True], gluon_chunk_calls
+    assert gluon_chunk_calls == [True] and gluon_window_calls == [128], (gluon_chunk_calls, gluon_window_calls)
     assert_errors(err, KTOL[torch.bfloat16], f"lizard gluon chunk pass {variant}")
+
+
+@pytest.fixture
+def gluon_window_calls(monkeypatch):
+    """The calls of the Gluon window backward (kernels/window_gluon.py) while the test runs."""
+    from linearize.kernels import window_gluon
+
+    _needs_hopper_gluon()
+    calls, run = [], window_gluon.bwd
+    monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: calls.append(k["window"]) or run(*a, **k))
+    return calls
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "sinks", "window 100", "window 129", "window 1",
+                                     "T=64", "fp16 sinks fused", "model layout sinks fused"])
+def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls):
+    """The window's backward as the Gluon kernel (what window_attn_triton and Lizard's op run on
+    Hopper where its scope holds) against the fp64 reference: dq, dk, dv, d sinks, and with the
+    combine fused d y_g and d alpha; windows of 1 to 129, one chunk, fp16, a model's layout."""
+    dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
+    W = int(variant.split()[1]) if variant.startswith("window") else 128
+    kw = dict(T=64 if variant == "T=64" else 1024, D=128, DV=128, W=W, nsink=4 if "sinks" in variant else 0,
+              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"))
+    err = window_case("cuda", dtype, **kw)
+    assert gluon_window_calls == [W], gluon_window_calls
+    assert_errors(err, KTOL[dtype], f"window gluon backward {variant}")
 
 
 @needs_cuda
@@ -615,6 +642,29 @@ def test_gluon_chunk_pass_launch_host_side(monkeypatch):
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_chunks(q, k, v.transpose(2, 3), log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv,
                              dlog_g, normalize=True, eps=1e-6, dv_add=False)
+
+
+def test_gluon_window_backward_launch_host_side(monkeypatch):
+    """window_gluon.bwd up to its launch, on CPU: the grid, scales and constexprs, and its refusal
+    of layouts TMA cannot read."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import window_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(window_gluon, "_win_bwd_kernel", rec)
+    B, H, T, D = 2, 3, 192, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # a model's layout
+    lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
+    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    window_gluon.bwd(q, k, v, dy, lse, delta, torch.ones(H), dq, dk, dv, window=100, scale=0.125)
+    (grid, args, kw), = rec.calls
+    assert grid == (T // 64, B * H)
+    assert kw == dict(MODEL_LAYOUT=0b010, HAS_ALPHA=True, W=100, C=64, D=D, DV=D, num_warps=4)
+    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    with pytest.raises(ValueError, match="outside its scope"):
+        window_gluon.bwd(q, k, v.transpose(2, 3), dy, lse, delta, None, dq, dk, dv, window=100, scale=0.125)
 
 
 def test_fused_forward_segment_rule():

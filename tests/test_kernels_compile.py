@@ -259,3 +259,31 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
     assert r.returncode == 0, r.stderr[-2000:]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
     assert spills and max(spills) == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
+def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp_path):
+    """kernels/window_gluon.py, the window's backward the dispatch runs on Hopper: compiled for
+    sm_90a within one block's shared memory (twelve 64 x 128 tiles), its two warp-specialised
+    partitions assembled by ptxas without spilling registers. What it computes is checked on a
+    GPU (test_gpu_window_gluon_backward_*)."""
+    import os
+    import re
+    import subprocess
+
+    from linearize.kernels import window_gluon
+
+    k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout)
+    assert 12 * 64 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton's ptxas is not installed")
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    assert spills and max(spills) == 0, r.stderr[-2000:]

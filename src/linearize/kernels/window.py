@@ -181,11 +181,45 @@ def _win_bwd_dq_kernel(
     tl.store(DQ + i_bh.to(tl.int64) * T * D + rows[:, None].to(tl.int64) * D + od[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     if HAS_SINK:
-        osk = tl.arange(0, BS)
-        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
-        sl = sl * 1.4426950408889634  # base 2, like the scores
-        ps = tl.exp2(sl[None, :] - lse[:, None])  # (BM, BS) sink probabilities
-        tl.store(DSINK + (i_bh * NMB + i_m).to(tl.int64) * BS + osk, -tl.sum(ps * delta[:, None], 0))
+        _store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
+
+
+@triton.jit
+def _store_sink_grad(SINK, DSINK, i_h, i_blk, NSINK, lse, delta, BS: tl.constexpr):
+    """A query block's part of d t_j = -sum_t e^{t_j - lse_t} D_t, into DSINK[i_blk, :BS]."""
+    osk = tl.arange(0, BS)
+    sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
+    sl = sl * 1.4426950408889634  # base 2, like the scores
+    ps = tl.exp2(sl[None, :] - lse[:, None])  # (BM, BS) sink probabilities
+    tl.store(DSINK + i_blk.to(tl.int64) * BS + osk, -tl.sum(ps * delta[:, None], 0))
+
+
+@triton.jit
+def _win_bwd_delta_kernel(O, DY, LSE, SINK, ALPHA, DELTA, DSINK, DALPHA, T, H, NSINK, NMB,
+                          DV: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                          HAS_SINK: tl.constexpr, HAS_ALPHA: tl.constexpr):
+    """Grid (query blocks, B*H), for the Gluon backward (``window_gluon``), which takes D ready:
+    D = alpha (dy . o) per row, and per block the partial sums of d alpha (dy . o) and of the
+    sink-logit gradient, as the dq pass stores them. o, dy (B*H*T, Dv) contiguous."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_h = i_bh % H
+    rows = i_m * BM + tl.arange(0, BM)
+    mrow = rows < T
+    odv = tl.arange(0, BDV)
+    offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+    m2 = mrow[:, None] & (odv < DV)[None, :]
+    dyo = tl.sum(tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+                 * tl.load(O + offs, mask=m2, other=0.0).to(tl.float32), 1)
+    if HAS_ALPHA:
+        delta = dyo * tl.load(ALPHA + i_h).to(tl.float32)
+        tl.store(DALPHA + i_bh * NMB + i_m, tl.sum(dyo, 0))
+    else:
+        delta = dyo
+    tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
+    if HAS_SINK:
+        lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
+        _store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
 
 
 @triton.jit
@@ -258,7 +292,10 @@ class WindowKernelConfig:
     query and output-gradient tiles of every query block whose window meets its keys, about
     (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key. (On an H200
     with Triton 3.6 a kv_bm of 16 gave dk 5% off in bf16, right under the interpreter: keep query
-    blocks at 32 or more.)"""
+    blocks at 32 or more.)
+    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``kernels.window_gluon``,
+    after a small Triton pass for D and the sink and alpha sums) where its scope holds (bf16/fp16,
+    head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
@@ -272,6 +309,7 @@ class WindowKernelConfig:
     kv_bm: Optional[int] = 32
     kv_bn: Optional[int] = 64
     kv_warps: Optional[int] = 4
+    gluon_bwd: bool = True
 
 
 CONFIG = WindowKernelConfig()
@@ -359,6 +397,14 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     geo = dict(W=window, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV))
     launch = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     dummy = delta
+    gluon = _gluon_bwd(cfg, q, k, v, window, kmin)
+    if gluon is not None:
+        _win_bwd_delta_kernel[(nmb, B * H)](
+            o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
+            dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb,
+            DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
+        gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale)
+        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,
         alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
@@ -370,9 +416,25 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
         dk, dv, *strides, T, H, scale * LOG2E, scale, BM=KV_BM, BN=KV_BN, NQB=_query_blocks(window, KV_BM, KV_BN),
         HAS_KMIN=kmin is not None, HAS_ALPHA=alpha is not None, PREC=prec, **geo,
         **{**launch, "num_warps": cfg.kv_warps or cfg.bwd_warps})
+    return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
+
+
+def _sink_alpha_grads(dsink, dalpha, sinks, alpha, B: int, H: int, nmb: int, nsink: int, BS: int):
+    """d sink_logits and d alpha (or None each) from the query blocks' partial sums."""
     d_sinks = dsink.view(B, H, nmb, BS)[..., :nsink].sum((0, 2)).to(sinks.dtype) if nsink else None
     d_alpha = dalpha.view(B, H, nmb).sum((0, 2)).to(alpha.dtype) if alpha is not None else None
-    return dq, dk, dv, d_sinks, d_alpha
+    return d_sinks, d_alpha
+
+
+def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
+    """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
+    if not (cfg.gluon_bwd and q.is_cuda):
+        return None
+    try:
+        from . import window_gluon
+    except ImportError:  # a Triton without Gluon
+        return None
+    return window_gluon if window_gluon.supports_bwd(q, k, v, window, kmin) else None
 
 
 class _WindowFunction(torch.autograd.Function):
