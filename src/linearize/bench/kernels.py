@@ -14,10 +14,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
                        gets it: on Hopper the forward without gradients is the fused Gluon kernel
-                       (kernels.lizard_gluon), training the Triton passes but for the gated
-                       chunk pass of the backward (kernels.gla_gluon)
-  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False) and
-                       GLAKernelConfig(gluon_bwd=False): the Triton passes only
+                       (kernels.lizard_gluon); training the Triton forward passes, and on Hopper
+                       the window's backward and the gated chunk pass in Gluon (kernels.window_gluon,
+                       kernels.gla_gluon)
+  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False), and
+                       GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -125,17 +126,19 @@ def _with_kernels(flag: str, fn: Callable):
     return run
 
 
-def _with_gla_config(fn: Callable, **changes):
-    """fn run with kernels.gla.CONFIG changed (the ops keep the config of their forward for
-    their backward)."""
+def _with_configs(fn: Callable, gla: dict, window: dict):
+    """fn run with kernels.gla.CONFIG and kernels.window.CONFIG changed (the ops keep the
+    configs of their forward for their backward)."""
     from ..kernels import gla as kgla
+    from ..kernels import window as kwin
 
     def run(*args, **kwargs):
-        old = kgla.set_config(**changes)
+        old_g, old_w = kgla.set_config(**gla), kwin.set_config(**window)
         try:
             return fn(*args, **kwargs)
         finally:
-            kgla.set_config(**dataclasses_asdict(old))
+            kgla.set_config(**dataclasses_asdict(old_g))
+            kwin.set_config(**dataclasses_asdict(old_w))
     return run
 
 
@@ -201,8 +204,8 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
     passes = LizardKernelConfig(fused_fwd=False)
-    out["triton lizard passes (ours)"] = (_with_kernels("1", _with_gla_config(lambda: lizard(passes), gluon_bwd=False)),
-                                          args, dy)
+    triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
+    out["triton lizard passes (ours)"] = (_with_kernels("1", triton_only), args, dy)
     return out
 
 

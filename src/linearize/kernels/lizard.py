@@ -158,6 +158,7 @@ class _LizardFunction(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
                 window, scale, cfg, grad_mode):
         from . import gla as kgla
+        from . import window as kwin
 
         store = grad_mode and any(ctx.needs_input_grad[:10])
         y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
@@ -167,8 +168,8 @@ class _LizardFunction(torch.autograd.Function):
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
         ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
-        # the backward runs with the gated op's config of its forward (a later set_config changes neither)
-        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG)
+        # the backward runs with the kernel configs of its forward (a later set_config changes neither)
+        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
         ctx.set_materialize_grads(False)
         return y, S_T, z_T
 
@@ -183,7 +184,7 @@ class _LizardFunction(torch.autograd.Function):
             raise RuntimeError("lizard_attention's backward can run once per forward: it frees its intermediates "
                                "as it goes, so a second backward through the same graph (retain_graph=True) has "
                                "nothing to read; run the forward again")
-        normalize, log_space, eps, window, scale, segs, has_state, cfg, gcfg = ctx.args
+        normalize, log_space, eps, window, scale, segs, has_state, cfg, gcfg, wcfg = ctx.args
         if dy is None:
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
@@ -195,7 +196,7 @@ class _LizardFunction(torch.autograd.Function):
         # o_w and lse are freed as this returns (their readers are queued on this stream, before
         # anything that could take their memory)
         dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), inter.pop("lse"),
-                                                       alpha, dy, window, scale, kwin.CONFIG)
+                                                       alpha, dy, window, scale, wcfg)
         join_stream(side, *vars(gp).values())
         del o_g  # read on the side stream: freed only once this stream has waited for it
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
