@@ -238,13 +238,13 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
 def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D: int, W: int, nsink: int,
                 log_space: bool = False, state: bool = False, pad: int | None = None, seg_chunks: int | None = None,
                 chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
-                seed: int = 0) -> dict[str, float]:
+                seed: int = 0, lizard_cfg: dict | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
     states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
     the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
     ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
-    configs users get (else chunks of 16 and V-blocks of 16)."""
+    configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``: more LizardKernelConfig fields."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -286,7 +286,7 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
             return kliz.lizard_attention(fq_, fk_, v_, lg_, qw_, kw_, al_, window=W, sink_logits=sk_,
                                          log_space_features=log_space, state=st_, window_state=ws_dev,
                                          config=kliz.LizardKernelConfig(window_first=first, overlap_fwd=overlap,
-                                                                        overlap_bwd=overlap))
+                                                                        overlap_bwd=overlap, **(lizard_cfg or {})))
         y_g, s_g = gla_parallel(fq_, fk_, v_, lg_, log_space_features=log_space, state=st_)
         y_w, s_w = window_attn_parallel(qw_, kw_, v_, window=W, sink_logits=sk_, state=w_st)
         return y_g + al_[:, None, None] * y_w, s_g, s_w

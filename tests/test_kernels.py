@@ -374,17 +374,31 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["plain", "state segments first"])
-def test_gpu_lizard_one_op_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls, gluon_window_calls):
-    """Lizard's one op with both backward kernels in Gluon, the window's and the gated chunk pass
-    adding its dv into the window's (T a multiple of 64, Lizard's widths), against the fp64 reference."""
-    kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, first="first" in variant,
-              state="state" in variant)
-    if "segments" in variant:
-        kw["seg_chunks"] = 5
-    err = lizard_case("cuda", torch.bfloat16, **kw)
-    assert gluon_chunk_calls == [True] and gluon_window_calls == [128], (gluon_chunk_calls, gluon_window_calls)
-    assert_errors(err, KTOL[torch.bfloat16], f"lizard gluon chunk pass {variant}")
+@pytest.mark.parametrize("variant", ["plain", "state", "segments 4", "no sinks", "window 100", "triton forward",
+                                     "fp16"])
+def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk_calls, gluon_window_calls,
+                                                            monkeypatch):
+    """Lizard's one op in training on Hopper, every kernel in Gluon: the fused forward storing what
+    the backward reads, the window's backward, and the gated chunk pass adding its dv into the
+    window's (T a multiple of 64, Lizard's widths); y, both states and every gradient against the
+    fp64 reference. Also from an initial state, with the forward in sequence segments, without
+    sinks, a window of 100, fp16, and with the Triton forward passes before the Gluon backward."""
+    from linearize.kernels import lizard_gluon
+
+    calls, fused = [], lizard_gluon.lizard_fwd_fused
+    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(k["store"]) or fused(*a, **k))
+    W = 100 if variant == "window 100" else 128
+    kw = dict(T=1024, DK=128, DV=128, D=128, W=W, nsink=0 if variant == "no sinks" else 4, chunk=None, B=2, H=3,
+              state=variant == "state")
+    if variant.startswith("segments"):
+        kw.update(T=2048, B=1, H=2, lizard_cfg=dict(fused_segments=int(variant.split()[1])))
+    if variant == "triton forward":
+        kw["lizard_cfg"] = dict(fused_train=False)
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    err = lizard_case("cuda", dtype, **kw)
+    assert calls == ([] if variant == "triton forward" else [True]), calls
+    assert gluon_chunk_calls == [True] and gluon_window_calls == [W], (gluon_chunk_calls, gluon_window_calls)
+    assert_errors(err, KTOL[dtype], f"lizard gluon training {variant}")
 
 
 @pytest.fixture
@@ -600,11 +614,20 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
         xs[:3] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs[:3]]
     log_g = -torch.rand(B, H, T, generator=g)
     fq, fk, v, qw, kw = xs[3], xs[4], xs[2], xs[0], xs[1]
-    y, S_T, z_T = lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), torch.zeros(H, 4),
-                                                window=128, scale=0.1, eps=1e-6, nseg=2)
+    y, S_T, z_T, inter = lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), torch.zeros(H, 4),
+                                                       window=128, scale=0.1, eps=1e-6, nseg=2, store=bthd)
     (grid, args, kw_), = rec.calls
-    assert grid == (2, B * H) and kw_["MODEL_LAYOUT"] == (0b111 if bthd else 0)
-    b = args[6].view(B, H, T // 64, 64)
+    assert grid == (2, B * H) and kw_["MODEL_LAYOUT"] == (0b111 if bthd else 0) and kw_["TRAIN"] == bthd
+    if bthd:  # training: the backward's intermediates, their shapes as the Triton forward's
+        NC = T // 64
+        assert {n: tuple(t.shape) for n, t in inter.items()} == dict(
+            o_g=(B, H, T, D), o_w=(B, H, T, D), lse=(B * H, T), den=(B * H, T), sc=(B * H, NC + 1, D, D),
+            zc=(B * H, NC + 1, D))
+        assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
+        torch.testing.assert_close(inter["sc"][:, NC].float(), S_T.view(B * H, D, D).bfloat16().float())
+    else:
+        assert inter is None
+    b = args[7].view(B, H, T // 64, 64)
     torch.testing.assert_close(b, log_g.view(B, H, T // 64, 64).cumsum(-1))
     assert y.shape == v.shape and y.is_contiguous() and S_T.shape == (B, H, D, D) and z_T.shape == (B, H, D)
     for desc, x in zip(args[:5], xs):

@@ -208,8 +208,9 @@ def test_gluon_probe_kernels_compile_for_hopper(ws):
     assert 4 * (128 * 64 + 64 * 128) * 2 <= shared <= HOPPER_SMEM, shared
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout", [(False, 4, 0), (True, 0, 7)])
-def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, tmp_path):
+@pytest.mark.parametrize("has_init, nsink, model_layout, train", [(False, 4, 0, False), (True, 0, 7, False),
+                                                                   (False, 4, 7, True)])
+def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, tmp_path):
     """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference,
     compiles for sm_90a within one block's shared memory, and Triton's ptxas assembles it (its two
     warp-specialised partitions, their register limits included). What it computes is checked on a
@@ -219,7 +220,7 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
 
     from linearize.kernels import lizard_gluon
 
-    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout)
+    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train)
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx

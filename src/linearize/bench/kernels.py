@@ -13,11 +13,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
-                       gets it: on Hopper the forward without gradients is the fused Gluon kernel
-                       (kernels.lizard_gluon); training the Triton forward passes, and on Hopper
-                       the window's backward and the gated chunk pass in Gluon (kernels.window_gluon,
+                       gets it: on Hopper the forward is the fused Gluon kernel (kernels.lizard_gluon;
+                       in training it also stores what the backward reads), and the window's
+                       backward and the gated chunk pass are Gluon kernels too (kernels.window_gluon,
                        kernels.gla_gluon)
-  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False), and
+  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False, fused_train=False), and
                        GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
@@ -203,7 +203,7 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     args = [lq, lk, lv, lg, wq, wk, la, ls]
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
-    passes = LizardKernelConfig(fused_fwd=False)
+    passes = LizardKernelConfig(fused_fwd=False, fused_train=False)
     triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
     out["triton lizard passes (ours)"] = (_with_kernels("1", triton_only), args, dy)
     return out

@@ -77,6 +77,9 @@ class LizardKernelConfig:
     64, window 65..129, no padding, normalised plain features). H200, bf16, 32 heads, median ms,
     against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at
     B4 T8192 (docs/results/lizard-gluon-h200-v7.json).
+    ``fused_train``: the same kernel for the forward of training (where a gradient is recorded),
+    storing what the backward reads as the Triton passes would (o_g, o_w, den, lse, the state
+    entering every chunk); the backward is the same either way.
     ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``);
     with more than one, each segment's entering state comes from the gated op's segment pre-pass
     and scan, and every segment is a program of its own."""
@@ -88,6 +91,7 @@ class LizardKernelConfig:
     side_priority: int = -1
     split_prologue: bool = True
     fused_fwd: bool = True
+    fused_train: bool = True
     fused_segments: Optional[int] = None
 
 
@@ -161,9 +165,17 @@ class _LizardFunction(torch.autograd.Function):
         from . import window as kwin
 
         store = grad_mode and any(ctx.needs_input_grad[:10])
-        y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
-            phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window, scale,
-            store, cfg)
+        fused = None
+        if store and cfg.fused_train and kmin is None and normalize and not log_space:
+            fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg,
+                                   store=True)
+        if fused is not None:
+            y, S_T, z_T, inter, segs = fused
+            o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
+        else:
+            y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
+                phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window,
+                scale, store, cfg)
         ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin)
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
@@ -319,8 +331,10 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
     return n
 
 
-def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg):
-    """(y, S_T, z_T) from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply."""
+def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg,
+                   store: bool = False):
+    """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
+    from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply."""
     try:
         from . import lizard_gluon
     except ImportError:  # a Triton without Gluon
@@ -338,5 +352,6 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, windo
         z_in = z0.float().reshape(B * H, 1, z0.shape[-1]).contiguous()
     elif nseg > 1:
         s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
-    return lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
-                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in)
+    out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
+                                        eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store)
+    return (*out, (nseg, seg_len))

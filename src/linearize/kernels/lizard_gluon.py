@@ -70,11 +70,11 @@ def _prof_init():
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, O_G, O_W, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
                       y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
                       eps,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                      NPROF: gl.constexpr):
+                      NPROF: gl.constexpr, TRAIN: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
     e^{b_t} phi_q S + A V from the state partition's copies of S (st_s) and A (a_s) over its den
     (den_s), the combine, and y out by TMA. It issues every load but phi_k's (the state partition
@@ -185,7 +185,18 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
         # one division per row, not per element
-        y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
+        if TRAIN:  # and what the backward reads: o_g and o_w (normalised), den, lse (base 2)
+            o_g = num * (1.0 / (den + eps))[:, None]
+            o_w = o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None]
+            y = o_g + o_w * alpha
+            tok = row0 + c * C
+            offs = rows_o[:, None] * DV + gl.arange(0, DV, layout=gl.SliceLayout(0, mma_o))[None, :]
+            gl.store(O_G + tok.to(gl.int64) * DV + offs, o_g.to(dt))
+            gl.store(O_W + tok.to(gl.int64) * DV + offs, o_w.to(dt))
+            gl.store(DEN + tok + rows_o, den)
+            gl.store(LSE + tok + rows_s, m + gl.log2(l_w))
+        else:
+            y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
         tma.store_wait(0)  # the chunk before's y has left y_s
         gl.thread_barrier()
         y_s.store(y.to(dt))
@@ -214,11 +225,19 @@ def _state_out(S0, S1, z, st_s, zq_s, zc):
 
 
 @gluon.jit
-def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
+def _store_state(sc_d, st_s, z, ZC, f_Z, zc, slot, F: gl.constexpr):
+    """Training: the state entering a chunk for the backward, S from its bf16 copy (by TMA) and z
+    (fp32) into row ``slot`` of ZC's (B*H*(NC+1), F) rows."""
+    tma.async_copy_shared_to_global(sc_d, [slot * F, 0], st_s)
+    gl.store(ZC + slot * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+
+
+@gluon.jit
+def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
                      a_ready, BL,
-                     S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg,
+                     S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                     NPROF: gl.constexpr):
+                     NPROF: gl.constexpr, TRAIN: gl.constexpr):
     """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
     (s <= t) and their row sums for the output partition (a_s, den_s); K~ = phi_k e^{b_end - b_s}
     (factors <= 1) over phi_k's slot; S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1 (z in
@@ -246,6 +265,8 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
     rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
     _state_out(S0, S1, z, st_s, zq_s, zc)
     mbarrier.arrive(st_ready)
+    if TRAIN:
+        _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0, F)
     if NPROF > 0:
         pacc, pt = _prof_init()
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -304,8 +325,15 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
         if ci + 1 < nc:
+            if TRAIN:
+                tma.store_wait(0)  # the copy of the chunk before has left st_s
+                gl.thread_barrier()
             _state_out(S0, S1, z, st_s, zq_s, zc)
             mbarrier.arrive(st_ready)
+            if TRAIN:
+                _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c + 1, F)
+    if TRAIN:
+        tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if i_s == nseg - 1:
@@ -315,10 +343,11 @@ def _state_partition(fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_b
 
 
 @gluon.jit
-def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
+def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
+                       O_G, O_W, LSE, DEN, ZC,
                        T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
-                       D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+                       D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -374,14 +403,13 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, BL, SINK, ALPHA, S_IN, 
     st_free = hs.index(1)
     a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, k_s, v_s, q_s, fq_s, st_s, a_s,
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, O_G, O_W, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s,
                              den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
-                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF)),
-        (_state_partition, (fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
+                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF, TRAIN)),
+        (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
-                            S_IN, Z_IN, S_OUT, Z_OUT, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, HAS_INIT, F,
-                            DV, C,
-                            NPROF)),
+                            S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
+                            F, DV, C, NPROF, TRAIN)),
     ], [4], [232])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
@@ -413,8 +441,12 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
-                     z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None):
-    """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32.
+                     z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False):
+    """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
+    what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
+    dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
+    normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
+    dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk, and the last one's), else None.
 
     ``nseg`` > 1: the sequence in about that many segments (``segment_plan``), one program each; S_in
     (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) the states entering each (fp32), from the
@@ -422,6 +454,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     B, H, T, DV = v.shape
     F = phi_q.shape[-1]
     D = q_w.shape[-1]
+    NC = T // BT
     el = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     nseg, seg_len = segment_plan(T, nseg)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
@@ -432,15 +465,28 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
     has_init = S_in is not None
     b = chunk_gates(log_g)
+    inter = None
+    sc_d = descs[-1]  # (unused without ``store``)
+    if store:
+        f32 = dict(dtype=torch.float32, device=v.device)
+        inter = dict(o_g=torch.empty_like(y), o_w=torch.empty_like(y), lse=torch.empty(B * H, T, **f32),
+                     den=torch.empty(B * H, T, **f32), sc=torch.empty(B * H, NC + 1, F, DV, dtype=v.dtype, device=v.device),
+                     zc=torch.empty(B * H, NC + 1, F, **f32))
+        sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
+                                            gl.NVMMASharedLayout.get_default_for([F, DV], el))
     _lizard_fwd_kernel[(nseg, B * H)](
-        *descs, b, sinks if sinks is not None else b, alpha.float().contiguous(),
+        *descs, sc_d, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
+        *((inter[n] for n in ("o_g", "o_w", "lse", "den", "zc")) if store else (y, y, b, b, b)),
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
-        D=D, F=F, DV=DV, C=BT,
+        D=D, F=F, DV=DV, C=BT, TRAIN=store,
         num_warps=4)
-    return y, S_T, z_T
+    if store:  # the state leaving the last chunk, as the Triton forward keeps it
+        inter["sc"][:, NC] = S_T.view(B * H, F, DV)
+        inter["zc"][:, NC] = z_T.view(B * H, F)
+    return y, S_T, z_T, inter
 
 
 def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
@@ -471,7 +517,7 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
 
 
 def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
-                       model_layout: int = 0):
+                       model_layout: int = 0, train: bool = False):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from triton.backends.compiler import GPUTarget
@@ -482,11 +528,15 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
     x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
     d = TensorDescriptor.from_tensor(x, [BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.bfloat16))
     f32 = torch.empty(16, dtype=torch.float32)
-    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32, Z_IN=f32,
-                S_OUT=f32, Z_OUT=f32, PROF=f32, T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
+    x2 = torch.empty(2 * 4 * 5 * 128, 128, dtype=torch.bfloat16)
+    sc_d = TensorDescriptor.from_tensor(x2, [128, 128], gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16))
+    bf = torch.empty(16, dtype=torch.bfloat16)
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32,
+                Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, O_G=bf, O_W=bf, LSE=f32, DEN=f32, ZC=f32,
+                T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
-                  MODEL_LAYOUT=model_layout)
+                  MODEL_LAYOUT=model_layout, TRAIN=train)
     sig.update({k: "constexpr" for k in consts})
     names = [p.name for p in _lizard_fwd_kernel.params]
     src = GluonASTSource(_lizard_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
