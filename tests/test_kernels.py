@@ -429,9 +429,10 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
 
 
 @needs_cuda
-def test_gpu_lizard_fused_forward_only_where_no_gradient_is_recorded(monkeypatch):
-    """Training keeps the Triton one op (its backward needs what the fused forward does not keep);
-    inference on Hopper takes the fused kernel, and agrees with the Triton forward."""
+def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
+    """On Hopper the fused kernel runs the forward in inference (store=False) and, within the one
+    autograd op, in training (store=True: the backward's intermediates); each setting turns its
+    use off, and the Triton forward agrees."""
     from linearize.kernels import lizard as kliz
     from linearize.kernels import lizard_gluon
 
@@ -443,17 +444,20 @@ def test_gpu_lizard_fused_forward_only_where_no_gradient_is_recorded(monkeypatch
     lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
     alpha = torch.ones(H, device="cuda")
     fused, calls = lizard_gluon.lizard_fwd_fused, []
-    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(k["store"]) or fused(*a, **k))
     with torch.no_grad():
         y_fused = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
-        assert calls == [1]
+        assert calls == [False]
         y_passes = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha,
                                          config=kliz.LizardKernelConfig(fused_fwd=False))[0]
-        assert calls == [1]
+        assert calls == [False]
     assert rel_rms(y_fused, y_passes) < 1e-2
     v.requires_grad_()
     y_train = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
-    assert calls == [1] and y_train.requires_grad
+    assert calls == [False, True] and y_train.requires_grad
+    y_train2 = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, config=kliz.LizardKernelConfig(fused_train=False))[0]
+    assert calls == [False, True] and y_train2.requires_grad
+    assert rel_rms(y_train.detach(), y_train2.detach()) < 1e-2
 
 
 @needs_cuda
