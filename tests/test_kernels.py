@@ -631,7 +631,7 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
         torch.testing.assert_close(inter["sc"][:, NC].float(), S_T.view(B * H, D, D).bfloat16().float())
     else:
         assert inter is None
-    b = args[7].view(B, H, T // 64, 64)
+    b = args[9].view(B, H, T // 64, 64)
     torch.testing.assert_close(b, log_g.view(B, H, T // 64, 64).cumsum(-1))
     assert y.shape == v.shape and y.is_contiguous() and S_T.shape == (B, H, D, D) and z_T.shape == (B, H, D)
     for desc, x in zip(args[:5], xs):

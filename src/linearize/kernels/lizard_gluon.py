@@ -70,7 +70,7 @@ def _prof_init():
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, O_G, O_W, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
                       y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
                       eps,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
@@ -185,28 +185,32 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, O_G, O_W, LSE
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
         # one division per row, not per element
-        if TRAIN:  # and what the backward reads: o_g and o_w (normalised), den, lse (base 2)
-            o_g = num * (1.0 / (den + eps))[:, None]
-            o_w = o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None]
-            y = o_g + o_w * alpha
+        if TRAIN:  # and what the backward reads: o_g and o_w (normalised) through y_s by TMA, den, lse (base 2)
             tok = row0 + c * C
-            offs = rows_o[:, None] * DV + gl.arange(0, DV, layout=gl.SliceLayout(0, mma_o))[None, :]
-            gl.store(O_G + tok.to(gl.int64) * DV + offs, o_g.to(dt))
-            gl.store(O_W + tok.to(gl.int64) * DV + offs, o_w.to(dt))
             gl.store(DEN + tok + rows_o, den)
             gl.store(LSE + tok + rows_s, m + gl.log2(l_w))
+            o_g = num * (1.0 / (den + eps))[:, None]
+            _store_tile(og_d, tok, o_g, y_s)
+            y = o_g + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
+            _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s)
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-        tma.store_wait(0)  # the chunk before's y has left y_s
-        gl.thread_barrier()
-        y_s.store(y.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(y_d, [row0 + c * C, 0], y_s)
+        _store_tile(y_d, row0 + c * C, y, y_s)
     tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     return (alpha,)
+
+
+@gluon.jit
+def _store_tile(desc, row, x, x_s):
+    """x out by TMA through the staging tile x_s, once the store before has left it."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    x_s.store(x.to(x_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, [row, 0], x_s)
 
 
 @gluon.jit
@@ -343,8 +347,8 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
 
 
 @gluon.jit
-def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT, Z_OUT, PROF,
-                       O_G, O_W, LSE, DEN, ZC,
+def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT,
+                       Z_OUT, PROF, LSE, DEN, ZC,
                        T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr):
@@ -403,7 +407,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, BL, SINK, ALPHA, 
     st_free = hs.index(1)
     a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, O_G, O_W, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s,
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s,
                              den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
                              nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF, TRAIN)),
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
@@ -466,7 +470,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     has_init = S_in is not None
     b = chunk_gates(log_g)
     inter = None
-    sc_d = descs[-1]  # (unused without ``store``)
+    sc_d = og_d = ow_d = descs[-1]  # (unused without ``store``)
     if store:
         f32 = dict(dtype=torch.float32, device=v.device)
         inter = dict(o_g=torch.empty_like(y), o_w=torch.empty_like(y), lse=torch.empty(B * H, T, **f32),
@@ -474,10 +478,11 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                      zc=torch.empty(B * H, NC + 1, F, **f32))
         sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
                                             gl.NVMMASharedLayout.get_default_for([F, DV], el))
+        og_d, ow_d = (TensorDescriptor.from_tensor(inter[n].view(-1, DV), [BT, 128], lay) for n in ("o_g", "o_w"))
     _lizard_fwd_kernel[(nseg, B * H)](
-        *descs, sc_d, b, sinks if sinks is not None else b, alpha.float().contiguous(),
+        *descs, sc_d, og_d, ow_d, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
-        *((inter[n] for n in ("o_g", "o_w", "lse", "den", "zc")) if store else (y, y, b, b, b)),
+        *((inter[n] for n in ("lse", "den", "zc")) if store else (b, b, b)),
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
@@ -530,9 +535,8 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
     f32 = torch.empty(16, dtype=torch.float32)
     x2 = torch.empty(2 * 4 * 5 * 128, 128, dtype=torch.bfloat16)
     sc_d = TensorDescriptor.from_tensor(x2, [128, 128], gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16))
-    bf = torch.empty(16, dtype=torch.bfloat16)
-    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, BL=f32, SINK=f32, ALPHA=f32, S_IN=f32,
-                Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, O_G=bf, O_W=bf, LSE=f32, DEN=f32, ZC=f32,
+    args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, og_d=d, ow_d=d, BL=f32, SINK=f32, ALPHA=f32,
+                S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
