@@ -704,3 +704,33 @@ def test_fused_forward_segment_rule():
     assert fused_segment_count(1, 1, 1 << 20, 132) == 256  # 2 * 132 // 1 rounded down to a power of two
     assert fused_segment_count(1, 32, 4096, 132) == 4  # 64 chunks: at most 4 segments of 16
     assert fused_segment_count(1, 32, 1024, 132) == 1
+
+
+def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
+    """bench kernels' "passes" methods (the Triton-only baselines beside the Gluon kernels) hand the
+    ops configs with the Gluon kernels off; a name reused in _methods once handed the GLA op a
+    function instead (an AttributeError in every cell of the H200 bench)."""
+    from linearize.bench import kernels as bk
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import lizard as kliz
+
+    x = bk._shape_inputs(1, 64, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
+    seen = {}
+    monkeypatch.setattr(kgla, "gla_chunk_triton", lambda *a, config=None, **k: seen.setdefault("gla", config) and (a[2],))
+
+    def fake_lizard(*a, config=None, **k):
+        seen["lizard"] = (config, kgla.CONFIG.gluon_bwd, bk_window().CONFIG.gluon_bwd)
+        return (a[2],)
+
+    def bk_window():
+        from linearize.kernels import window
+        return window
+
+    monkeypatch.setattr(kliz, "lizard_attention", fake_lizard)
+    table = bk._methods(x, 4, None)
+    table["triton gla passes (ours)"][0]()
+    table["triton lizard passes (ours)"][0]()
+    assert isinstance(seen["gla"], kgla.GLAKernelConfig) and seen["gla"].gluon_bwd is False
+    cfg, gla_gluon, win_gluon = seen["lizard"]
+    assert (cfg.fused_fwd, cfg.fused_train, gla_gluon, win_gluon) == (False, False, False, False)
+    assert kgla.CONFIG.gluon_bwd is True  # restored after the call

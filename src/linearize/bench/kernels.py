@@ -191,8 +191,8 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     kw = dict(normalize=False, log_space_features=False)
     out["torch gla (ours)"] = (lambda: gla_chunk(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
     out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
-    triton_only = replace(kgla.CONFIG, gluon_bwd=False)
-    out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=triton_only, **kw)[0],
+    gla_triton_only = replace(kgla.CONFIG, gluon_bwd=False)
+    out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_triton_only, **kw)[0],
                                        [gq, gk, gv, gg], dy)
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
@@ -204,8 +204,8 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
     passes = LizardKernelConfig(fused_fwd=False, fused_train=False)
-    triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
-    out["triton lizard passes (ours)"] = (_with_kernels("1", triton_only), args, dy)
+    lizard_triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
+    out["triton lizard passes (ours)"] = (_with_kernels("1", lizard_triton_only), args, dy)
     return out
 
 
