@@ -413,12 +413,15 @@ def gluon_window_calls(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "sinks", "window 100", "window 129", "window 1",
-                                     "T=64", "fp16 sinks fused", "model layout sinks fused"])
+@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "sinks", "window 100", "window 129",
+                                     "window 1 sinks", "T=64", "fp16 sinks fused", "model layout sinks fused"])
 def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls):
     """The window's backward as the Gluon kernel (what window_attn_triton and Lizard's op run on
     Hopper where its scope holds) against the fp64 reference: dq, dk, dv, d sinks, and with the
-    combine fused d y_g and d alpha; windows of 1 to 129, one chunk, fp16, a model's layout."""
+    combine fused d y_g and d alpha; windows of 1 to 129, one chunk, fp16, a model's layout. (A
+    window of 1 takes sinks: without them each row's one probability is exactly 1, dq and dk are
+    exactly 0, and any rounding of dy . v against D is an infinite relative error: that case
+    failed once on the H200 with differences of 1e-4.)"""
     dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
     W = int(variant.split()[1]) if variant.startswith("window") else 128
     kw = dict(T=64 if variant == "T=64" else 1024, D=128, DV=128, W=W, nsink=4 if "sinks" in variant else 0,
