@@ -208,22 +208,11 @@ def test_gluon_probe_kernels_compile_for_hopper(ws):
     assert 4 * (128 * 64 + 64 * 128) * 2 <= shared <= HOPPER_SMEM, shared
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout, train", [(False, 4, 0, False), (True, 0, 7, False),
-                                                                   (False, 4, 7, True)])
-def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, tmp_path):
-    """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference,
-    compiles for sm_90a within one block's shared memory, and Triton's ptxas assembles it (its two
-    warp-specialised partitions, their register limits included). What it computes is checked on a
-    GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*)."""
+def _ptxas(ptx: str, tmp_path):
+    """Triton's ptxas on ``ptx`` for sm_90a with -v (skips where it is not installed); asserts it assembles."""
     import os
     import subprocess
 
-    from linearize.kernels import lizard_gluon
-
-    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train)
-    assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
-    ptx = k.asm["ptx"]
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("Triton's ptxas is not installed")
@@ -232,6 +221,32 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+def _spill_bytes(r) -> int:
+    """The most bytes of spill stores ptxas -v reports for any function (fails if it reports none)."""
+    import re
+
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    assert spills, r.stderr[-2000:]
+    return max(spills)
+
+
+@pytest.mark.parametrize("has_init, nsink, model_layout, train", [(False, 4, 0, False), (True, 0, 7, False),
+                                                                   (False, 4, 7, True)])
+def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, tmp_path):
+    """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference,
+    compiles for sm_90a within one block's shared memory, and Triton's ptxas assembles it (its two
+    warp-specialised partitions, their register limits included). What it computes is checked on a
+    GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*)."""
+    from linearize.kernels import lizard_gluon
+
+    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train)
+    assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+    _ptxas(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("normalize, dv_add, model_layout", [(False, False, 0), (True, True, 7)])
@@ -240,26 +255,14 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
     sm_90a, its shared memory leaves room for two programs per multiprocessor (228 KB each, 1 KB
     reserved per block), and ptxas assembles it without spilling registers (the Triton pass it
     replaces spills). What it computes is checked on a GPU (test_gpu_gla_gluon_chunk_pass_*)."""
-    import os
-    import re
-    import subprocess
-
     from linearize.kernels import gla_gluon
 
     k = gla_gluon.compile_for_hopper(normalize=normalize, dv_add=dv_add, model_layout=model_layout)
     assert 2 * (k.metadata.shared + 1024) <= 228 * 1024, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("Triton's ptxas is not installed")
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
-    assert spills and max(spills) == 0, r.stderr[-2000:]
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) == 0, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
@@ -268,23 +271,11 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
     sm_90a within one block's shared memory (twelve 64 x 128 tiles), its two warp-specialised
     partitions assembled by ptxas without spilling registers. What it computes is checked on a
     GPU (test_gpu_window_gluon_backward_*)."""
-    import os
-    import re
-    import subprocess
-
     from linearize.kernels import window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout)
     assert 12 * 64 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("Triton's ptxas is not installed")
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
-    assert spills and max(spills) == 0, r.stderr[-2000:]
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) == 0, r.stderr[-2000:]

@@ -48,6 +48,14 @@ def _load_tile(desc, row, col, bar, dst):
 
 
 @gluon.jit
+def _load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
+    """Two tiles by TMA on one barrier."""
+    mbarrier.expect(bar, (sa.numel + sb.numel) * 2)
+    tma.async_copy_global_to_shared(da, [ra, ca], bar, sa)
+    tma.async_copy_global_to_shared(db, [rb, cb], bar, sb)
+
+
+@gluon.jit
 def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
     """(first row, column) of one batch x head in input i's 2-D view (``view2d``): bit i of
     MODEL_LAYOUT set for a (B*T, H*D) view, else (B*H*T, D) with row0 = (batch x head) * T."""

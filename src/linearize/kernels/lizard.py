@@ -17,8 +17,10 @@ from it, run beside it on the second stream; then the gated main pass adds alpha
 epilogue. Backward: the gated reverse state passes on the second stream beside the window's
 backward, then the gated chunk pass adding its dv into the window's. The sequential passes walk
 their chunks one after another in few programs, and the window's many short programs fill the
-rest of the GPU. Where no gradient is recorded, on Hopper, the forward is instead one hand-written
-Gluon kernel when its scope holds (``lizard_gluon``; ``LizardKernelConfig.fused_fwd``). Elsewhere
+rest of the GPU. On Hopper, where their scope holds, the passes are hand-written Gluon kernels
+instead: the whole forward is one (``lizard_gluon``; ``LizardKernelConfig.fused_fwd`` in inference,
+``fused_train`` in training, where it also stores what the backward reads), and so are the
+window's backward (``window_gluon``) and the gated chunk pass (``gla_gluon``). Elsewhere
 the torch ops and a torch combine, the same computation ``layers.hybrid.HybridAttention`` runs for
 Lizard.
 """

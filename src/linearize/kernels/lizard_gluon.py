@@ -42,17 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _load_tile, _row_col, chunk_gates, model_layout_bits, view2d
+from .gla_gluon import _load_pair, _load_tile, _row_col, chunk_gates, model_layout_bits, view2d
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _load_kv(kd, vd, row_k, col_k, row_v, col_v, bar, k_dst, v_dst):
-    mbarrier.expect(bar, (k_dst.numel + v_dst.numel) * 2)
-    tma.async_copy_global_to_shared(kd, [row_k, col_k], bar, k_dst)
-    tma.async_copy_global_to_shared(vd, [row_v, col_v], bar, v_dst)
 
 
 @gluon.jit
@@ -178,7 +171,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         if more:  # phi_q (the state partition's A is done: a_ready)
             _load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
         if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
-            _load_kv(kw_d, v_d, r_k + (c + 1) * C, c_k, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3),
+            _load_pair(kw_d, v_d, r_k + (c + 1) * C, c_k, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3),
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
         # ---- combine and store
@@ -393,7 +386,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
         # (rows before the tensor's first hold nothing a query sees: clamped, they are masked out)
-        _load_kv(kw_d, v_d, gl.maximum(r_k + (c0 + r - 2) * C, 0), c_k, gl.maximum(r_v + (c0 + r - 2) * C, 0),
+        _load_pair(kw_d, v_d, gl.maximum(r_k + (c0 + r - 2) * C, 0), c_k, gl.maximum(r_v + (c0 + r - 2) * C, 0),
                  c_v, kv_bar.index(r), k_s.index(r), v_s.index(r))
     _load_tile(qw_d, r_q + c0 * C, c_q, q_bar.index(0), q_s)
     _load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)

@@ -30,17 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _row_col, model_layout_bits, tma_tiles
+from .gla_gluon import _load_pair, _row_col, model_layout_bits, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
-
-
-@gluon.jit
-def _load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
-    mbarrier.expect(bar, (sa.numel + sb.numel) * 2)
-    tma.async_copy_global_to_shared(da, [ra, ca], bar, sa)
-    tma.async_copy_global_to_shared(db, [rb, cb], bar, sb)
 
 
 @gluon.jit
