@@ -342,15 +342,20 @@ def test_gpu_lizard_fused_forward_matches_reference(variant):
     assert_errors(err, KTOL[dtype], f"lizard fused {variant}")
 
 
+def _spy(monkeypatch, module, name: str, key: str) -> list:
+    """Calls of ``module.name`` while the test runs (it still runs), each recorded by its keyword ``key``."""
+    calls, run = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(k[key]) or run(*a, **k))
+    return calls
+
+
 @pytest.fixture
 def gluon_chunk_calls(monkeypatch):
     """The calls of the Gluon chunk pass (kernels/gla_gluon.py) while the test runs."""
     from linearize.kernels import gla_gluon
 
     _needs_hopper_gluon()
-    calls, run = [], gla_gluon.bwd_chunks
-    monkeypatch.setattr(gla_gluon, "bwd_chunks", lambda *a, **k: calls.append(k["dv_add"]) or run(*a, **k))
-    return calls
+    return _spy(monkeypatch, gla_gluon, "bwd_chunks", "dv_add")
 
 
 @needs_cuda
@@ -385,8 +390,7 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
     sinks, a window of 100, fp16, and with the Triton forward passes before the Gluon backward."""
     from linearize.kernels import lizard_gluon
 
-    calls, fused = [], lizard_gluon.lizard_fwd_fused
-    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(k["store"]) or fused(*a, **k))
+    calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "store")
     W = 100 if variant == "window 100" else 128
     kw = dict(T=1024, DK=128, DV=128, D=128, W=W, nsink=0 if variant == "no sinks" else 4, chunk=None, B=2, H=3,
               state=variant == "state")
@@ -407,9 +411,7 @@ def gluon_window_calls(monkeypatch):
     from linearize.kernels import window_gluon
 
     _needs_hopper_gluon()
-    calls, run = [], window_gluon.bwd
-    monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: calls.append(k["window"]) or run(*a, **k))
-    return calls
+    return _spy(monkeypatch, window_gluon, "bwd", "window")
 
 
 @needs_cuda
@@ -446,8 +448,7 @@ def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
     v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
     lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
     alpha = torch.ones(H, device="cuda")
-    fused, calls = lizard_gluon.lizard_fwd_fused, []
-    monkeypatch.setattr(lizard_gluon, "lizard_fwd_fused", lambda *a, **k: calls.append(k["store"]) or fused(*a, **k))
+    calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "store")
     with torch.no_grad():
         y_fused = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
         assert calls == [False]

@@ -19,6 +19,16 @@ import torch
 ENV_SWITCH = "LINEARIZE_KERNELS"
 
 
+def gluon_kernels(name: str):
+    """The Gluon kernel module ``kernels.<name>``, or None with a Triton that has no Gluon."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """Whether Triton imports (cached: importing it is slow)."""

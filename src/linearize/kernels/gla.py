@@ -65,7 +65,8 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.gla.naive import GLAState
-from .dispatch import device_sms, fork_stream, join_stream, patch_interpreter, pow2, strides_bht, unit_last
+from .dispatch import (device_sms, fork_stream, gluon_kernels, join_stream, patch_interpreter, pow2, strides_bht,
+                       unit_last)
 
 patch_interpreter()
 
@@ -757,13 +758,8 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
-    if not (cfg.gluon_bwd and q.is_cuda):
-        return None
-    try:
-        from . import gla_gluon
-    except ImportError:  # a Triton without Gluon
-        return None
-    return gla_gluon if gla_gluon.supports_bwd_chunks(q, k, v, chunk, log_space) else None
+    mod = gluon_kernels("gla_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:

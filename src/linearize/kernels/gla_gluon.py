@@ -82,12 +82,17 @@ def model_layout_bits(views) -> int:
     return sum(1 << i for i, (_, spec) in enumerate(views) if spec[1] == 0)
 
 
+def tma_readable(xs) -> bool:
+    """Whether TMA can read each of xs ((B, H, T, D)): in one of ``view2d``'s layouts, 16-byte aligned."""
+    return all(view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs)
+
+
 def tma_tiles(xs, block) -> Optional[list]:
     """Tensor descriptors of ``block`` tiles over each of xs (16-bit, (B, H, T, D)) in its 2-D view,
-    and the views; None where one of them is in neither layout or not 16-byte aligned."""
-    views = [view2d(x) for x in xs]
-    if any(v is None for v in views) or any(x.data_ptr() % 16 for x in xs):
+    and the views; None where TMA cannot read one of them (``tma_readable``)."""
+    if not tma_readable(xs):
         return None
+    views = [view2d(x) for x in xs]
     el = gl.bfloat16 if xs[0].dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for(block, el)
     return [TensorDescriptor.from_tensor(x2, block, lay) for x2, _ in views], views
@@ -233,7 +238,7 @@ def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk
     xs = (q, k, v)
     return (chunk == BT and not log_space and q.dtype in (torch.bfloat16, torch.float16)
             and all(x.dtype == q.dtype and x.shape[-1] == WIDTH and x.shape[:3] == q.shape[:3] for x in xs)
-            and q.shape[2] % BT == 0 and all(view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs))
+            and q.shape[2] % BT == 0 and tma_readable(xs))
 
 
 def chunk_gates(log_g: torch.Tensor) -> torch.Tensor:

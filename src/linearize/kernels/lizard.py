@@ -37,7 +37,7 @@ from ..ops.gla import GLAState
 from ..ops.window_attn import WindowState
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
-from .dispatch import fork_stream, join_stream, unit_last
+from .dispatch import fork_stream, gluon_kernels, join_stream, unit_last
 
 
 @dataclass
@@ -168,9 +168,9 @@ class _LizardFunction(torch.autograd.Function):
 
         store = grad_mode and any(ctx.needs_input_grad[:10])
         fused = None
-        if store and cfg.fused_train and kmin is None and normalize and not log_space:
-            fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg,
-                                   store=True)
+        if store and cfg.fused_train:
+            fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
+                                   window, scale, eps, cfg, store=True)
         if fused is not None:
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
@@ -297,9 +297,9 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if (config.fused_fwd and kmin is None and normalize and not log_space_features
-            and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)):
-        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, config)
+    if config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0):
+        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
+                               log_space_features, window, scale, eps, config)
         if fused is not None:
             join_stream(copier, *w_state)
             return fused[0], GLAState(fused[1], fused[2]), w_state
@@ -333,15 +333,15 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
     return n
 
 
-def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, window, scale, eps, cfg,
-                   store: bool = False):
+def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
+                   window, scale, eps, cfg, store: bool = False):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
-    from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply."""
-    try:
-        from . import lizard_gluon
-    except ImportError:  # a Triton without Gluon
+    from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
+    unnormalised or log-space features, or outside ``lizard_gluon.supports``)."""
+    if kmin is not None or not normalize or log_space:
         return None
-    if not lizard_gluon.supports(phi_q, phi_k, v, log_g, q_w, k_w, window, sinks, S0):
+    lizard_gluon = gluon_kernels("lizard_gluon")
+    if lizard_gluon is None or not lizard_gluon.supports(phi_q, phi_k, v, log_g, q_w, k_w, window, sinks, S0):
         return None
     from .dispatch import device_sms
 

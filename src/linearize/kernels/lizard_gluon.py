@@ -1,5 +1,6 @@
 """The whole Lizard forward in one hand-written Hopper kernel (Gluon): gated branch, window with
-sinks and the combine, for inference (no intermediates kept for a backward).
+sinks and the combine; for inference, and (``TRAIN``) for training, where it also stores what the
+backward reads (o_g, o_w, den, lse, the state entering every chunk).
 
     y = gla(phi_q, phi_k, v, log_g) / den + alpha_h * window(q_w, k_w, v; sinks)
 
@@ -42,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _load_pair, _load_tile, _row_col, chunk_gates, model_layout_bits, view2d
+from .gla_gluon import _load_pair, _load_tile, _row_col, chunk_gates, model_layout_bits, tma_readable, view2d
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -427,7 +428,7 @@ def supports(phi_q, phi_k, v, log_g, q_w, k_w, window: int, sinks, S0) -> bool:
             and T % BT == 0 and T > 0 and 64 < window <= 129 and log_g.dtype == torch.float32
             and (sinks is None or sinks.shape[1] in (1, 2, 4, 8, 16))
             # TMA reads whole rows from 16-byte aligned bases, in one of two layouts
-            and all(view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs))
+            and tma_readable(xs))
 
 
 def segment_plan(T: int, nseg: int) -> tuple[int, int]:

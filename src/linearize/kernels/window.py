@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
-from .dispatch import patch_interpreter, pow2, strides_bht, unit_last
+from .dispatch import gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -428,13 +428,8 @@ def _sink_alpha_grads(dsink, dalpha, sinks, alpha, B: int, H: int, nmb: int, nsi
 
 def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
     """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
-    if not (cfg.gluon_bwd and q.is_cuda):
-        return None
-    try:
-        from . import window_gluon
-    except ImportError:  # a Triton without Gluon
-        return None
-    return window_gluon if window_gluon.supports_bwd(q, k, v, window, kmin) else None
+    mod = gluon_kernels("window_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    return mod if mod is not None and mod.supports_bwd(q, k, v, window, kmin) else None
 
 
 class _WindowFunction(torch.autograd.Function):

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _load_pair, _row_col, model_layout_bits, tma_tiles
+from .gla_gluon import _load_pair, _row_col, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -164,7 +164,7 @@ def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
     xs = (q, k, v)
     return (kmin is None and window <= 2 * BT + 1 and q.dtype in (torch.bfloat16, torch.float16)
             and all(x.dtype == q.dtype and x.shape[-1] == WIDTH and x.shape[:3] == q.shape[:3] for x in xs)
-            and q.shape[2] % BT == 0 and tma_tiles(list(xs), [BT, WIDTH]) is not None)
+            and q.shape[2] % BT == 0 and tma_readable(xs))
 
 
 def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float) -> None:
