@@ -738,3 +738,26 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     cfg, gla_gluon, win_gluon = seen["lizard"]
     assert (cfg.fused_fwd, cfg.fused_train, gla_gluon, win_gluon) == (False, False, False, False)
     assert kgla.CONFIG.gluon_bwd is True  # restored after the call
+
+
+def test_gluon_kernels_import_guard(monkeypatch):
+    """dispatch.gluon_kernels: the module itself; None only where Triton lacks Gluon; a misspelt
+    module name raises rather than quietly turning the Gluon kernels off."""
+    import builtins
+
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import dispatch, gla_gluon
+
+    assert dispatch.gluon_kernels("gla_gluon") is gla_gluon
+    with pytest.raises(ImportError):
+        dispatch.gluon_kernels("gla_gluon_misspelt")
+    monkeypatch.delitem(sys.modules, "linearize.kernels.window_gluon", raising=False)
+    real_import = builtins.__import__
+
+    def no_gluon(name, *a, **k):
+        if name.startswith("triton.experimental"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_gluon)
+    assert dispatch.gluon_kernels("window_gluon") is None

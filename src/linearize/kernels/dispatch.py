@@ -20,13 +20,16 @@ ENV_SWITCH = "LINEARIZE_KERNELS"
 
 
 def gluon_kernels(name: str):
-    """The Gluon kernel module ``kernels.<name>``, or None with a Triton that has no Gluon."""
+    """The Gluon kernel module ``kernels.<name>``, or None with a Triton that has no Gluon (any other
+    import error, a misspelt name included, is raised)."""
     import importlib
 
     try:
         return importlib.import_module(f"{__package__}.{name}")
-    except ImportError:
-        return None
+    except ImportError as e:
+        if (e.name or "").startswith("triton"):
+            return None
+        raise
 
 
 @functools.lru_cache(maxsize=None)
