@@ -39,12 +39,13 @@ def _gen(seed: int) -> torch.Generator:
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
-             bthd: bool = False, seed: int = 0) -> dict[str, float]:
+             bthd: bool = False, seed: int = 0, gla_cfg: dict | None = None) -> dict[str, float]:
     """gla_chunk_triton vs gla_parallel (fp64): o, final state, and d{q, k, v, log_g, S0, z0}.
     ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied;
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
     ``tma=False``: the forward's pointer loads even where descriptors would apply;
-    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D)."""
+    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
+    ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -88,7 +89,7 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
         k_in[:3] = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in k_in[:3]]
     k_st = GLAState(*(x.float().to(dev).requires_grad_() for x in st)) if state else None
     if chunk is None:
-        cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma)
+        cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma, **(gla_cfg or {}))
     else:
         cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
                                    dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma)
@@ -116,7 +117,8 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
                 H: int = 2, seed: int = 0, kv: dict | None = None, bthd: bool = False) -> dict[str, float]:
     """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}.
     ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...);
-    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D)."""
+    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
+    ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
     from linearize.kernels import window as kwin
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
@@ -238,13 +240,14 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
 def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D: int, W: int, nsink: int,
                 log_space: bool = False, state: bool = False, pad: int | None = None, seg_chunks: int | None = None,
                 chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
-                seed: int = 0, lizard_cfg: dict | None = None) -> dict[str, float]:
+                seed: int = 0, lizard_cfg: dict | None = None, gla_cfg: dict | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
     states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
     the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
     ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
-    configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``: more LizardKernelConfig fields."""
+    configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``, ``gla_cfg``: more
+    LizardKernelConfig, GLAKernelConfig fields."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -300,7 +303,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     if state:  # the kernels take the state in fp32
         kin[-2:] = [x.detach().float().requires_grad_() for x in kin[-2:]]
     ws_dev = WindowState(w_st.k.to(dtype).to(dev), w_st.v.to(dtype).to(dev), w_st.pos.to(dev)) if pad else None
-    old = kgla.set_config(seg_chunks=seg_chunks, **({} if chunk is None else dict(chunk=chunk, fwd_bv=16)))
+    old = kgla.set_config(seg_chunks=seg_chunks, **({} if chunk is None else dict(chunk=chunk, fwd_bv=16)),
+                          **(gla_cfg or {}))
     try:
         calls = []
         fn_apply = kliz._LizardFunction.apply

@@ -378,6 +378,57 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
     assert_errors(err, KTOL[dtype], f"gla gluon chunk pass {variant}")
 
 
+@pytest.fixture
+def gluon_fused_calls(monkeypatch):
+    """The calls of the fused Gluon backward (kernels/gla_gluon.py, bwd_fused) while the test runs,
+    by their segment length in chunks."""
+    from linearize.kernels import gla_gluon
+
+    _needs_hopper_gluon()
+    return _spy(monkeypatch, gla_gluon, "bwd_fused", "seg_chunks")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["unnorm", "norm", "norm fp16", "norm state segments", "unnorm segments",
+                                     "model layout norm", "T=64", "T=128", "extreme gates"])
+def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_calls):
+    """The whole gated backward as ONE Gluon kernel (GLAKernelConfig.gluon_fused_bwd: the reverse
+    state pass and the chunk pass fused, dS in registers) against the fp64 reference: every
+    gradient, unnormalised and normalised, fp16, from an initial state with sequence segments (the
+    last one shorter: 16 chunks in segments of 5), q, k, v in a model's layout, one and two chunks
+    (the prefetch's edges), gates near 0 and 1."""
+    dtype = torch.float16 if "fp16" in variant else torch.bfloat16
+    T = {"T=64": 64, "T=128": 128}.get(variant, 1024)
+    kw = dict(normalize="norm" in variant.split(), log_space=False, T=T, DK=128, DV=128, B=2, H=3, chunk=None,
+              bthd=variant.startswith("model layout"), gla_cfg=dict(gluon_fused_bwd=True))
+    if "segments" in variant:
+        kw.update(state="state" in variant, seg_chunks=5)
+    if variant == "extreme gates":
+        kw.update(extreme=True, normalize=True)
+    err = gla_case("cuda", dtype, **kw)
+    assert gluon_fused_calls == [5 if "segments" in variant else T // 64], gluon_fused_calls
+    assert_errors(err, KTOL[dtype], f"gla gluon fused backward {variant}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16"])
+def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls):
+    """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
+    (adding its dv into the window's) after the Gluon window backward: y, both states and every
+    gradient against the fp64 reference; also from an initial state, with the backward's own
+    sequence segments (one (batch x head) pair: four segments), fp16."""
+    kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state=variant == "state",
+              gla_cfg=dict(gluon_fused_bwd=True))
+    if variant == "segments":
+        kw.update(T=2048, B=1, H=2)
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    err = lizard_case("cuda", dtype, **kw)
+    assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
+    if variant == "segments":
+        assert gluon_fused_calls[0] < 32, gluon_fused_calls
+    assert_errors(err, KTOL[dtype], f"lizard gluon fused backward {variant}")
+
+
 @needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "state", "segments 4", "no sinks", "window 100", "triton forward",
                                      "fp16"])
@@ -675,6 +726,49 @@ def test_gluon_chunk_pass_launch_host_side(monkeypatch):
                              dlog_g, normalize=True, eps=1e-6, dv_add=False)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
+    """gla_gluon.bwd_fused up to its launch, on CPU: the grid (segments x batch*heads, the last
+    segment shorter), b, the states' 2-D view, which pointers it passes for each configuration,
+    the constexprs, and its refusal of layouts TMA cannot read."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import gla_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(gla_gluon, "_gla_bwd_fused_kernel", rec)
+    B, H, T, D = 2, 3, 320, 128
+    NC = T // 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do, o = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(5))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a model's layout
+    log_g = -torch.rand(B, H, T, generator=g)
+    f32 = dict(dtype=torch.float32)
+    den, dlog_g = torch.zeros(B * H, T, **f32), torch.zeros(B * H, T, **f32)
+    sc = torch.zeros(B * H, NC + 1, D, D, dtype=torch.bfloat16)
+    zc = torch.zeros(B * H, NC + 1, D, **f32)
+    ds_in, dz_in = torch.zeros(B * H * 3, D, D, **f32), torch.zeros(B * H * 3, D, **f32)
+    dS0, dz0 = torch.zeros(B, H, D, D, **f32), torch.zeros(B, H, D, **f32)
+    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0,
+                        seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=True)
+    (grid, args, kw), = rec.calls
+    assert grid == (3, B * H)  # 5 chunks in segments of 2, 2, 1
+    assert kw == dict(MODEL_LAYOUT=0b001, NORM=normalize, DV_ADD=True, HAS_DS=True, STORE_DS0=True, F=D, DV=D,
+                      C=64, num_warps=4)
+    assert args[4].base.data_ptr() == (o if normalize else do).data_ptr()
+    assert list(args[5].shape) == [B * H * (NC + 1) * D, D] and list(args[5].block_shape) == [D, D]
+    assert args[6] is sc and args[10] is ds_in and args[16] is dS0 and args[17] is dz0
+    assert (args[8] is den, args[9] is zc, args[11] is dz_in) == (normalize,) * 3
+    assert args[18:24] == (T, H, NC, 3, 2, 1e-6)
+    torch.testing.assert_close(args[7].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
+    with pytest.raises(ValueError, match="outside its scope"):
+        gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,
+                            None, None, seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)
+    with pytest.raises(ValueError, match="outside its scope"):  # segments without their entering gradients
+        gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                            seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)
+
+
 def test_gluon_window_backward_launch_host_side(monkeypatch):
     """window_gluon.bwd up to its launch, on CPU: the grid, scales and constexprs, and its refusal
     of layouts TMA cannot read."""
@@ -712,18 +806,21 @@ def test_fused_forward_segment_rule():
 
 def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     """bench kernels' "passes" methods (the Triton-only baselines beside the Gluon kernels) hand the
-    ops configs with the Gluon kernels off; a name reused in _methods once handed the GLA op a
-    function instead (an AttributeError in every cell of the H200 bench)."""
+    ops configs with the Gluon kernels off, and its "fused bwd" methods configs with the one-kernel
+    gated backward on; a name reused in _methods once handed the GLA op a function instead (an
+    AttributeError in every cell of the H200 bench)."""
     from linearize.bench import kernels as bk
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
 
     x = bk._shape_inputs(1, 64, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
     seen = {}
-    monkeypatch.setattr(kgla, "gla_chunk_triton", lambda *a, config=None, **k: seen.setdefault("gla", config) and (a[2],))
+    monkeypatch.setattr(kgla, "gla_chunk_triton", lambda *a, config=None, **k: seen.setdefault("gla", []).append(config)
+                        or (a[2],))
 
     def fake_lizard(*a, config=None, **k):
         seen["lizard"] = (config, kgla.CONFIG.gluon_bwd, bk_window().CONFIG.gluon_bwd)
+        seen["lizard fused"] = kgla.CONFIG.gluon_fused_bwd
         return (a[2],)
 
     def bk_window():
@@ -734,10 +831,15 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     table = bk._methods(x, 4, None)
     table["triton gla passes (ours)"][0]()
     table["triton lizard passes (ours)"][0]()
-    assert isinstance(seen["gla"], kgla.GLAKernelConfig) and seen["gla"].gluon_bwd is False
+    assert isinstance(seen["gla"][0], kgla.GLAKernelConfig) and seen["gla"][0].gluon_bwd is False
     cfg, gla_gluon, win_gluon = seen["lizard"]
     assert (cfg.fused_fwd, cfg.fused_train, gla_gluon, win_gluon) == (False, False, False, False)
     assert kgla.CONFIG.gluon_bwd is True  # restored after the call
+    # the fused-backward methods: the same ops with the one-kernel backward on
+    table["triton gla fused bwd (ours)"][0]()
+    table["triton lizard fused bwd (ours)"][0]()
+    assert seen["gla"][1].gluon_fused_bwd is True and seen["lizard fused"] is True
+    assert kgla.CONFIG.gluon_fused_bwd is False
 
 
 def test_gluon_kernels_import_guard(monkeypatch):

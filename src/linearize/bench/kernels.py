@@ -10,6 +10,8 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
                        the backward's chunk pass is the Gluon kernel (kernels.gla_gluon)
   triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
+  triton gla fused bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=True): on Hopper the
+                       whole backward as one Gluon kernel (not the default until measured)
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
@@ -19,6 +21,7 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        kernels.gla_gluon)
   triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False, fused_train=False), and
                        GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
+  triton lizard fused bwd (ours)  as "triton lizard (ours)" with GLAKernelConfig(gluon_fused_bwd=True)
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -48,7 +51,8 @@ import torch.nn.functional as F
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
-           "triton gla passes (ours)", "torch lizard (ours)", "triton lizard (ours)", "triton lizard passes (ours)")
+           "triton gla passes (ours)", "triton gla fused bwd (ours)", "torch lizard (ours)", "triton lizard (ours)",
+           "triton lizard passes (ours)", "triton lizard fused bwd (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -194,6 +198,9 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     gla_triton_only = replace(kgla.CONFIG, gluon_bwd=False)
     out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_triton_only, **kw)[0],
                                        [gq, gk, gv, gg], dy)
+    gla_fused = replace(kgla.CONFIG, gluon_fused_bwd=True)
+    out["triton gla fused bwd (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_fused, **kw)[0],
+                                          [gq, gk, gv, gg], dy)
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
@@ -206,6 +213,8 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     passes = LizardKernelConfig(fused_fwd=False, fused_train=False)
     lizard_triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
     out["triton lizard passes (ours)"] = (_with_kernels("1", lizard_triton_only), args, dy)
+    lizard_fused_bwd = _with_configs(lizard, gla=dict(gluon_fused_bwd=True), window={})
+    out["triton lizard fused bwd (ours)"] = (_with_kernels("1", lizard_fused_bwd), args, dy)
     return out
 
 

@@ -697,7 +697,12 @@ class GLAKernelConfig:
     the main pass is bound by its instructions, not by reading q and k twice).
     ``gluon_bwd``: on Hopper, the backward's chunk pass is the hand-written Gluon kernel
     (``kernels.gla_gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
-    multiple of 64, plain features); else this module's Triton pass."""
+    multiple of 64, plain features); else this module's Triton pass.
+    ``gluon_fused_bwd``: on Hopper, in that same scope, the whole backward is ONE Gluon kernel
+    (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in
+    registers, so the state gradient of every chunk is never written or read); only the segment
+    pre-pass and scan run before it, where the sequence is cut. Off by default: written and
+    compiled for sm_90a without a GPU at hand, not yet run on one."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -717,6 +722,7 @@ class GLAKernelConfig:
     seg_chunks: Optional[int] = None
     tma: bool = True
     gluon_bwd: bool = True
+    gluon_fused_bwd: bool = False
 
 
 CONFIG = GLAKernelConfig()
@@ -759,6 +765,12 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
     mod = gluon_kernels("gla_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
+
+
+def _gluon_fused_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
+    """The ``gla_gluon`` module where the whole backward runs there (``cfg.gluon_fused_bwd``), else None."""
+    mod = gluon_kernels("gla_gluon") if cfg.gluon_fused_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
@@ -963,6 +975,34 @@ class BwdPlan:
     dz_T: Optional[torch.Tensor]
     NC: int
     NVD: int
+    # the fused kernel's (``gla_gluon.bwd_fused``): o, the state gradient leaving each of its
+    # segments (None with one segment and no dS_T) and their length in chunks
+    fused: bool = False
+    o: Optional[torch.Tensor] = None
+    ds_in: Optional[torch.Tensor] = None
+    dz_in: Optional[torch.Tensor] = None
+    seg_chunks: int = 0
+
+
+def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: int, eps: float, common_kw: dict,
+                     cfg: GLAKernelConfig):
+    """The state gradient leaving each of nseg segments of seg_len tokens, (B*H, nseg, Dk, Dv) and
+    (B*H, nseg, Dk) fp32: each segment's own (a pre-pass over segments 1..) and a reverse scan from
+    ds_in, dz_in (dS_T, dz_T fp32, or None)."""
+    B, H, T, DK = q.shape
+    DV = do.shape[-1]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    ds_buf = torch.empty(B * H, nseg, DK, DV, **f32)
+    dz_buf = torch.empty(B * H, nseg, DK, **f32)
+    g_seg = torch.empty(B * H, nseg, **f32)
+    _gla_bwd_state_kernel[(nseg - 1, B * H)](
+        q, log_g, do, o_, den_, ds_buf, dz_buf, g_seg, *strides_bht(q), *strides_bht(log_g), T, H, seg_len, nseg,
+        eps, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+    BVS = min(32, common_kw["BV"])
+    _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
+        ds_buf, dz_buf, g_seg, ds_in if ds_in is not None else ds_buf, dz_in if ds_in is not None else dz_buf,
+        nseg, DK=DK, DV=DV, BK=common_kw["BK"], BV=BVS, HAS_INIT=ds_in is not None, REVERSE=True, num_warps=4)
+    return ds_buf, dz_buf
 
 
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
@@ -993,20 +1033,17 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     if dS_T is not None:
         ds_in = dS_T.float().contiguous()
         dz_in = dz_T.float().contiguous() if normalize else torch.zeros(B, H, DK, **f32)
-    if nseg > 1:
-        ds_buf = torch.empty(B * H, nseg, DK, DV, **f32)
-        dz_buf = torch.empty(B * H, nseg, DK, **f32)
-        g_seg = torch.empty(B * H, nseg, **f32)
-        _gla_bwd_state_kernel[(nseg - 1, B * H)](
-            q, log_g, do, o_, den_, ds_buf, dz_buf, g_seg, *sq, *sg, T, H, seg_len, nseg, eps,
-            num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
-        BVS = min(32, BV)
-        _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
-            ds_buf, dz_buf, g_seg, ds_in if ds_in is not None else ds_buf, dz_in if ds_in is not None else dz_buf,
-            nseg, DK=DK, DV=DV, BK=BK, BV=BVS, HAS_INIT=ds_in is not None, REVERSE=True, num_warps=4)
-        ds_in, dz_in = ds_buf, dz_buf
     dS0 = torch.empty(B, H, DK, DV, **f32) if need_dstate else None
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
+    if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is not None:
+        # the fused kernel walks segments of its own (one program per multiprocessor each)
+        nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
+        if nseg > 1:
+            ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
+        return BwdPlan(do, den_, dlog_g, sc, zc if zc is not None else dlog_g, None, None, None, dlog_g, dS0, dz0,
+                       dz_T, T // BT, 0, fused=True, o=o_, ds_in=ds_in, dz_in=dz_in, seg_chunks=seg_len // BT)
+    if nseg > 1:
+        ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
     dzc = torch.empty(B * H, NC, DK, **f32) if normalize else dlog_g
     BVD = min(pow2(cfg.dstate_bv_norm if normalize else cfg.dstate_bv), BV)
@@ -1037,7 +1074,13 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
     NC, NVD, dlog_g, dS0, dz0 = p.NC, p.NVD, p.dlog_g, p.dS0, p.dz0
     gluon = _gluon_bwd(cfg, q, k, v, BT, log_space)
-    if gluon is not None and (dv_into is None or dv_into.is_contiguous()):
+    if p.fused:
+        if dv_into is not None and not dv_into.is_contiguous():
+            raise ValueError("gla.bwd_chunks: the fused backward adds dv into a contiguous tensor only")
+        _gluon_fused_bwd(cfg, q, k, v, BT, log_space).bwd_fused(
+            q, k, v, log_g, p.o.contiguous(), p.den, p.sc, p.zc, p.do, p.ds_in, p.dz_in, dq, dk, dv, dlog_g, dS0, dz0,
+            seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None)
+    elif gluon is not None and (dv_into is None or dv_into.is_contiguous()):
         gluon.bwd_chunks(q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
                          normalize=normalize, eps=eps, dv_add=dv_into is not None)
     else:

@@ -1,4 +1,5 @@
-"""The backward's chunk pass of gated linear attention as a hand-written Hopper kernel (Gluon).
+"""The backward of gated linear attention as hand-written Hopper kernels (Gluon): its chunk pass,
+and (``bwd_fused``, below) the whole backward in one kernel.
 
 Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``kernels.gla``'s docstring):
 one program per (chunk, batch x head), no loop, from the state S (z) entering the chunk and the
@@ -18,6 +19,19 @@ views of the same tiles), so one warpgroup holds at most two 64 x 128 fp32 tiles
 memory and no spills, two programs per multiprocessor, each one's loads in flight while the other
 computes. dS is read first (dv and dphi_k); S then comes into dS's slot while M and dphi_k are
 formed, for dphi_q last.
+
+The fused backward (``_gla_bwd_fused_kernel``, ``GLAKernelConfig.gluon_fused_bwd``): one program
+per (segment, batch x head) walks its chunks from the end, the reverse state pass and the chunk
+pass in one, so the state gradient of every chunk (as many bytes as two (B, H, T, 128) tensors)
+is never written or read back, nor are phi_q, do and o read twice. Two warp-specialised
+partitions hand over through shared memory: the *state* partition carries dS (fp32, 128 registers
+a thread) and dz, gives the chunk partition dS's bf16 copy and <dS, S_out> + <dz, z_out> (the gate
+gradient's part after the chunk, with S_out the state leaving it: its product with the state
+entering the chunk, taken once dS has moved past it), then applies dS <- e^{b_end} dS +
+phi_q^T (e^{b_t} dn) once the chunk partition has formed e^{b_t} dn; the *chunk* partition forms
+dq, dk, dv and d log_g as the chunk pass does, and issues the loads (each chunk's tiles come into
+one of two slots while the chunk before is computed). Written and compiled for sm_90a without a
+GPU at hand (tests/test_kernels_compile.py): off by default until run on one.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -231,6 +245,313 @@ def _gla_bwd_chunk_kernel(q_d, k_d, v_d, do_d, sc_d, dsc_d, BL, DEN, DDEN, ZC, D
         mbarrier.invalidate(bar.index(i))
 
 
+# ----------------------------------------------------------------------------- the fused backward
+
+
+@gluon.jit
+def _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, tok, t0, bar, q_s, k_s, v_s, do_s):
+    """One chunk's phi_q, phi_k, v and do tiles by TMA on one barrier (``tok`` = do's first row of
+    the batch x head, t0 the chunk's first token)."""
+    mbarrier.expect(bar, (q_s.numel + k_s.numel + v_s.numel + do_s.numel) * 2)
+    tma.async_copy_global_to_shared(q_d, [r_q + t0, c_q], bar, q_s)
+    tma.async_copy_global_to_shared(k_d, [r_k + t0, c_k], bar, k_s)
+    tma.async_copy_global_to_shared(v_d, [r_v + t0, c_v], bar, v_s)
+    tma.async_copy_global_to_shared(do_d, [tok + t0, 0], bar, do_s)
+
+
+@gluon.jit
+def _rows_ptr(base, rows, cols, D: gl.constexpr):
+    """Pointers to the (rows, cols) tile of a row-major (., D) tensor at ``base``."""
+    return (base + rows * D)[:, None] + cols[None, :]
+
+
+@gluon.jit
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, sc_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
+                         ds_ready, dn_ready, tq_done, r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh, c_hi, n, NC, eps,
+                         NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
+                         C: gl.constexpr):
+    """Four warps forming one chunk's gradients, as ``_gla_bwd_chunk_kernel`` does, from the state
+    partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``); they hand dd and e^{b_t} dn
+    (in dn's slot) back for dS's update (``dn_ready``), and issue every load."""
+    dt: gl.constexpr = q_d.dtype
+    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    row_t: gl.constexpr = gl.SliceLayout(1, mma_t)
+    col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
+    rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    rows_t = gl.arange(0, C, layout=row_t)
+    cols_t = gl.arange(0, DV, layout=col_t)
+    lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
+    rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    for i in range(n):
+        c = c_hi - i
+        sl = i % 2
+        qs = q_s.index(sl)
+        ks = k_s.index(sl)
+        vs = v_s.index(sl)
+        dns = dn_s.index(sl)
+        tok = row0 + c * C
+        bl = BL + tok
+        b_end = gl.load(bl + C - 1)
+        b_t = gl.load(bl + rows_t)
+        r_end = gl.exp(b_end - b_t)  # e^{b_end - b_s}, by key row
+        e_t = gl.exp(b_t)
+        # the outputs' rows: per-row pointers formed at each store (a hoisted offset tile would hold 64
+        # registers through the loop)
+        out0 = tok.to(gl.int64) * DV
+
+        # ---- A = (phi_q phi_k^T) * p
+        mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
+        a = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                          is_async=True)
+        a, _, _ = warpgroup_mma_wait(0, deps=(a, qs, ks))
+        am_s.store((a * _intra_decay(bl, rows_s, cols_s)).to(dt))
+
+        # ---- dn = do / (den + eps) in place, dd = -(do . o) / (den + eps); the next chunk's o
+        if NORM:
+            mbarrier.wait(o_bar, i & 1)
+            for h in gl.static_range(2):  # in two halves of rows (fewer registers live)
+                rows_h = h * (C // 2) + rows_b
+                rden = 1.0 / (gl.load(DEN + tok + rows_h) + eps)
+                do_h = dns.slice(h * (C // 2), C // 2)
+                do = do_h.load(blk).to(gl.float32)
+                dd_h = -gl.sum(do * o_s.slice(h * (C // 2), C // 2).load(blk).to(gl.float32), axis=1) * rden
+                do_h.store((do * rden[:, None]).to(dt))
+                dd_s.index(sl).slice(h * (C // 2), C // 2).store(dd_h)  # (also for dz's update)
+            gl.thread_barrier()
+            dd_t = dd_s.index(sl).load(row_t)
+            gl.thread_barrier()
+            if i + 1 < n:
+                _load_tile(o_d, tok - C, 0, o_bar, o_s)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
+        mbarrier.wait(ds_ready, i & 1)
+        if i >= 1:
+            if i + 1 < n:
+                _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
+                            in_bar.index(1 - sl), q_s.index(1 - sl), k_s.index(1 - sl), v_s.index(1 - sl),
+                            dn_s.index(1 - sl))
+
+        # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn
+        dv = warpgroup_mma(ks, ds_s, gl.zeros([C, DV], gl.float32, layout=mma_t), use_acc=False, is_async=True)
+        dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_s))
+        dv = warpgroup_mma(am_s.permute((1, 0)), dns, dv * r_end[:, None], is_async=True)
+        dv, _, _ = warpgroup_mma_wait(0, deps=(dv, am_s, dns))
+        if DV_ADD:
+            dv += gl.load(_rows_ptr(DV_ + out0, rows_t, cols_t, DV)).to(gl.float32)
+        gl.store(_rows_ptr(DV_ + out0, rows_t, cols_t, DV), dv.to(DV_.dtype.element_ty))
+
+        # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p
+        tk = warpgroup_mma(vs, ds_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
+                           is_async=True)
+        tk, _, _ = warpgroup_mma_wait(0, deps=(tk, vs, ds_s))
+        if NORM:
+            tk = tk + dz_s.load(col_t)[None, :]
+        m = warpgroup_mma(dns, vs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                          is_async=True)
+        m, _, _ = warpgroup_mma_wait(0, deps=(m, dns, vs))
+        if NORM:
+            m = m + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None]
+        am_s.store((m * _intra_decay(bl, rows_s, cols_s)).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(am_s.permute((1, 0)), qs, tk * r_end[:, None], is_async=True)
+        dk, _, _ = warpgroup_mma_wait(0, deps=(dk, am_s, qs))
+        db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
+        gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
+
+        # ---- dn's slot takes e^{b_t} dn: dq's state part here, dS's update in the state partition
+        dns.store((dns.load(mma_t).to(gl.float32) * e_t[:, None]).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dn_ready)
+
+        # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
+        mbarrier.wait(s_bar, i & 1)
+        tq = warpgroup_mma(dns, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
+                           is_async=True)
+        tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dns, st_s))
+        gl.thread_barrier()
+        mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
+        if NORM:
+            tq = tq + (e_t * dd_t)[:, None] * gl.load(ZC + (i_bh * (NC + 1) + c) * F + cols_t)[None, :]
+        dq = warpgroup_mma(am_s, ks, tq, is_async=True)
+        dq, _, _ = warpgroup_mma_wait(0, deps=(dq, am_s, ks))
+        db += gl.sum(qs.load(mma_t).to(gl.float32) * dq, axis=1)
+        gl.store(_rows_ptr(DQ + out0, rows_t, cols_t, DV), dq.to(DQ.dtype.element_ty))
+
+        # ---- d log_g: the cumulative sum over the chunk's later tokens, plus the part after the chunk
+        y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
+        dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
+        gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
+
+
+@gluon.jit
+def _state_dot(st_s, dS0, dS1, dz, ZC, slot, f_b, mma_S: gl.constexpr, NORM: gl.constexpr):
+    """<dS, S> + <dz, z>: S from st_s (bf16, two halves of feature rows against dS0, dS1), z from
+    row ``slot`` of ZC's (B*H*(NC+1), F) rows."""
+    FH: gl.constexpr = dS0.shape[0]
+    d = (gl.sum(gl.sum(st_s.slice(0, FH).load(mma_S).to(gl.float32) * dS0, axis=1), axis=0)
+         + gl.sum(gl.sum(st_s.slice(FH, FH).load(mma_S).to(gl.float32) * dS1, axis=1), axis=0))
+    if NORM:
+        d += gl.sum(dz * gl.load(ZC + slot * dz.shape[0] + f_b), axis=0)
+    return d
+
+
+@gluon.jit
+def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st_s, ds_s, dd_s, dz_s, sdot_s, s_bar,
+                         ds_ready, dn_ready, tq_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, NORM: gl.constexpr,
+                         HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
+                         C: gl.constexpr):
+    """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
+    Per chunk, from the segment's end: dS's bf16 copy, dz and <dS, S_out> + <dz, z_out> with the
+    state leaving the chunk (the gate gradient's part after it) for the chunk partition
+    (``ds_ready``); once it has handed dd and e^{b_t} dn over (``dn_ready``), the gradient entering
+    the chunk, dS <- e^{b_end} dS + phi_q^T (e^{b_t} dn), dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd),
+    and its product with the state entering the chunk (the next one's S_out, in st_s, which it
+    then replaces by the state entering the next chunk once the chunk partition has read it)."""
+    dt: gl.constexpr = ds_s.dtype
+    FH: gl.constexpr = F // 2
+    mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    f_S = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_S))
+    s_off = f_S[:, None] * DV + gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))[None, :]
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, features) of half a chunk
+    f_b = gl.arange(0, F, layout=gl.SliceLayout(0, blk))
+    t_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    st0 = (i_bh * NSEG + i_seg).to(gl.int64)
+    if HAS_DS:
+        dS0 = gl.load(DS_IN + st0 * F * DV + s_off)
+        dS1 = gl.load(DS_IN + st0 * F * DV + FH * DV + s_off)
+    else:
+        dS0 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+        dS1 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+    if NORM and HAS_DS:
+        dz = gl.load(DZ_IN + st0 * F + f_b)
+    else:
+        dz = gl.zeros([F], gl.float32, layout=gl.SliceLayout(0, blk))
+    # the state leaving the segment (from global memory: st_s holds the one entering its last chunk)
+    slot = i_bh * (NC + 1) + c_hi + 1
+    sp = SC + slot.to(gl.int64) * F * DV
+    s_dot = (gl.sum(gl.sum(gl.load(sp + s_off).to(gl.float32) * dS0, axis=1), axis=0)
+             + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
+    if NORM:
+        s_dot += gl.sum(dz * gl.load(ZC + slot * F + f_b), axis=0)
+    for i in range(n):
+        c = c_hi - i
+        sl = i % 2
+        # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition
+        if NORM:
+            dz_s.store(dz)
+        ds_s.slice(0, FH).store(dS0.to(dt))
+        ds_s.slice(FH, FH).store(dS1.to(dt))
+        sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready)
+
+        # ---- the gradient entering the chunk
+        mbarrier.wait(dn_ready, i & 1)
+        qs = q_s.index(sl)
+        dns = dn_s.index(sl)
+        bl = BL + row0 + c * C
+        g = gl.exp(gl.load(bl + C - 1))
+        dS0 = warpgroup_mma(qs.slice(0, FH, dim=1).permute((1, 0)), dns, dS0 * g, is_async=True)
+        dS1 = warpgroup_mma(qs.slice(FH, FH, dim=1).permute((1, 0)), dns, dS1 * g, is_async=True)
+        if NORM:
+            dz = dz * g
+            for h in gl.static_range(2):  # phi_q^T (e^{b_t} dd) in two halves of tokens
+                w = (dd_s.index(sl).slice(h * (C // 2), C // 2).load(gl.SliceLayout(1, blk))
+                     * gl.exp(gl.load(bl + h * (C // 2) + t_b)))
+                dz += gl.sum(qs.slice(h * (C // 2), C // 2).load(blk).to(gl.float32) * w[:, None], axis=0)
+        dS0, dS1, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qs, dns))
+        if i + 1 < n:
+            # its product with S entering this chunk (the next one's S_out), then the next chunk's S
+            mbarrier.wait(s_bar, i & 1)
+            s_dot = _state_dot(st_s, dS0, dS1, dz, ZC, i_bh * (NC + 1) + c, f_b, mma_S, NORM)
+            mbarrier.wait(tq_done, i & 1)
+            gl.thread_barrier()
+            _load_tile(sc_d, (i_bh * (NC + 1) + c - 1) * F, 0, s_bar, st_s)
+
+    if STORE_DS0:
+        if i_seg == 0:
+            gl.store(DS0 + i_bh.to(gl.int64) * F * DV + s_off, dS0)
+            gl.store(DS0 + i_bh.to(gl.int64) * F * DV + FH * DV + s_off, dS1)
+            if NORM:
+                gl.store(DZ0 + i_bh.to(gl.int64) * F + f_b, dz)
+
+
+@gluon.jit
+def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DQ, DK_, DV_, DG, DS0, DZ0,
+                          T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr, NORM: gl.constexpr,
+                          DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr,
+                          DV: gl.constexpr, C: gl.constexpr):
+    """Grid (NSEG, B*H): the whole backward of one segment of chunks, walked from its end, in two
+    partitions (``_bwd_chunk_partition``, ``_bwd_state_partition``). BL: b_t (B*H*T,) fp32; DEN
+    (B*H*T,) fp32; ZC (B*H, NC+1, F) fp32; DS_IN (B*H*NSEG, F, DV), DZ_IN (B*H*NSEG, F) fp32: the
+    state gradient leaving each segment (HAS_DS); DQ, DK_, DV_ (B*H*T, .) contiguous; DG (B*H*T,)
+    fp32; DS0, DZ0 the initial state's gradient (STORE_DS0, written by segment 0)."""
+    i_seg = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = i_bh * T
+    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
+    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
+    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    c_lo = i_seg * SEG_CHUNKS
+    n = gl.minimum(SEG_CHUNKS, NC - c_lo)
+    c_hi = c_lo + n - 1  # the first chunk walked
+    dt: gl.constexpr = q_d.dtype
+
+    # two slots of each chunk tile (the next chunk's loads fly while one is computed): 128 KB;
+    # with S, dS's bf16 copy, A/M and o about 217 KB, one program per multiprocessor
+    q_s = gl.allocate_shared_memory(dt, [2, C, F], q_d.layout)
+    k_s = gl.allocate_shared_memory(dt, [2, C, F], k_d.layout)
+    v_s = gl.allocate_shared_memory(dt, [2, C, DV], v_d.layout)
+    dn_s = gl.allocate_shared_memory(dt, [2, C, DV], do_d.layout)  # do; dn in place; then e^{b_t} dn
+    o_s = gl.allocate_shared_memory(dt, [C, DV], o_d.layout)
+    st_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # S entering the chunk
+    ds_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # dS leaving it, for the MMAs
+    am_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))  # A, then M
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    dd_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # e^{b_t} dd
+    dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
+    sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
+    in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # S, o; the handshakes
+    for i in gl.static_range(2):
+        mbarrier.init(in_bar.index(i), count=1)
+    for i in gl.static_range(5):
+        mbarrier.init(bar.index(i), count=1)
+    fence_async_shared()
+    for j in gl.static_range(2):
+        if j < n:
+            _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c_hi - j) * C, in_bar.index(j),
+                        q_s.index(j), k_s.index(j), v_s.index(j), dn_s.index(j))
+    _load_tile(sc_d, (i_bh * (NC + 1) + c_hi) * F, 0, bar.index(0), st_s)
+    if NORM:
+        _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)
+    gl.warp_specialize([
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, sc_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, bar.index(0),
+                                bar.index(1), bar.index(2), bar.index(3), bar.index(4), r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh,
+                                c_hi, n, NC, eps, NORM, DV_ADD, F, DV, C)),
+        (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st_s, ds_s, dd_s, dz_s,
+                                sdot_s, bar.index(0), bar.index(2), bar.index(3), bar.index(4), row0, i_bh, i_seg, NSEG, c_hi, n, NC,
+                                NORM, HAS_DS, STORE_DS0, F, DV, C)),
+    ], [4], [248])
+    for i in gl.static_range(2):
+        mbarrier.invalidate(in_bar.index(i))
+    for i in gl.static_range(5):
+        mbarrier.invalidate(bar.index(i))
+
+
 def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, log_space: bool) -> bool:
     """Whether ``bwd_chunks`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -267,25 +588,72 @@ def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, 
         NVD=yc.shape[-1], F=F, DV=DV, C=BT, num_warps=4)
 
 
-def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layout: int = 0, nvd: int = 1):
-    """Compile the chunk pass for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
+def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *, seg_chunks: int,
+              normalize: bool, eps: float, dv_add: bool) -> None:
+    """The whole backward (``_gla_bwd_fused_kernel``) into dq, dk, dv ((B, H, T, .) contiguous; dv
+    accumulated into with ``dv_add``), dlog_g ((B*H, T) fp32) and, where given, dS0 (B, H, F, Dv)
+    and dz0 (B, H, F) fp32. o (B, H, T, Dv) contiguous (read where ``normalize``), do likewise;
+    den (B*H, T) fp32; sc (B*H, NC+1, F, Dv) in q's dtype, zc (B*H, NC+1, F) fp32; ds_in
+    (B*H*nseg, F, Dv), dz_in (B*H*nseg, F) fp32 or None: the state gradient leaving each segment of
+    ``seg_chunks`` chunks (the last may be shorter)."""
+    B, H, T, F = q.shape
+    DV = v.shape[-1]
+    NC = T // BT
+    nseg = -(-NC // seg_chunks)
+    tiles = tma_tiles([q, k, v, do, o if normalize else do], [BT, WIDTH])
+    if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1)):
+        raise ValueError("gla_gluon.bwd_fused: inputs outside its scope (supports_bwd_chunks)")
+    descs, views = tiles
+    st_d = tma_tiles([sc.view(B * H, NC + 1, F, DV)], [F, DV])[0][0]
+    f32 = dlog_g  # a placeholder for the pointers a configuration does not read
+    _gla_bwd_fused_kernel[(nseg, B * H)](
+        *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, zc if normalize else f32,
+        ds_in if ds_in is not None else f32, dz_in if (ds_in is not None and normalize) else f32,
+        dq, dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
+        T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]), NORM=normalize,
+        DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT, num_warps=4)
+
+
+def _compile(kernel, args: dict, consts: dict, num_warps: int):
+    """Compile a Gluon kernel for sm_90a without a GPU; returns Triton's compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    sig = {k: mangle_type(v) for k, v in args.items()}
+    sig.update({k: "constexpr" for k in consts})
+    names = [p.name for p in kernel.params]
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _compile_args():
+    """Stand-ins of the kernels' arguments for ``_compile``: a tile descriptor, a state descriptor,
+    fp32 and bf16 pointers."""
     x = torch.empty(2 * 4 * 256, WIDTH, dtype=torch.bfloat16)
-    lay = gl.NVMMASharedLayout.get_default_for([BT, WIDTH], gl.bfloat16)
-    d = TensorDescriptor.from_tensor(x, [BT, WIDTH], lay)
+    d = TensorDescriptor.from_tensor(x, [BT, WIDTH], gl.NVMMASharedLayout.get_default_for([BT, WIDTH], gl.bfloat16))
     ds = TensorDescriptor.from_tensor(x, [WIDTH, WIDTH], gl.NVMMASharedLayout.get_default_for([WIDTH, WIDTH],
                                                                                               gl.bfloat16))
-    f32 = torch.empty(16, dtype=torch.float32)
-    bf = torch.empty(16, dtype=torch.bfloat16)
+    return d, ds, torch.empty(16, dtype=torch.float32), torch.empty(16, dtype=torch.bfloat16)
+
+
+def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layout: int = 0, nvd: int = 1):
+    """Compile the chunk pass for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
+    d, ds, f32, bf = _compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, do_d=d, sc_d=ds, dsc_d=ds, BL=f32, DEN=f32, DDEN=f32, ZC=f32, DZC=f32, YC=f32,
                 DQ=bf, DK_=bf, DV_=bf, DG=f32, T=256, H=4, NC=4, eps=1e-6)
-    sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, NVD=nvd, F=WIDTH, DV=WIDTH, C=BT)
-    sig.update({k: "constexpr" for k in consts})
-    names = [p.name for p in _gla_bwd_chunk_kernel.params]
-    src = GluonASTSource(_gla_bwd_chunk_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
-    return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _compile(_gla_bwd_chunk_kernel, args, consts, num_warps=4)
+
+
+def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_ds: bool = False,
+                             store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4):
+    """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
+    d, ds, f32, bf = _compile_args()
+    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, ZC=f32, DS_IN=f32, DZ_IN=f32,
+                DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, T=256, H=4, NC=4, NSEG=2, SEG_CHUNKS=seg_chunks,
+                eps=1e-6)
+    consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,
+                  F=WIDTH, DV=WIDTH, C=BT)
+    return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)
