@@ -36,6 +36,89 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *,
+                       seg_chunks: int, normalize: bool, eps: float, dv_add: bool) -> None:
+    """What ``kernels.gla_gluon.bwd_fused`` computes, in fp32 torch, with its signature: each segment
+    of ``seg_chunks`` chunks walked from its end from the state gradient leaving it (ds_in, dz_in),
+    chunk by chunk as the kernel does (the gate gradient's part after a chunk from the state leaving
+    it, sc[c + 1]). CPU interpreter cases put it in the kernel's place (``_emulated_fused_bwd``) to
+    run the host side of the fused path: the plan, the segments' entering gradients, the
+    arguments' meaning, dv added into the window's, dS0 and dz0."""
+    B, H, T, F_ = q.shape
+    NC = sc.shape[1] - 1
+    BT = T // NC
+    nseg = -(-NC // seg_chunks)
+    f = torch.float32
+    mask = torch.tril(torch.ones(BT, BT, dtype=torch.bool))
+    for bh in range(B * H):
+        b_, h_ = divmod(bh, H)
+        for seg in range(nseg):
+            if ds_in is not None:
+                dS, dz = ds_in.view(-1, F_, v.shape[-1])[bh * nseg + seg].clone(), torch.zeros(F_)
+                if normalize:
+                    dz = dz_in.view(-1, F_)[bh * nseg + seg].clone()
+            else:
+                dS, dz = torch.zeros(F_, v.shape[-1]), torch.zeros(F_)
+            for c in reversed(range(seg * seg_chunks, min(NC, (seg + 1) * seg_chunks))):
+                t = slice(c * BT, (c + 1) * BT)
+                qc, kc, vc, doc = (x[b_, h_, t].to(f) for x in (q, k, v, do))
+                bb = log_g[b_, h_, t].to(f).cumsum(0)
+                p = torch.where(mask, bb[:, None] - bb[None, :], torch.tensor(-float("inf"))).exp()
+                r_end = (bb[-1] - bb).exp()
+                S, z = sc[bh, c].to(f), zc[bh, c] if normalize else torch.zeros(F_)
+                if normalize:
+                    rden = 1.0 / (den.view(B * H, T)[bh, t] + eps)
+                    dn, dd = doc * rden[:, None], -(doc * o[b_, h_, t].to(f)).sum(1) * rden
+                else:
+                    dn, dd = doc, torch.zeros(BT)
+                A = (qc @ kc.T) * p
+                M = (dn @ vc.T + dd[:, None]) * p
+                dvc = r_end[:, None] * (kc @ dS) + A.T @ dn
+                dkc = r_end[:, None] * (vc @ dS.T + dz) + M.T @ qc
+                dqc = bb.exp()[:, None] * (dn @ S.T + dd[:, None] * z) + M @ kc
+                db = (qc * dqc).sum(1) - (kc * dkc).sum(1)
+                y = (dS * sc[bh, c + 1].to(f)).sum() + ((dz * zc[bh, c + 1]).sum() if normalize else 0.0)
+                dlog_g[bh, t] = db.flip(0).cumsum(0).flip(0) + y
+                if dv_add:
+                    dvc = dvc + dv[b_, h_, t].to(f)
+                dq[b_, h_, t], dk[b_, h_, t], dv[b_, h_, t] = dqc, dkc, dvc
+                w = bb.exp()[:, None] * qc
+                dS = bb[-1].exp() * dS + w.T @ dn
+                dz = bb[-1].exp() * dz + w.T @ dd
+            if seg == 0 and dS0 is not None:
+                dS0.view(B * H, F_, -1)[bh] = dS
+                if normalize:
+                    dz0.view(B * H, F_)[bh] = dz
+
+
+class _emulated_fused_bwd:
+    """With ``on``: kernels.gla routes its backward to ``fused_bwd_emulated`` wherever a config asks
+    for the fused Gluon backward (plain features), as it routes to the kernel on a Hopper GPU; on
+    leaving without an error, asserts that the backward went there."""
+
+    def __init__(self, on: bool):
+        self.on, self.calls = on, []
+
+    def __enter__(self):
+        from linearize.kernels import gla as kgla
+
+        self.old = kgla._gluon_fused_bwd
+        if self.on:
+            def bwd_fused(*args, **kw):
+                self.calls.append(kw["seg_chunks"])
+                fused_bwd_emulated(*args, **kw)
+
+            emu = type("FusedEmulation", (), {"bwd_fused": staticmethod(bwd_fused)})
+            kgla._gluon_fused_bwd = lambda cfg, q, k, v, chunk, log_space: (
+                emu if cfg.gluon_fused_bwd and not log_space else None)
+
+    def __exit__(self, exc_type, *exc):
+        from linearize.kernels import gla as kgla
+
+        kgla._gluon_fused_bwd = self.old
+        assert exc_type is not None or not self.on or self.calls, "the backward did not take the fused path"
+
+
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
@@ -45,7 +128,7 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
     ``tma=False``: the forward's pointer loads even where descriptors would apply;
     ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
-    ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
+    ``gla_cfg``: more GLAKernelConfig fields (on CPU, ``gluon_fused_bwd`` runs ``fused_bwd_emulated``)."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -92,14 +175,15 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
         cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma, **(gla_cfg or {}))
     else:
         cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
-                                   dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma)
-    o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
-                                   config=cfg)
-    assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
-    loss2 = (o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()
-    if normalize:
-        loss2 = loss2 + (s2.z.double() * dz.to(dev)).sum()
-    loss2.backward()
+                                   dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma, **(gla_cfg or {}))
+    with _emulated_fused_bwd(device == "cpu" and cfg.gluon_fused_bwd):
+        o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
+                                       config=cfg)
+        assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
+        loss2 = (o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()
+        if normalize:
+            loss2 = loss2 + (s2.z.double() * dz.to(dev)).sum()
+        loss2.backward()
     err = {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S)}
     if normalize:
         err["z"] = rel_rms(s2.z.cpu(), s.z)
@@ -247,7 +331,7 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
     configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``, ``gla_cfg``: more
-    LizardKernelConfig, GLAKernelConfig fields."""
+    LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd`` runs ``fused_bwd_emulated``)."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -309,10 +393,11 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
         calls = []
         fn_apply = kliz._LizardFunction.apply
         kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
-        y2, sg2, sw2 = run(kin, True)
-        assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
-        ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
-         + (sg2.z.double() * dz.to(dev)).sum()).backward()
+        with _emulated_fused_bwd(device == "cpu" and kgla.CONFIG.gluon_fused_bwd):
+            y2, sg2, sw2 = run(kin, True)
+            assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
+            ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
+             + (sg2.z.double() * dz.to(dev)).sum()).backward()
     finally:
         kliz._LizardFunction.apply = fn_apply
         kgla.set_config(**dataclasses.asdict(old))
@@ -405,6 +490,15 @@ INTERPRETER_CASES = {
     "gla f32 norm plain T=1": (gla_case, dict(normalize=True, log_space=False, T=1, DK=16, DV=16, state=True), F32),
     "gla bf16 norm plain T=100 segments": (gla_case, dict(normalize=True, log_space=False, T=100, DK=16, DV=16,
                                                           seg_chunks=2, state=True), BF16),
+    # the fused gated backward's host side (plan, segments, arguments, dv added into the window's),
+    # with fused_bwd_emulated in the Gluon kernel's place
+    "gla f32 norm plain fused bwd emulated state+segments": (gla_case, dict(
+        normalize=True, log_space=False, T=80, DK=16, DV=24, state=True, seg_chunks=2,
+        gla_cfg=dict(gluon_fused_bwd=True)), F32),
+    "gla f32 unnorm plain fused bwd emulated state": (gla_case, dict(
+        normalize=False, log_space=False, T=64, DK=16, DV=16, state=True, gla_cfg=dict(gluon_fused_bwd=True)), F32),
+    "lizard f32 sinks state fused bwd emulated segments": (lizard_case, dict(
+        T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True)), F32),
     "window f32 sinks": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4), F32),
     "window bf16 sinks fused": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True), BF16),
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),
