@@ -13,6 +13,7 @@ Three groups:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -411,18 +412,25 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16"])
+@pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments"])
 def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls):
     """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
     (adding its dv into the window's) after the Gluon window backward: y, both states and every
     gradient against the fp64 reference; also from an initial state, with the backward's own
-    sequence segments (one (batch x head) pair: four segments), fp16."""
+    sequence segments (one (batch x head) pair: four segments), fp16, and with the window's
+    backward as the walking kernel too."""
+    from linearize.kernels import window as kwin
+
     kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state=variant == "state",
               gla_cfg=dict(gluon_fused_bwd=True))
-    if variant == "segments":
+    if variant.endswith("segments"):
         kw.update(T=2048, B=1, H=2)
     dtype = torch.float16 if variant == "fp16" else torch.bfloat16
-    err = lizard_case("cuda", dtype, **kw)
+    old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
+    try:
+        err = lizard_case("cuda", dtype, **kw)
+    finally:
+        kwin.set_config(**dataclasses.asdict(old))
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
     if variant == "segments":
         assert gluon_fused_calls[0] < 32, gluon_fused_calls
@@ -482,6 +490,30 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
     err = window_case("cuda", dtype, **kw)
     assert gluon_window_calls == [W], gluon_window_calls
     assert_errors(err, KTOL[dtype], f"window gluon backward {variant}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "window 100", "window 1 sinks", "T=64", "T=128",
+                                     "T=192", "T=1216 sinks", "T=4096 fp16 sinks", "model layout sinks fused"])
+def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
+    """The window's backward as the walking Gluon kernel (WindowKernelConfig.gluon_bwd_walk: one
+    program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
+    dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
+    edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
+    model's layout."""
+    from linearize.kernels import window_gluon
+
+    _needs_hopper_gluon()
+    calls = _spy(monkeypatch, window_gluon, "bwd", "walk")
+    dtype = torch.float16 if "fp16" in variant else torch.bfloat16
+    W = int(variant.split()[1]) if variant.startswith("window") else 128
+    T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024
+    kw = dict(T=T, D=128, DV=128, W=W, nsink=4 if "sinks" in variant or variant.startswith("window 1 ") else 0,
+              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
+              kv=dict(gluon_bwd_walk=True))
+    err = window_case("cuda", dtype, **kw)
+    assert calls == [True], calls
+    assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant}")
 
 
 @needs_cuda
@@ -792,6 +824,36 @@ def test_gluon_window_backward_launch_host_side(monkeypatch):
         window_gluon.bwd(q, k, v.transpose(2, 3), dy, lse, delta, None, dq, dk, dv, window=100, scale=0.125)
 
 
+@pytest.mark.parametrize("T", [64, 1216])
+def test_gluon_window_walk_backward_launch_host_side(T, monkeypatch):
+    """window_gluon.bwd with walk=True up to its launch, on CPU: the grid (segments x batch*heads,
+    the last segment shorter), the segment length and the constexprs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import window_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(window_gluon, "_win_bwd_walk_kernel", rec)
+    B, H, D = 1, 2, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
+    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, sms=132)
+    (grid, args, kw), = rec.calls
+    nseg, seg_chunks = (1, 1) if T == 64 else (2, 10)  # 19 chunks: segments of 10 and 9
+    assert grid == (nseg, B * H) and args[12] == seg_chunks
+    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, num_warps=4)
+    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+
+
+def test_window_walk_segment_rule():
+    """walk_segments: doubled while batch x heads leave multiprocessors idle, segments at least 8 chunks."""
+    from linearize.kernels.window_gluon import walk_segments
+
+    assert [walk_segments(B * 32, T // 64, 132) for B, T in ((16, 2048), (4, 8192), (1, 32768))] == [1, 2, 8]
+    assert walk_segments(2, 16, 132) == 2 and walk_segments(2, 15, 132) == 1 and walk_segments(1, 1, 132) == 1
+
+
 def test_fused_forward_segment_rule():
     """fused_segment_count: no split where batch x heads keep half the SMs busy; else powers of two
     up to two programs per SM, segments at least 16 chunks of 64 long (the H200 sweep's optima)."""
@@ -806,8 +868,8 @@ def test_fused_forward_segment_rule():
 
 def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     """bench kernels' "passes" methods (the Triton-only baselines beside the Gluon kernels) hand the
-    ops configs with the Gluon kernels off, and its "fused bwd" methods configs with the one-kernel
-    gated backward on; a name reused in _methods once handed the GLA op a function instead (an
+    ops configs with the Gluon kernels off, and its "fused bwd" / "walk bwd" methods configs with
+    the one-kernel gated backward / the walking window backward on; a name reused in _methods once handed the GLA op a function instead (an
     AttributeError in every cell of the H200 bench)."""
     from linearize.bench import kernels as bk
     from linearize.kernels import gla as kgla
@@ -820,7 +882,7 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
 
     def fake_lizard(*a, config=None, **k):
         seen["lizard"] = (config, kgla.CONFIG.gluon_bwd, bk_window().CONFIG.gluon_bwd)
-        seen["lizard fused"] = kgla.CONFIG.gluon_fused_bwd
+        seen.setdefault("lizard bwd", []).append((kgla.CONFIG.gluon_fused_bwd, bk_window().CONFIG.gluon_bwd_walk))
         return (a[2],)
 
     def bk_window():
@@ -837,9 +899,11 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     assert kgla.CONFIG.gluon_bwd is True  # restored after the call
     # the fused-backward methods: the same ops with the one-kernel backward on
     table["triton gla fused bwd (ours)"][0]()
-    table["triton lizard fused bwd (ours)"][0]()
-    assert seen["gla"][1].gluon_fused_bwd is True and seen["lizard fused"] is True
-    assert kgla.CONFIG.gluon_fused_bwd is False
+    for m in ("fused", "walk", "fused+walk"):
+        table[f"triton lizard {m} bwd (ours)"][0]()
+    assert seen["gla"][1].gluon_fused_bwd is True
+    assert seen["lizard bwd"][1:] == [(True, False), (False, True), (True, True)], seen["lizard bwd"]
+    assert kgla.CONFIG.gluon_fused_bwd is False and bk_window().CONFIG.gluon_bwd_walk is False
 
 
 def test_gluon_kernels_import_guard(monkeypatch):

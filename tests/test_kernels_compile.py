@@ -286,6 +286,23 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
+def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, tmp_path):
+    """kernels/window_gluon.py, the walking window backward (WindowKernelConfig.gluon_bwd_walk):
+    compiled for sm_90a within one block's shared memory (two rings of six 64 x 128 tiles), its
+    two warp-specialised partitions assembled by ptxas (the dk/dv partition spills a few scalars,
+    at most 12 words a thread). What it computes is checked on a GPU
+    (test_gpu_window_gluon_walk_backward_*)."""
+    from linearize.kernels import window_gluon
+
+    k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True)
+    assert 12 * 64 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) <= 48, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
 def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp_path):
     """kernels/window_gluon.py, the window's backward the dispatch runs on Hopper: compiled for
     sm_90a within one block's shared memory (twelve 64 x 128 tiles), its two warp-specialised

@@ -22,6 +22,8 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False, fused_train=False), and
                        GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
   triton lizard fused bwd (ours)  as "triton lizard (ours)" with GLAKernelConfig(gluon_fused_bwd=True)
+  triton lizard walk bwd (ours)   as "triton lizard (ours)" with WindowKernelConfig(gluon_bwd_walk=True)
+  triton lizard fused+walk bwd (ours)  with both (neither is the default until measured)
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -52,7 +54,8 @@ DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
            "triton gla passes (ours)", "triton gla fused bwd (ours)", "torch lizard (ours)", "triton lizard (ours)",
-           "triton lizard passes (ours)", "triton lizard fused bwd (ours)")
+           "triton lizard passes (ours)", "triton lizard fused bwd (ours)", "triton lizard walk bwd (ours)",
+           "triton lizard fused+walk bwd (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -215,6 +218,10 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     out["triton lizard passes (ours)"] = (_with_kernels("1", lizard_triton_only), args, dy)
     lizard_fused_bwd = _with_configs(lizard, gla=dict(gluon_fused_bwd=True), window={})
     out["triton lizard fused bwd (ours)"] = (_with_kernels("1", lizard_fused_bwd), args, dy)
+    lizard_walk_bwd = _with_configs(lizard, gla={}, window=dict(gluon_bwd_walk=True))
+    out["triton lizard walk bwd (ours)"] = (_with_kernels("1", lizard_walk_bwd), args, dy)
+    lizard_both = _with_configs(lizard, gla=dict(gluon_fused_bwd=True), window=dict(gluon_bwd_walk=True))
+    out["triton lizard fused+walk bwd (ours)"] = (_with_kernels("1", lizard_both), args, dy)
     return out
 
 

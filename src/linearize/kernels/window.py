@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
-from .dispatch import gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
+from .dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -295,7 +295,10 @@ class WindowKernelConfig:
     blocks at 32 or more.)
     ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``kernels.window_gluon``,
     after a small Triton pass for D and the sink and alpha sums) where its scope holds (bf16/fp16,
-    head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here."""
+    head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here.
+    ``gluon_bwd_walk``: that backward as the *walking* Gluon kernel instead (one program per segment
+    of chunks, each tile read once and brought while the chunks before are computed). Off by
+    default: compiled for sm_90a without a GPU at hand, not yet run on one."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
@@ -310,6 +313,7 @@ class WindowKernelConfig:
     kv_bn: Optional[int] = 64
     kv_warps: Optional[int] = 4
     gluon_bwd: bool = True
+    gluon_bwd_walk: bool = False
 
 
 CONFIG = WindowKernelConfig()
@@ -403,7 +407,8 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
             o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
             dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb,
             DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
-        gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale)
+        gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=cfg.gluon_bwd_walk,
+                  sms=device_sms(q))
         return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,

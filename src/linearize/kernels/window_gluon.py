@@ -37,36 +37,70 @@ WIDTH = 128
 
 
 @gluon.jit
+def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c, alpha, qk_scale,
+             W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr):
+    """dq += ds kd for the query tile (q_t, dy_t) of chunk c against the key tile (kd, vd) of chunk
+    c - lag: a key column is visible iff col <= row + lag C and col > row + lag C - W (and c >= lag)."""
+    s = warpgroup_mma(q_t, kd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(dy_t, vd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                       is_async=True)
+    s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, q_t, kd, dy_t, vd))
+    vis = (cols[None, :] <= rows[:, None] + lag * C) & (cols[None, :] > rows[:, None] + (lag * C - W)) & (c >= lag)
+    p = gl.where(vis, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    ds = gl.convert_layout((p * (dp * alpha - delta[:, None])).to(q_t.dtype), dot_o)
+    dq = warpgroup_mma(ds, kd, dq, is_async=True)
+    dq, _, _ = warpgroup_mma_wait(0, deps=(dq, ds, kd))
+    return dq
+
+
+@gluon.jit
+def _dkdv_tile(k0, v0, qd, dyd, dk, dv, lse, delta, keys, qry, d: gl.constexpr, c, nc, alpha, qk_scale,
+               W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr):
+    """dk += ds^T qd, dv += p^T dyd for the key tile (k0, v0) of chunk c against the query tile
+    (qd, dyd) of chunk c + d, transposed (rows are keys): visible iff key <= query + d C and
+    key > query + d C - W (and c + d < nc)."""
+    st = warpgroup_mma(k0, qd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                       is_async=True)
+    dpt = warpgroup_mma(v0, dyd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                        is_async=True)
+    st, dpt, _, _, _, _ = warpgroup_mma_wait(0, deps=(st, dpt, k0, qd, v0, dyd))
+    vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & (c + d < nc)
+    pt = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+    dst = gl.convert_layout((pt * (dpt * alpha - delta[None, :])).to(k0.dtype), dot_o)
+    pt = gl.convert_layout(pt.to(k0.dtype), dot_o)
+    dv = warpgroup_mma(pt, dyd, dv, is_async=True)
+    dk = warpgroup_mma(dst, qd, dk, is_async=True)
+    dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst, dyd, qd))
+    return dk, dv
+
+
+@gluon.jit
+def _store_rows(ptr, tok, x, C: gl.constexpr, D: gl.constexpr, mma_o: gl.constexpr):
+    """x (C, D) in mma_o into rows tok.. of a row-major (., D) tensor."""
+    rows_o = gl.arange(0, C, layout=gl.SliceLayout(1, mma_o))
+    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
+    gl.store(ptr + tok.to(gl.int64) * D + (rows_o[:, None] * D + cols_o[None, :]), x.to(ptr.dtype.element_ty))
+
+
+@gluon.jit
 def _dq_partition(q_s, dy_s, k_s, v_s, bar_q, bar_kv, LSE, DELTA, DQ, tok, c, alpha, qk_scale, sm_scale,
                   W: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
     """dq of the chunk's queries from the key tiles c, c-1, c-2 (slots 0, 1, 2)."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    dt: gl.constexpr = q_s.dtype
     rows = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
     lse = gl.load(LSE + tok + rows)
     delta = gl.load(DELTA + tok + rows)
     dq = gl.zeros([C, D], gl.float32, layout=mma_o)
     mbarrier.wait(bar_q.index(0), 0)
-    for d in gl.static_range(3):  # key tile c - d: key col visible iff col <= row + d C and col > row + d C - W
+    for d in gl.static_range(3):
         mbarrier.wait(bar_kv.index(d), 0)
-        kd = k_s.index(d)
-        vd = v_s.index(d)
-        s = warpgroup_mma(q_s.index(0), kd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
-                          use_acc=False, is_async=True)
-        dp = warpgroup_mma(dy_s.index(0), vd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
-                           use_acc=False, is_async=True)
-        s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, q_s.index(0), kd, dy_s.index(0), vd))
-        vis = (cols[None, :] <= rows[:, None] + d * C) & (cols[None, :] > rows[:, None] + (d * C - W)) & (c >= d)
-        p = gl.where(vis, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        ds = gl.convert_layout((p * (dp * alpha - delta[:, None])).to(dt), dot_o)
-        dq = warpgroup_mma(ds, kd, dq, is_async=True)
-        dq, _, _ = warpgroup_mma_wait(0, deps=(dq, ds, kd))
-    rows_o = gl.arange(0, C, layout=gl.SliceLayout(1, mma_o))
-    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
-    gl.store(DQ + tok.to(gl.int64) * D + (rows_o[:, None] * D + cols_o[None, :]), (dq * sm_scale).to(dt))
+        dq = _dq_tile(q_s.index(0), dy_s.index(0), k_s.index(d), v_s.index(d), dq, lse, delta, rows, cols, d, c,
+                      alpha, qk_scale, W, C, mma_s, dot_o)
+    _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
 
 
 @gluon.jit
@@ -77,37 +111,19 @@ def _dkdv_partition(q_s, dy_s, k_s, v_s, bar_q, bar_kv, LSE, DELTA, DK, DV_, tok
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    dt: gl.constexpr = q_s.dtype
     keys = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     qry = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
     dk = gl.zeros([C, D], gl.float32, layout=mma_o)
     dv = gl.zeros([C, DV], gl.float32, layout=mma_o)
-    k0 = k_s.index(0)
-    v0 = v_s.index(0)
     mbarrier.wait(bar_kv.index(0), 0)
-    for d in gl.static_range(3):  # query tile c + d: visible iff key <= query + d C and key > query + d C - W
+    for d in gl.static_range(3):
         mbarrier.wait(bar_q.index(d), 0)
-        qd = q_s.index(d)
-        dyd = dy_s.index(d)
         i_tok = tok + gl.minimum(d, nc - 1 - c) * C  # (clamped like its tiles; masked below)
-        lse = gl.load(LSE + i_tok + qry)
-        delta = gl.load(DELTA + i_tok + qry)
-        st = warpgroup_mma(k0, qd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                           is_async=True)
-        dpt = warpgroup_mma(v0, dyd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                            is_async=True)
-        st, dpt, _, _, _, _ = warpgroup_mma_wait(0, deps=(st, dpt, k0, qd, v0, dyd))
-        vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & (c + d < nc)
-        pt = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
-        dst = gl.convert_layout((pt * (dpt * alpha - delta[None, :])).to(dt), dot_o)
-        pt = gl.convert_layout(pt.to(dt), dot_o)
-        dv = warpgroup_mma(pt, dyd, dv, is_async=True)
-        dk = warpgroup_mma(dst, qd, dk, is_async=True)
-        dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst, dyd, qd))
-    rows_o = gl.arange(0, C, layout=gl.SliceLayout(1, mma_o))
-    cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
-    gl.store(DK + tok.to(gl.int64) * D + (rows_o[:, None] * D + cols_o[None, :]), (dk * sm_scale).to(dt))
-    gl.store(DV_ + tok.to(gl.int64) * DV + (rows_o[:, None] * DV + cols_o[None, :]), (dv * alpha).to(dt))
+        dk, dv = _dkdv_tile(k_s.index(0), v_s.index(0), q_s.index(d), dy_s.index(d), dk, dv,
+                            gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc, alpha,
+                            qk_scale, W, C, mma_s, dot_o)
+    _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
+    _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
 
 
 @gluon.jit
@@ -157,6 +173,148 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
         mbarrier.invalidate(bar_kv.index(i))
 
 
+# ----------------------------------------------------------------------------- the walking kernel
+
+
+@gluon.jit
+def _walk_dq_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, k_d, v_d, LSE, DELTA, DQ, row0,
+                       r_k, c_k, r_v, c_v, c0, n, alpha, qk_scale, sm_scale, W: gl.constexpr, C: gl.constexpr,
+                       D: gl.constexpr):
+    """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first. Key
+    tile m (chunk c0 + m, m >= -2) lives in slot (m + 2) % 3, query tile m (m >= 0) in slot m % 3.
+    Once it and the dk/dv partition are done with key tile j - 2, this partition brings key
+    tile j + 1 into its slot (needed last, by the next chunk)."""
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    rows = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    for j in range(n):
+        c = c0 + j
+        tok = row0 + c * C
+        lse = gl.load(LSE + tok + rows)
+        delta = gl.load(DELTA + tok + rows)
+        sq = j % 3
+        mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
+        dq = gl.zeros([C, D], gl.float32, layout=mma_o)
+        for d in gl.static_range(3):  # key tiles c - 2, c - 1, c
+            m = j - 2 + d
+            sk = (m + 2) % 3
+            mbarrier.wait(bar_kv.index(sk), ((m + 2) // 3) & 1)
+            dq = _dq_tile(q_s.index(sq), dy_s.index(sq), k_s.index(sk), v_s.index(sk), dq, lse, delta, rows, cols,
+                          2 - d, c, alpha, qk_scale, W, C, mma_s, dot_o)
+            if d == 0:
+                mbarrier.arrive(kv_free.index(sk))
+                if m + 3 < n:
+                    mbarrier.wait(kv_free.index(sk), ((m + 2) // 3) & 1)
+                    ck = c0 + m + 3
+                    _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
+                               v_s.index(sk))
+        _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
+        mbarrier.arrive(qdy_free.index(sq))
+
+
+@gluon.jit
+def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, LSE, DELTA, DK, DV_,
+                         row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale, W: gl.constexpr, C: gl.constexpr,
+                         D: gl.constexpr, DV: gl.constexpr):
+    """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
+    Once it and the dq partition are done with query tile i, this partition brings query tile
+    i + 3 into its slot."""
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    keys = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    qry = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    # the key tiles before the segment (m = -2, -1) are no key chunk of this partition's
+    mbarrier.arrive(kv_free.index(0))
+    mbarrier.arrive(kv_free.index(1))
+    for i in range(n):
+        c = c0 + i
+        tok = row0 + c * C
+        sk = (i + 2) % 3
+        mbarrier.wait(bar_kv.index(sk), ((i + 2) // 3) & 1)
+        dk = gl.zeros([C, D], gl.float32, layout=mma_o)
+        dv = gl.zeros([C, DV], gl.float32, layout=mma_o)
+        for d in gl.static_range(3):  # query tiles c, c + 1, c + 2
+            m = i + d
+            sq = m % 3
+            mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
+            i_tok = row0 + gl.minimum(c + d, nc - 1) * C  # (clamped like its tiles; masked below)
+            dk, dv = _dkdv_tile(k_s.index(sk), v_s.index(sk), q_s.index(sq), dy_s.index(sq), dk, dv,
+                                gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc, alpha,
+                                qk_scale, W, C, mma_s, dot_o)
+            if d == 0:
+                mbarrier.arrive(qdy_free.index(sq))
+                if i + 3 <= n + 1:
+                    mbarrier.wait(qdy_free.index(sq), (i // 3) & 1)
+                    cq = gl.minimum(c + 3, nc - 1)
+                    _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
+                               dy_s.index(sq))
+        _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
+        _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
+        mbarrier.arrive(kv_free.index(sk))
+
+
+@gluon.jit
+def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, SEG_CHUNKS, qk_scale, sm_scale,
+                         MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr, C: gl.constexpr,
+                         D: gl.constexpr, DV: gl.constexpr):
+    """Grid (segments, B*H): as ``_win_bwd_kernel``, but one program walks a segment of SEG_CHUNKS
+    chunks (the last may be shorter), its twelve tile slots two rings: query and dy tiles of three
+    consecutive chunks, key and value tiles of three, each tile read once per segment and brought
+    by TMA while the chunks before are computed. The dq partition works on query chunk c with key
+    tiles c - 2..c, the dk/dv partition on key chunk c with query tiles c..c + 2, each at its own
+    pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
+    three chunks on."""
+    i_s = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    nc = T // C
+    row0 = i_bh * T
+    c0 = i_s * SEG_CHUNKS
+    n = gl.minimum(SEG_CHUNKS, nc - c0)
+    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
+    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
+    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    dt: gl.constexpr = q_d.dtype
+    q_s = gl.allocate_shared_memory(dt, [3, C, D], q_d.layout)
+    dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
+    k_s = gl.allocate_shared_memory(dt, [3, C, D], k_d.layout)
+    v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
+    bar_qdy = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    bar_kv = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    qdy_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bar_qdy.index(i), count=1)
+        mbarrier.init(bar_kv.index(i), count=1)
+        mbarrier.init(qdy_free.index(i), count=2)
+        mbarrier.init(kv_free.index(i), count=2)
+    fence_async_shared()
+    for m in gl.static_range(3):  # key tiles -2, -1, 0 (slots 0, 1, 2) and query tiles 0, 1, 2 (clamped)
+        ck = gl.maximum(c0 + m - 2, 0)
+        cq = gl.minimum(c0 + m, nc - 1)
+        _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(m), k_s.index(m), v_s.index(m))
+        _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(m), q_s.index(m), dy_s.index(m))
+    if HAS_ALPHA:
+        alpha = gl.load(ALPHA + i_h)
+    else:
+        alpha = 1.0
+    gl.warp_specialize([
+        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, k_d, v_d, LSE, DELTA, DQ,
+                              row0, r_k, c_k, r_v, c_v, c0, n, alpha, qk_scale, sm_scale, W, C, D)),
+        (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, LSE, DELTA, DK,
+                                DV_, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale, W, C, D, DV)),
+    ], [4], [248])
+    for i in gl.static_range(3):
+        mbarrier.invalidate(bar_qdy.index(i))
+        mbarrier.invalidate(bar_kv.index(i))
+        mbarrier.invalidate(qdy_free.index(i))
+        mbarrier.invalidate(kv_free.index(i))
+
+
 def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, kmin) -> bool:
     """Whether ``bwd`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -167,37 +325,49 @@ def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
             and q.shape[2] % BT == 0 and tma_readable(xs))
 
 
-def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float) -> None:
+def walk_segments(programs: int, n_chunks: int, sms: int) -> int:
+    """Segments per (batch x head) for the walking kernel: doubled while the programs leave
+    multiprocessors idle and every segment keeps at least 8 chunks (each one's two rings fill
+    with tiles of the chunks around it, read again by its neighbour)."""
+    nseg = 1
+    while programs * nseg < sms and n_chunks // (2 * nseg) >= 8:
+        nseg *= 2
+    return nseg
+
+
+def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool = False,
+        sms: int = 132) -> None:
     """dq, dk, dv ((B, H, T, .) contiguous) from dy ((B, H, T, Dv) contiguous), lse and delta
-    ((B*H, T) fp32, from the forward and ``window``'s delta pre-pass), alpha (H,) fp32 or None."""
+    ((B*H, T) fp32, from the forward and ``window``'s delta pre-pass), alpha (H,) fp32 or None.
+    ``walk``: the walking kernel (``_win_bwd_walk_kernel``), in ``walk_segments`` segments for
+    ``sms`` multiprocessors."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     tiles = tma_tiles([q, k, v, dy], [BT, WIDTH])
     if tiles is None or not dy.is_contiguous():
         raise ValueError("window_gluon.bwd: inputs outside its scope (supports_bwd)")
     descs, views = tiles
-    _win_bwd_kernel[(T // BT, B * H)](
-        *descs, lse, delta, alpha if alpha is not None else lse, dq, dk, dv, T, H, scale * 1.4426950408889634, scale,
-        MODEL_LAYOUT=model_layout_bits(views[:3]), HAS_ALPHA=alpha is not None, W=window, C=BT, D=D, DV=DV,
-        num_warps=4)
+    common = (lse, delta, alpha if alpha is not None else lse, dq, dk, dv, T, H)
+    scales = (scale * 1.4426950408889634, scale)
+    consts = dict(MODEL_LAYOUT=model_layout_bits(views[:3]), HAS_ALPHA=alpha is not None, W=window, C=BT, D=D, DV=DV,
+                  num_warps=4)
+    if walk:
+        nc = T // BT
+        seg_chunks = -(-nc // walk_segments(B * H, nc, sms))
+        _win_bwd_walk_kernel[(-(-nc // seg_chunks), B * H)](*descs, *common, seg_chunks, *scales, **consts)
+    else:
+        _win_bwd_kernel[(T // BT, B * H)](*descs, *common, *scales, **consts)
 
 
-def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0):
-    """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as tcompile
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False):
+    """Compile the kernel (``walk``: the walking one) for sm_90a without a GPU (CI, probes); returns
+    Triton's compiled kernel."""
+    from .gla_gluon import _compile, _compile_args
 
-    x = torch.empty(2 * 4 * 256, WIDTH, dtype=torch.bfloat16)
-    d = TensorDescriptor.from_tensor(x, [BT, WIDTH], gl.NVMMASharedLayout.get_default_for([BT, WIDTH], gl.bfloat16))
-    f32 = torch.empty(16, dtype=torch.float32)
-    bf = torch.empty(16, dtype=torch.bfloat16)
-    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, DK=bf, DV_=bf, T=256, H=4,
-                qk_scale=0.1, sm_scale=0.1)
-    sig = {k: mangle_type(v) for k, v in args.items()}
+    d, _, f32, bf = _compile_args()
+    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, DK=bf, DV_=bf, T=256, H=4)
+    if walk:
+        args["SEG_CHUNKS"] = 3
+    args.update(qk_scale=0.1, sm_scale=0.1)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
-    sig.update({k: "constexpr" for k in consts})
-    names = [p.name for p in _win_bwd_kernel.params]
-    src = GluonASTSource(_win_bwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
-    return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _compile(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)
