@@ -519,23 +519,12 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                        model_layout: int = 0, train: bool = False):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as tcompile
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from .gla_gluon import _compile, _compile_args
 
-    x = torch.empty(2 * 4 * 256, 128, dtype=torch.bfloat16)
-    d = TensorDescriptor.from_tensor(x, [BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.bfloat16))
-    f32 = torch.empty(16, dtype=torch.float32)
-    x2 = torch.empty(2 * 4 * 5 * 128, 128, dtype=torch.bfloat16)
-    sc_d = TensorDescriptor.from_tensor(x2, [128, 128], gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16))
+    d, sc_d, f32, _ = _compile_args()
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, og_d=d, ow_d=d, BL=f32, SINK=f32, ALPHA=f32,
                 S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
-    sig = {k: mangle_type(v) for k, v in args.items()}
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
                   MODEL_LAYOUT=model_layout, TRAIN=train)
-    sig.update({k: "constexpr" for k in consts})
-    names = [p.name for p in _lizard_fwd_kernel.params]
-    src = GluonASTSource(_lizard_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
-    return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)
