@@ -17,6 +17,13 @@ dq (scores of its queries against three key tiles), the other dk and dv in the t
 dv += p^T dy and dk += ds^T q straight from registers, as FlashAttention's backward does). Tiles
 before the first chunk or after the last are clamped to a real chunk and masked out.
 
+The walking kernel (``_win_bwd_walk_kernel``, ``WindowKernelConfig.gluon_bwd_walk``) does the same
+work with one program per segment of chunks: its twelve slots are two rings (query and dy tiles
+of three consecutive chunks, key and value tiles of three), each tile is read once per segment and
+comes by TMA while the chunks before it are computed, where the one-chunk kernel waits for its
+twelve tiles with nothing else to do (one program per multiprocessor) and reads each tile three
+times. Written and compiled for sm_90a without a GPU at hand: off by default until run on one.
+
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
 """
