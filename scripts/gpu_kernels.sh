@@ -8,6 +8,9 @@
 #   scripts/gpu_kernels.sh all   [OUT]   test, then bench
 #   scripts/gpu_kernels.sh tunetest [OUT]  test and tune (compiling side by side, timing alone)
 #   scripts/gpu_kernels.sh full  [OUT]   test, tune, then bench with the fastest tuned configs
+#   scripts/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two backward kernels written without a GPU
+#                                        (gla_gluon.bwd_fused, the walking window backward), then, if they
+#                                        pass, the bench of those methods beside the defaults and SDPA
 #
 # OUT defaults to $OUT (the device tool's output folder) or runs/bench. BENCH_REPS (default 20): the
 # least timed calls per bench cell; TUNED=path/tune.json: bench with the fastest configs of a tune run.
@@ -33,8 +36,10 @@ NPROC=$(nproc)
 
 run_tests() {
     # Compilation dominates: split the GPU tests over several processes (the GPU work is small).
-    { python3 -m pytest -q --co tests/test_kernels.py -k gpu 2>/dev/null
-      python3 -m pytest -q --co tests/test_decode.py -m gpu 2>/dev/null; } | grep '::' > /tmp/gpu_tests.txt || true
+    # TEST_FILTER narrows the kernel tests (a pytest -k expression, and-ed with gpu).
+    { python3 -m pytest -q --co tests/test_kernels.py -k "gpu${TEST_FILTER:+ and ($TEST_FILTER)}" 2>/dev/null
+      [ -n "${TEST_FILTER:-}" ] || python3 -m pytest -q --co tests/test_decode.py -m gpu 2>/dev/null; } \
+        | grep '::' > /tmp/gpu_tests.txt || true
     local n=$(( NPROC / 2 > 1 ? NPROC / 2 : 1 ))
     rm -f /tmp/gpu_tests_part_*
     split -n "r/$n" /tmp/gpu_tests.txt /tmp/gpu_tests_part_
@@ -74,6 +79,14 @@ case "$WHAT" in
     tune) run_tune ;;
     bench) run_bench ;;
     all) run_tests; run_bench ;;
+    newbwd)
+        if TEST_FILTER="fused_backward or walk" run_tests; then
+            nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT_DIR/gpu.txt"
+            python3 -m linearize.bench.kernels bench --out "$OUT_DIR" --reps "${BENCH_REPS:-10}" --methods \
+                "sdpa causal,triton gla (ours),triton gla fused bwd (ours),triton lizard (ours),triton lizard fused bwd (ours),triton lizard walk bwd (ours),triton lizard fused+walk bwd (ours)"
+        else
+            echo "NEW BACKWARD KERNELS FAILED THEIR GPU TESTS: no bench"
+        fi ;;
     full)  # tests and the sweep's compilation side by side, the sweep's timing, then the bench with its best configs
         run_tests > "$OUT_DIR/tests.out" 2>&1 & tp=$!
         tune_compile
@@ -88,5 +101,5 @@ case "$WHAT" in
         wait "$tp" || echo "SOME GPU TESTS FAILED"
         cat "$OUT_DIR/tests.out"
         python3 -m linearize.bench.kernels tune --out "$OUT_DIR" ;;
-    *) echo "usage: $0 test|tune|bench|all|tunetest|full [OUT]" >&2; exit 2 ;;
+    *) echo "usage: $0 test|tune|bench|all|tunetest|full|newbwd [OUT]" >&2; exit 2 ;;
 esac
