@@ -79,6 +79,19 @@ def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: 
         return row0, 0
 
 
+@gluon.jit
+def _qkv_rows(MODEL_LAYOUT: gl.constexpr, i_bh, H, T, DK: gl.constexpr, DV: gl.constexpr):
+    """A program's batch x head i_bh: its first row in the (B*H*T, .) tensors, and (first row,
+    column) of q, k (width DK) and v (width DV) in their 2-D views (``_row_col``, inputs 0, 1, 2)."""
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = i_bh * T
+    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, DK)
+    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, DK)
+    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    return row0, r_q, c_q, r_k, c_k, r_v, c_v
+
+
 def view2d(x: torch.Tensor):
     """(B, H, T, D) -> (2-D view for a TMA descriptor, (sb, sh, sc)) such that batch b, head h,
     token t is row b*sb + h*sh + t, columns h*sc onward; None for other layouts. Two layouts:
@@ -135,12 +148,7 @@ def _gla_bwd_chunk_kernel(q_d, k_d, v_d, do_d, sc_d, dsc_d, BL, DEN, DDEN, ZC, D
     NC, F) fp32; YC (B*H, NC, NVD) fp32; DQ, DK_, DV_ (B*H*T, .) contiguous, DG (B*H*T,) fp32."""
     i_c = gl.program_id(0)
     i_bh = gl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = i_bh * T
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
     t0 = i_c * C
     dt: gl.constexpr = q_d.dtype
 
@@ -498,12 +506,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN
     fp32; DS0, DZ0 the initial state's gradient (STORE_DS0, written by segment 0)."""
     i_seg = gl.program_id(0)
     i_bh = gl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = i_bh * T
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
     c_lo = i_seg * SEG_CHUNKS
     n = gl.minimum(SEG_CHUNKS, NC - c_lo)
     c_hi = c_lo + n - 1  # the first chunk walked

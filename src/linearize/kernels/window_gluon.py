@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gla_gluon import _load_pair, _row_col, model_layout_bits, tma_readable, tma_tiles
+from .gla_gluon import _load_pair, _qkv_rows, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -140,14 +140,10 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
     DV_ (B*H*T, .) contiguous; dy read from (B*H*T, Dv) rows."""
     c = gl.program_id(0)
     i_bh = gl.program_id(1)
-    i_b = i_bh // H
     i_h = i_bh % H
     nc = T // C
-    row0 = i_bh * T
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
     tok = row0 + c * C
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
     dt: gl.constexpr = q_d.dtype
     q_s = gl.allocate_shared_memory(dt, [3, C, D], q_d.layout)  # queries of chunks c, c+1, c+2
     dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
@@ -275,15 +271,11 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T,
     three chunks on."""
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
-    i_b = i_bh // H
     i_h = i_bh % H
     nc = T // C
-    row0 = i_bh * T
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
     c0 = i_s * SEG_CHUNKS
     n = gl.minimum(SEG_CHUNKS, nc - c0)
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
     dt: gl.constexpr = q_d.dtype
     q_s = gl.allocate_shared_memory(dt, [3, C, D], q_d.layout)
     dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
