@@ -206,6 +206,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, 
             dq = _dq_tile(q_s.index(sq), dy_s.index(sq), k_s.index(sk), v_s.index(sk), dq, lse, delta, rows, cols,
                           2 - d, c, alpha, qk_scale, W, C, mma_s, dot_o)
             if d == 0:
+                gl.thread_barrier()  # every warp is past its MMAs on the tile
                 mbarrier.arrive(kv_free.index(sk))
                 if m + 3 < n:
                     mbarrier.wait(kv_free.index(sk), ((m + 2) // 3) & 1)
@@ -213,6 +214,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, 
                     _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
                                v_s.index(sk))
         _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
+        gl.thread_barrier()
         mbarrier.arrive(qdy_free.index(sq))
 
 
@@ -247,6 +249,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free
                                 gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc, alpha,
                                 qk_scale, W, C, mma_s, dot_o)
             if d == 0:
+                gl.thread_barrier()
                 mbarrier.arrive(qdy_free.index(sq))
                 if i + 3 <= n + 1:
                     mbarrier.wait(qdy_free.index(sq), (i // 3) & 1)
@@ -255,6 +258,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free
                                dy_s.index(sq))
         _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
         _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
+        gl.thread_barrier()
         mbarrier.arrive(kv_free.index(sk))
 
 
