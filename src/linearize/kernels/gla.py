@@ -1008,7 +1008,9 @@ def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: i
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
                eps: float, segs: tuple[int, int], cfg: GLAKernelConfig) -> BwdPlan:
     """The backward up to its chunk pass: with segments, each segment's own state gradient and
-    the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd)."""
+    the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd). Where the
+    fused Gluon backward runs (``cfg.gluon_fused_bwd``), only the segments' part, over segments of
+    its own: the plan is marked ``fused`` for ``bwd_chunks``."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
@@ -1061,7 +1063,8 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
 
 def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
                dv_into: Optional[torch.Tensor] = None):
-    """The backward's chunk pass after ``bwd_states``; returns (dq, dk, dv, dlog_g, dS0, dz0).
+    """The backward's chunk pass after ``bwd_states`` (or, for a ``fused`` plan, the whole fused
+    Gluon backward); returns (dq, dk, dv, dlog_g, dS0, dz0).
     With ``dv_into`` (contiguous, v's shape and dtype) dv is added to it in place and returned,
     which spares a sum of two dv tensors where v also feeds another branch (Lizard's window)."""
     B, H, T, DK = q.shape
