@@ -14,7 +14,8 @@
 #
 # OUT defaults to $OUT (the device tool's output folder) or runs/bench. BENCH_REPS (default 20): the
 # least timed calls per bench cell; TUNED=path/tune.json: bench with the fastest configs of a tune run.
-# Optional extras, if a folder device_carry_k/ is present (git-ignored; made on the dev machine):
+# Optional extras, if a folder device_carry_k/ is present (git-ignored; made on the dev machine by
+# scripts/device_carry.sh, and carried to the device with the call):
 #   device_carry_k/whl/*.whl  installed with pip --no-deps into /tmp/site (fla_core, einops)
 #   device_carry_k/py/        pure-Python packages put on PYTHONPATH (pytest, pluggy, iniconfig)
 # The figures in docs/results/kernels-h200.* come from `test`, then `tune` at 16x2048 and `BENCH_REPS=10 ... bench`
