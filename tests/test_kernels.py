@@ -350,13 +350,18 @@ def _spy(monkeypatch, module, name: str, key: str) -> list:
     return calls
 
 
+def _gluon_spy(monkeypatch, module: str, name: str, key: str) -> list:
+    """``_spy`` on a launcher of the Gluon module ``linearize.kernels.<module>``; skips off Hopper."""
+    import importlib
+
+    _needs_hopper_gluon()
+    return _spy(monkeypatch, importlib.import_module(f"linearize.kernels.{module}"), name, key)
+
+
 @pytest.fixture
 def gluon_chunk_calls(monkeypatch):
     """The calls of the Gluon chunk pass (kernels/gla_gluon.py) while the test runs."""
-    from linearize.kernels import gla_gluon
-
-    _needs_hopper_gluon()
-    return _spy(monkeypatch, gla_gluon, "bwd_chunks", "dv_add")
+    return _gluon_spy(monkeypatch, "gla_gluon", "bwd_chunks", "dv_add")
 
 
 @needs_cuda
@@ -383,10 +388,7 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
 def gluon_fused_calls(monkeypatch):
     """The calls of the fused Gluon backward (kernels/gla_gluon.py, bwd_fused) while the test runs,
     by their segment length in chunks."""
-    from linearize.kernels import gla_gluon
-
-    _needs_hopper_gluon()
-    return _spy(monkeypatch, gla_gluon, "bwd_fused", "seg_chunks")
+    return _gluon_spy(monkeypatch, "gla_gluon", "bwd_fused", "seg_chunks")
 
 
 @needs_cuda
@@ -467,10 +469,7 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
 @pytest.fixture
 def gluon_window_calls(monkeypatch):
     """The calls of the Gluon window backward (kernels/window_gluon.py) while the test runs."""
-    from linearize.kernels import window_gluon
-
-    _needs_hopper_gluon()
-    return _spy(monkeypatch, window_gluon, "bwd", "window")
+    return _gluon_spy(monkeypatch, "window_gluon", "bwd", "window")
 
 
 @needs_cuda
@@ -501,10 +500,7 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
     edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
     model's layout."""
-    from linearize.kernels import window_gluon
-
-    _needs_hopper_gluon()
-    calls = _spy(monkeypatch, window_gluon, "bwd", "walk")
+    calls = _gluon_spy(monkeypatch, "window_gluon", "bwd", "walk")
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     W = int(variant.split()[1]) if variant.startswith("window") else 128
     T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024

@@ -224,6 +224,17 @@ def _ptxas(ptx: str, tmp_path):
     return r
 
 
+def _assemble_warp_specialised(k, tmp_path, shared_min: int, max_spill: int) -> None:
+    """A compiled two-partition Gluon kernel: shared memory within [shared_min, one block's], its
+    partitions' register limits, warpgroup MMAs and TMA in the PTX, and ptxas assembles it
+    spilling at most ``max_spill`` bytes a thread."""
+    assert shared_min <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) <= max_spill, r.stderr[-2000:]
+
+
 def _spill_bytes(r) -> int:
     """The most bytes of spill stores ptxas -v reports for any function (fails if it reports none)."""
     import re
@@ -278,11 +289,7 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
 
     k = gla_gluon.compile_fused_for_hopper(normalize=normalize, dv_add=dv_add, has_ds=has_ds, store_ds0=store_ds0,
                                            model_layout=model_layout)
-    assert 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
-    ptx = k.asm["ptx"]
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    r = _ptxas(ptx, tmp_path)
-    assert _spill_bytes(r) <= 128, r.stderr[-2000:]
+    _assemble_warp_specialised(k, tmp_path, 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2, max_spill=128)
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
@@ -295,11 +302,7 @@ def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, tm
     from linearize.kernels import window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True)
-    assert 12 * 64 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
-    ptx = k.asm["ptx"]
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    r = _ptxas(ptx, tmp_path)
-    assert _spill_bytes(r) <= 48, r.stderr[-2000:]
+    _assemble_warp_specialised(k, tmp_path, 12 * 64 * 128 * 2, max_spill=48)
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])
@@ -311,8 +314,4 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
     from linearize.kernels import window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout)
-    assert 12 * 64 * 128 * 2 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
-    ptx = k.asm["ptx"]
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
-    r = _ptxas(ptx, tmp_path)
-    assert _spill_bytes(r) == 0, r.stderr[-2000:]
+    _assemble_warp_specialised(k, tmp_path, 12 * 64 * 128 * 2, max_spill=0)

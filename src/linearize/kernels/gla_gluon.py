@@ -274,14 +274,14 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, sc_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                          ds_ready, dn_ready, tq_done, r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh, c_hi, n, NC, eps,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
                          C: gl.constexpr):
     """Four warps forming one chunk's gradients, as ``_gla_bwd_chunk_kernel`` does, from the state
     partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``); they hand dd and e^{b_t} dn
-    (in dn's slot) back for dS's update (``dn_ready``), and issue every load."""
+    (in dn's slot) back for dS's update (``dn_ready``), and issue every load but S's."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -541,7 +541,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, sc_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, bar.index(0),
                                 bar.index(1), bar.index(2), bar.index(3), bar.index(4), r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh,
                                 c_hi, n, NC, eps, NORM, DV_ADD, F, DV, C)),
