@@ -48,7 +48,8 @@ run_tests() {
     for f in /tmp/gpu_tests_part_*; do
         [[ "$f" == *.log ]] && continue
         mapfile -t ids < "$f"  # test ids may hold spaces
-        python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1 & pids+=($!)
+        # a kernel whose barriers deadlock would hang its process: bound each one (TEST_TIMEOUT seconds)
+        timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1 & pids+=($!)
     done
     local rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
