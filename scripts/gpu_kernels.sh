@@ -8,9 +8,9 @@
 #   scripts/gpu_kernels.sh all   [OUT]   test, then bench
 #   scripts/gpu_kernels.sh tunetest [OUT]  test and tune (compiling side by side, timing alone)
 #   scripts/gpu_kernels.sh full  [OUT]   test, tune, then bench with the fastest tuned configs
-#   scripts/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two backward kernels written without a GPU
-#                                        (gla_gluon.bwd_fused, the walking window backward), then, if they
-#                                        pass, the bench of those methods beside the defaults and SDPA
+#   scripts/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two one-kernel backwards (gla_gluon.bwd_fused,
+#                                        the walking window backward), then, if they pass, the bench of the
+#                                        defaults beside the two-pass backward they replaced, and SDPA
 #
 # OUT defaults to $OUT (the device tool's output folder) or runs/bench. BENCH_REPS (default 20): the
 # least timed calls per bench cell; TUNED=path/tune.json: bench with the fastest configs of a tune run.
@@ -85,7 +85,7 @@ case "$WHAT" in
         if TEST_FILTER="fused_backward or walk" run_tests; then
             nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT_DIR/gpu.txt"
             python3 -m linearize.bench.kernels bench --out "$OUT_DIR" --reps "${BENCH_REPS:-10}" --methods \
-                "sdpa causal,triton gla (ours),triton gla fused bwd (ours),triton lizard (ours),triton lizard fused bwd (ours),triton lizard walk bwd (ours),triton lizard fused+walk bwd (ours)"
+                "sdpa causal,triton gla (ours),triton gla two-pass bwd (ours),triton lizard (ours),triton lizard two-pass bwd (ours)"
         else
             echo "NEW BACKWARD KERNELS FAILED THEIR GPU TESTS: no bench"
         fi ;;

@@ -128,7 +128,8 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
     ``tma=False``: the forward's pointer loads even where descriptors would apply;
     ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
-    ``gla_cfg``: more GLAKernelConfig fields (on CPU, ``gluon_fused_bwd`` runs ``fused_bwd_emulated``)."""
+    ``gla_cfg``: more GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
+    ``fused_bwd_emulated``; the default alone leaves the interpreter on the Triton passes)."""
     import dataclasses
     from linearize.kernels import gla as kgla
     from linearize.ops.gla import GLAState, gla_parallel
@@ -176,7 +177,7 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     else:
         cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
                                    dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma, **(gla_cfg or {}))
-    with _emulated_fused_bwd(device == "cpu" and cfg.gluon_fused_bwd):
+    with _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd"))):
         o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
                                        config=cfg)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
@@ -331,7 +332,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
     configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``, ``gla_cfg``: more
-    LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd`` runs ``fused_bwd_emulated``)."""
+    LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
+    ``fused_bwd_emulated``)."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -393,7 +395,7 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
         calls = []
         fn_apply = kliz._LizardFunction.apply
         kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
-        with _emulated_fused_bwd(device == "cpu" and kgla.CONFIG.gluon_fused_bwd):
+        with _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd"))):
             y2, sg2, sw2 = run(kin, True)
             assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
             ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()

@@ -374,7 +374,8 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
     layout, one chunk, gates near 0 and 1."""
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     kw = dict(normalize="norm" in variant.split(), log_space=False, T=64 if variant == "T=64" else 1024,
-              DK=128, DV=128, B=2, H=3, chunk=None, bthd=variant.startswith("model layout"))
+              DK=128, DV=128, B=2, H=3, chunk=None, bthd=variant.startswith("model layout"),
+              gla_cfg=dict(gluon_fused_bwd=False))  # the two-pass backward (the fused one is the default)
     if "state" in variant:
         kw.update(state=True, seg_chunks=5)
     if variant == "extreme gates":
@@ -457,6 +458,7 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
     fp64 reference. Also from an initial state, with the forward in sequence segments, without
     sinks, a window of 100, fp16, and with the Triton forward passes before the Gluon backward."""
     from linearize.kernels import lizard_gluon
+    from linearize.kernels import window as kwin
 
     calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "store")
     W = 100 if variant == "window 100" else 128
@@ -467,7 +469,14 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
     if variant == "triton forward":
         kw["lizard_cfg"] = dict(fused_train=False)
     dtype = torch.float16 if variant == "fp16" else torch.bfloat16
-    err = lizard_case("cuda", dtype, **kw)
+    # the gated chunk pass and the window kernel of one program per chunk, not the defaults (the
+    # fused gated backward and the walking window backward: test_gpu_lizard_one_op_gluon_fused_backward_*)
+    kw["gla_cfg"] = dict(gluon_fused_bwd=False)
+    old = kwin.set_config(gluon_bwd_walk=False)
+    try:
+        err = lizard_case("cuda", dtype, **kw)
+    finally:
+        kwin.set_config(**dataclasses.asdict(old))
     assert calls == ([] if variant == "triton forward" else [True]), calls
     assert gluon_chunk_calls == [True] and gluon_window_calls == [W], (gluon_chunk_calls, gluon_window_calls)
     assert_errors(err, KTOL[dtype], f"lizard gluon training {variant}")
@@ -492,7 +501,8 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
     dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
     W = int(variant.split()[1]) if variant.startswith("window") else 128
     kw = dict(T=64 if variant == "T=64" else 1024, D=128, DV=128, W=W, nsink=4 if "sinks" in variant else 0,
-              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"))
+              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
+              kv=dict(gluon_bwd_walk=False))  # the kernel of one program per chunk (walking is the default)
     err = window_case("cuda", dtype, **kw)
     assert gluon_window_calls == [W], gluon_window_calls
     assert_errors(err, KTOL[dtype], f"window gluon backward {variant}")
@@ -871,8 +881,8 @@ def test_fused_forward_segment_rule():
 
 def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     """bench kernels' "passes" methods (the Triton-only baselines beside the Gluon kernels) hand the
-    ops configs with the Gluon kernels off, and its "fused bwd" / "walk bwd" methods configs with
-    the one-kernel gated backward / the walking window backward on; a name reused in _methods once handed the GLA op a function instead (an
+    ops configs with the Gluon kernels off, and its "two-pass bwd" methods configs with the
+    one-kernel gated backward and the walking window backward off; a name reused in _methods once handed the GLA op a function instead (an
     AttributeError in every cell of the H200 bench)."""
     from linearize.bench import kernels as bk
     from linearize.kernels import gla as kgla
@@ -900,13 +910,13 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     cfg, gla_gluon, win_gluon = seen["lizard"]
     assert (cfg.fused_fwd, cfg.fused_train, gla_gluon, win_gluon) == (False, False, False, False)
     assert kgla.CONFIG.gluon_bwd is True  # restored after the call
-    # the fused-backward methods: the same ops with the one-kernel backward on
-    table["triton gla fused bwd (ours)"][0]()
-    for m in ("fused", "walk", "fused+walk"):
-        table[f"triton lizard {m} bwd (ours)"][0]()
-    assert seen["gla"][1].gluon_fused_bwd is True
-    assert seen["lizard bwd"][1:] == [(True, False), (False, True), (True, True)], seen["lizard bwd"]
-    assert kgla.CONFIG.gluon_fused_bwd is False and bk_window().CONFIG.gluon_bwd_walk is False
+    # the two-pass methods: the same ops with the one-kernel gated backward and the walking window backward off
+    table["triton gla two-pass bwd (ours)"][0]()
+    table["triton lizard two-pass bwd (ours)"][0]()
+    table["triton lizard (ours)"][0]()
+    assert seen["gla"][1].gluon_fused_bwd is False and seen["gla"][1].gluon_bwd is True
+    assert seen["lizard bwd"][1:] == [(False, False), (True, True)], seen["lizard bwd"]
+    assert kgla.CONFIG.gluon_fused_bwd is True and bk_window().CONFIG.gluon_bwd_walk is True
 
 
 def test_gluon_kernels_import_guard(monkeypatch):

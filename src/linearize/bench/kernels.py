@@ -8,22 +8,23 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
                        (positive features, scalar log-gates, unnormalised)
   triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
-                       the backward's chunk pass is the Gluon kernel (kernels.gla_gluon)
+                       the whole backward is one Gluon kernel (kernels.gla_gluon, bwd_fused)
+  triton gla two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False): the Triton
+                       reverse state pass, then the Gluon chunk pass (the default until 2026-11-26)
   triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
-  triton gla fused bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=True): on Hopper the
-                       whole backward as one Gluon kernel (not the default until measured)
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
                        gets it: on Hopper the forward is the fused Gluon kernel (kernels.lizard_gluon;
-                       in training it also stores what the backward reads), and the window's
-                       backward and the gated chunk pass are Gluon kernels too (kernels.window_gluon,
-                       kernels.gla_gluon)
+                       in training it also stores what the backward reads), the window's backward is
+                       the walking Gluon kernel (kernels.window_gluon) and the gated backward the one
+                       fused Gluon kernel (kernels.gla_gluon)
+  triton lizard two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False) and
+                       WindowKernelConfig(gluon_bwd_walk=False): the backward of the defaults until
+                       2026-11-26 (the window kernel of one program per chunk, the Triton reverse
+                       state pass, the Gluon chunk pass)
   triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False, fused_train=False), and
                        GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
-  triton lizard fused bwd (ours)  as "triton lizard (ours)" with GLAKernelConfig(gluon_fused_bwd=True)
-  triton lizard walk bwd (ours)   as "triton lizard (ours)" with WindowKernelConfig(gluon_bwd_walk=True)
-  triton lizard fused+walk bwd (ours)  with both (neither is the default until measured)
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -53,9 +54,8 @@ import torch.nn.functional as F
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
-           "triton gla passes (ours)", "triton gla fused bwd (ours)", "torch lizard (ours)", "triton lizard (ours)",
-           "triton lizard passes (ours)", "triton lizard fused bwd (ours)", "triton lizard walk bwd (ours)",
-           "triton lizard fused+walk bwd (ours)")
+           "triton gla two-pass bwd (ours)", "triton gla passes (ours)", "torch lizard (ours)", "triton lizard (ours)",
+           "triton lizard two-pass bwd (ours)", "triton lizard passes (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -198,12 +198,12 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     kw = dict(normalize=False, log_space_features=False)
     out["torch gla (ours)"] = (lambda: gla_chunk(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
     out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
+    gla_two_pass = replace(kgla.CONFIG, gluon_fused_bwd=False)
+    out["triton gla two-pass bwd (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_two_pass, **kw)[0],
+                                             [gq, gk, gv, gg], dy)
     gla_triton_only = replace(kgla.CONFIG, gluon_bwd=False)
     out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_triton_only, **kw)[0],
                                        [gq, gk, gv, gg], dy)
-    gla_fused = replace(kgla.CONFIG, gluon_fused_bwd=True)
-    out["triton gla fused bwd (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_fused, **kw)[0],
-                                          [gq, gk, gv, gg], dy)
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
@@ -213,15 +213,11 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     args = [lq, lk, lv, lg, wq, wk, la, ls]
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
+    lizard_two_pass = _with_configs(lizard, gla=dict(gluon_fused_bwd=False), window=dict(gluon_bwd_walk=False))
+    out["triton lizard two-pass bwd (ours)"] = (_with_kernels("1", lizard_two_pass), args, dy)
     passes = LizardKernelConfig(fused_fwd=False, fused_train=False)
     lizard_triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
     out["triton lizard passes (ours)"] = (_with_kernels("1", lizard_triton_only), args, dy)
-    lizard_fused_bwd = _with_configs(lizard, gla=dict(gluon_fused_bwd=True), window={})
-    out["triton lizard fused bwd (ours)"] = (_with_kernels("1", lizard_fused_bwd), args, dy)
-    lizard_walk_bwd = _with_configs(lizard, gla={}, window=dict(gluon_bwd_walk=True))
-    out["triton lizard walk bwd (ours)"] = (_with_kernels("1", lizard_walk_bwd), args, dy)
-    lizard_both = _with_configs(lizard, gla=dict(gluon_fused_bwd=True), window=dict(gluon_bwd_walk=True))
-    out["triton lizard fused+walk bwd (ours)"] = (_with_kernels("1", lizard_both), args, dy)
     return out
 
 
