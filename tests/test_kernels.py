@@ -801,11 +801,12 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     assert kw == dict(MODEL_LAYOUT=0b001, NORM=normalize, DV_ADD=True, HAS_DS=True, STORE_DS0=True, F=D, DV=D,
                       C=64, num_warps=4)
     assert args[4].base.data_ptr() == (o if normalize else do).data_ptr()
-    assert list(args[5].shape) == [B * H * (NC + 1) * D, D] and list(args[5].block_shape) == [D, D]
-    assert args[6] is sc and args[10] is ds_in and args[16] is dS0 and args[17] is dz0
-    assert (args[8] is den, args[9] is zc, args[11] is dz_in) == (normalize,) * 3
-    assert args[18:24] == (T, H, NC, 3, 2, 1e-6)
-    torch.testing.assert_close(args[7].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
+    assert args[5].base.data_ptr() == dv.data_ptr() and list(args[5].block_shape) == [64, D]  # the dv added to
+    assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
+    assert args[7] is sc and args[11] is ds_in and args[17] is dS0 and args[18] is dz0
+    assert (args[9] is den, args[10] is zc, args[12] is dz_in) == (normalize,) * 3
+    assert args[19:25] == (T, H, NC, 3, 2, 1e-6)
+    torch.testing.assert_close(args[8].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,
                             None, None, seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)

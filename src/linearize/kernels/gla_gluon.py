@@ -274,14 +274,18 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
-                         ds_ready, dn_ready, tq_done, r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh, c_hi, n, NC, eps,
+                         dva_bar, ds_ready, dn_ready, tq_done, r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh, c_hi, n, NC,
+                         eps,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
                          C: gl.constexpr):
     """Four warps forming one chunk's gradients, as ``_gla_bwd_chunk_kernel`` does, from the state
     partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``); they hand dd and e^{b_t} dn
-    (in dn's slot) back for dS's update (``dn_ready``), and issue every load but S's."""
+    (in dn's slot) back for dS's update (``dn_ready``), and issue every load but S's. Nothing read
+    from global memory waits on the critical path: den and z's row are loaded at the chunk's start,
+    and with ``DV_ADD`` the dv it adds to comes by TMA into o's slot once dd is formed (o's next
+    tile then follows once dv is read)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -310,6 +314,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG
         # the outputs' rows: per-row pointers formed at each store (a hoisted offset tile would hold 64
         # registers through the loop)
         out0 = tok.to(gl.int64) * DV
+        if NORM:  # issued now, used after the chunk's first products (their latency off the critical path)
+            den0 = gl.load(DEN + tok + rows_b)
+            den1 = gl.load(DEN + tok + C // 2 + rows_b)
+            z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + gl.arange(0, F, layout=lin))
 
         # ---- A = (phi_q phi_k^T) * p
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
@@ -321,19 +329,16 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG
         # ---- dn = do / (den + eps) in place, dd = -(do . o) / (den + eps); the next chunk's o
         if NORM:
             mbarrier.wait(o_bar, i & 1)
-            for h in gl.static_range(2):  # in two halves of rows (fewer registers live)
-                rows_h = h * (C // 2) + rows_b
-                rden = 1.0 / (gl.load(DEN + tok + rows_h) + eps)
-                do_h = dns.slice(h * (C // 2), C // 2)
-                do = do_h.load(blk).to(gl.float32)
-                dd_h = -gl.sum(do * o_s.slice(h * (C // 2), C // 2).load(blk).to(gl.float32), axis=1) * rden
-                do_h.store((do * rden[:, None]).to(dt))
-                dd_s.index(sl).slice(h * (C // 2), C // 2).store(dd_h)  # (also for dz's update)
+            _dn_half(dns, o_s, dd_s.index(sl), den0, 0, eps, blk)  # in two halves of rows (fewer registers live)
+            _dn_half(dns, o_s, dd_s.index(sl), den1, 1, eps, blk)
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
             gl.thread_barrier()
-            if i + 1 < n:
-                _load_tile(o_d, tok - C, 0, o_bar, o_s)
+            if not DV_ADD:
+                if i + 1 < n:
+                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
+        if DV_ADD:  # the dv to add to, into o's slot (free: o is read, or not used)
+            _load_tile(dva_d, tok, 0, dva_bar, o_s)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -351,7 +356,12 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG
         dv = warpgroup_mma(am_s.permute((1, 0)), dns, dv * r_end[:, None], is_async=True)
         dv, _, _ = warpgroup_mma_wait(0, deps=(dv, am_s, dns))
         if DV_ADD:
-            dv += gl.load(_rows_ptr(DV_ + out0, rows_t, cols_t, DV)).to(gl.float32)
+            mbarrier.wait(dva_bar, i & 1)
+            dv += o_s.load(mma_t).to(gl.float32)
+            gl.thread_barrier()
+            if NORM:
+                if i + 1 < n:
+                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
         gl.store(_rows_ptr(DV_ + out0, rows_t, cols_t, DV), dv.to(DV_.dtype.element_ty))
 
         # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p
@@ -387,7 +397,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG
         gl.thread_barrier()
         mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
         if NORM:
-            tq = tq + (e_t * dd_t)[:, None] * gl.load(ZC + (i_bh * (NC + 1) + c) * F + cols_t)[None, :]
+            tq = tq + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
         dq = warpgroup_mma(am_s, ks, tq, is_async=True)
         dq, _, _ = warpgroup_mma_wait(0, deps=(dq, am_s, ks))
         db += gl.sum(qs.load(mma_t).to(gl.float32) * dq, axis=1)
@@ -397,6 +407,19 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG
         y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
         dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
+
+
+@gluon.jit
+def _dn_half(dns, o_s, dd_sl, den_h, h: gl.constexpr, eps, blk: gl.constexpr):
+    """Rows [h C/2, (h+1) C/2) of a chunk: dn = do / (den + eps) in place of do, dd = -(do . o) / (den + eps)
+    into dd_sl (also for dz's update)."""
+    HC: gl.constexpr = dns.shape[0] // 2
+    rden = 1.0 / (den_h + eps)
+    do_h = dns.slice(h * HC, HC)
+    do = do_h.load(blk).to(gl.float32)
+    dd_h = -gl.sum(do * o_s.slice(h * HC, HC).load(blk).to(gl.float32), axis=1) * rden
+    do_h.store((do * rden[:, None]).to(dns.dtype))
+    dd_sl.slice(h * HC, HC).store(dd_h)
 
 
 @gluon.jit
@@ -495,7 +518,7 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st
 
 
 @gluon.jit
-def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DQ, DK_, DV_, DG, DS0, DZ0,
+def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DQ, DK_, DV_, DG, DS0, DZ0,
                           T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr, NORM: gl.constexpr,
                           DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr,
                           DV: gl.constexpr, C: gl.constexpr):
@@ -527,10 +550,10 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bar = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # S, o; the handshakes
+    bar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # S, o; the handshakes; dv
     for i in gl.static_range(2):
         mbarrier.init(in_bar.index(i), count=1)
-    for i in gl.static_range(5):
+    for i in gl.static_range(6):
         mbarrier.init(bar.index(i), count=1)
     fence_async_shared()
     for j in gl.static_range(2):
@@ -541,9 +564,10 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, bar.index(0),
-                                bar.index(1), bar.index(2), bar.index(3), bar.index(4), r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh,
+                                bar.index(1), bar.index(5), bar.index(2), bar.index(3), bar.index(4), r_q, c_q, r_k, c_k,
+                                r_v, c_v, row0, i_bh,
                                 c_hi, n, NC, eps, NORM, DV_ADD, F, DV, C)),
         (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st_s, ds_s, dd_s, dz_s,
                                 sdot_s, bar.index(0), bar.index(2), bar.index(3), bar.index(4), row0, i_bh, i_seg, NSEG, c_hi, n, NC,
@@ -551,7 +575,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, sc_d, SC, BL, DEN, ZC, DS_IN
     ], [4], [248])
     for i in gl.static_range(2):
         mbarrier.invalidate(in_bar.index(i))
-    for i in gl.static_range(5):
+    for i in gl.static_range(6):
         mbarrier.invalidate(bar.index(i))
 
 
@@ -603,8 +627,8 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     DV = v.shape[-1]
     NC = T // BT
     nseg = -(-NC // seg_chunks)
-    tiles = tma_tiles([q, k, v, do, o if normalize else do], [BT, WIDTH])
-    if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1)):
+    tiles = tma_tiles([q, k, v, do, o if normalize else do, dv if dv_add else do], [BT, WIDTH])
+    if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1) and dv.is_contiguous()):
         raise ValueError("gla_gluon.bwd_fused: inputs outside its scope (supports_bwd_chunks)")
     descs, views = tiles
     st_d = tma_tiles([sc.view(B * H, NC + 1, F, DV)], [F, DV])[0][0]
@@ -654,7 +678,7 @@ def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_d
                              store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
     d, ds, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, ZC=f32, DS_IN=f32, DZ_IN=f32,
+    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, ZC=f32, DS_IN=f32, DZ_IN=f32,
                 DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, T=256, H=4, NC=4, NSEG=2, SEG_CHUNKS=seg_chunks,
                 eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,

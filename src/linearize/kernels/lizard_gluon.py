@@ -179,17 +179,21 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
         # one division per row, not per element
-        if TRAIN:  # and what the backward reads: o_g and o_w (normalised) through y_s by TMA, den, lse (base 2)
+        if TRAIN:  # and what the backward reads: o_g and o_w (normalised) by TMA, den, lse (base 2)
+            # Three tiles out per chunk through two staging slots: o_g (slot 0), o_w (1), y (0); each
+            # waits only for the store before the one it follows in its slot (with one slot the three
+            # stores went one after another, each waiting for the last to leave).
             tok = row0 + c * C
             gl.store(DEN + tok + rows_o, den)
             gl.store(LSE + tok + rows_s, m + gl.log2(l_w))
             o_g = num * (1.0 / (den + eps))[:, None]
-            _store_tile(og_d, tok, o_g, y_s)
+            _store_tile(og_d, tok, o_g, y_s.index(0), 0)
             y = o_g + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-            _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s)
+            _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(1), 1)
+            _store_tile(y_d, tok, y, y_s.index(0), 1)
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-        _store_tile(y_d, row0 + c * C, y, y_s)
+            _store_tile(y_d, row0 + c * C, y, y_s.index(0), 0)
     tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -197,9 +201,10 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
 
 
 @gluon.jit
-def _store_tile(desc, row, x, x_s):
-    """x out by TMA through the staging tile x_s, once the store before has left it."""
-    tma.store_wait(0)
+def _store_tile(desc, row, x, x_s, pending: gl.constexpr):
+    """x out by TMA through the staging tile x_s, once at most ``pending`` of this warpgroup's
+    stores are still reading their tiles (0: all have left; 1: all but the last, in another slot)."""
+    tma.store_wait(pending)
     gl.thread_barrier()
     x_s.store(x.to(x_s.dtype))
     fence_async_shared()
@@ -371,7 +376,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
     zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
     ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
-    y_s = gl.allocate_shared_memory(dt, [C, DV], y_d.layout)
+    y_s = gl.allocate_shared_memory(dt, [2 if TRAIN else 1, C, DV], y_d.layout)  # staging: o_g and y, o_w
     a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
     den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
