@@ -31,8 +31,8 @@ entering the chunk, taken once dS has moved past it), then applies dS <- e^{b_en
 phi_q^T (e^{b_t} dn) once the chunk partition has formed e^{b_t} dn; the *chunk* partition forms
 dq, dk, dv and d log_g as the chunk pass does, and issues the loads (each chunk's tiles come into
 one of two slots while the chunk before is computed). The default on Hopper since it ran there
-(an H100, B16 T2048: 1.30 ms for GLA's backward against 0.91 + 1.18 for the two passes in
-Lizard's; docs/results/kernels-h100-newbwd.md).
+(an H100, Lizard's backward at B16 T2048: 1.67 ms against 0.91 + 1.18 for the two passes;
+docs/results/kernels-h100-newbwd.md).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
