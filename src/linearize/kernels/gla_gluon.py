@@ -27,12 +27,16 @@ is never written or read back, nor are phi_q, do and o read twice. Two warp-spec
 partitions hand over through shared memory: the *state* partition carries dS (fp32, 128 registers
 a thread) and dz, gives the chunk partition dS's bf16 copy and <dS, S_out> + <dz, z_out> (the gate
 gradient's part after the chunk, with S_out the state leaving it: its product with the state
-entering the chunk, taken once dS has moved past it), then applies dS <- e^{b_end} dS +
-phi_q^T (e^{b_t} dn) once the chunk partition has formed e^{b_t} dn; the *chunk* partition forms
-dq, dk, dv and d log_g as the chunk pass does, and issues the loads (each chunk's tiles come into
-one of two slots while the chunk before is computed). The default on Hopper since it ran there
-(an H100, Lizard's backward at B16 T2048: 1.67 ms against 0.91 + 1.18 for the two passes;
-docs/results/kernels-h100-newbwd.md).
+entering the chunk, taken once dS has moved past it), forms the chunk's dv (A^T in registers,
+dv in two halves of columns), then applies dS <- e^{b_end} dS + phi_q^T (e^{b_t} dn) once the
+chunk partition has formed e^{b_t} dn; the *chunk* partition forms dn and dd, dk, dq and
+d log_g as the chunk pass does, and issues the loads (each chunk's tiles come into one of two
+slots while the chunk before is computed). dv sits in the state partition because the chunk
+partition was the bottleneck: with all of the chunk pass's products there it worked 17.6K cycles
+a chunk (GLA, H100) while the state partition waited 12.3K of its 17.4K for dn; with A and dv
+moved, 13.4K against 13.7K, and the kernel 1.30 -> 1.12 ms (Lizard's, normalised and adding into
+the window's dv: 1.69 -> 1.48; scripts/gla_fused_bwd_probe.py, docs/results/gla-fused-bwd-probe-h100.json).
+The default on Hopper since it ran there (docs/results/kernels-h100-newbwd.md).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -54,6 +58,20 @@ WIDTH = 128  # the one feature and value width the kernels take
 
 
 # ----------------------------------------------------------------------------- shared pieces
+
+
+@gluon.jit
+def _tick(acc, t_prev, k: gl.constexpr):
+    """Profiling builds (NPROF): add the cycles since t_prev to phase k of acc ((8,) int64); returns (acc, now)."""
+    idx = gl.arange(0, 8, layout=acc.type.layout)
+    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [idx], dtype=gl.int64, is_pure=False, pack=1)
+    return gl.where(idx == k, acc + (t - t_prev), acc), t
+
+
+@gluon.jit
+def _prof_init():
+    acc = gl.zeros([8], gl.int64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    return _tick(acc, acc, 8)
 
 
 @gluon.jit
@@ -275,18 +293,20 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
-                         dva_bar, ds_ready, dn_ready, tq_done, r_q, c_q, r_k, c_k, r_v, c_v, row0, i_bh, c_hi, n, NC,
-                         eps,
+                         dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
+                         i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
-                         C: gl.constexpr):
-    """Four warps forming one chunk's gradients, as ``_gla_bwd_chunk_kernel`` does, from the state
-    partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``); they hand dd and e^{b_t} dn
-    (in dn's slot) back for dS's update (``dn_ready``), and issue every load but S's. Nothing read
-    from global memory waits on the critical path: den and z's row are loaded at the chunk's start,
-    and with ``DV_ADD`` the dv it adds to comes by TMA into o's slot once dd is formed (o's next
-    tile then follows once dv is read)."""
+                         C: gl.constexpr, NPROF: gl.constexpr):
+    """Four warps forming one chunk's dn (dd), then, from the state partition's dS (dz) leaving the
+    chunk (ds_s, dz_s; ``ds_ready``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does
+    (dv is the state partition's). They hand dn and dd over twice: as they are for dv
+    (``dn0_ready``), then, once dv is formed (``dv_done``), dn's slot scaled to e^{b_t} dn for dS's
+    update (``dn_ready``). They issue every load but S's. Nothing read from global memory waits on
+    the critical path: den and z's row are loaded at the chunk's start, and with ``DV_ADD`` the dv
+    the state partition adds to comes by TMA into o's slot once dd is formed (o's next tile then
+    follows once dv is formed)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -299,6 +319,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
     lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
     rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    if NPROF > 0:  # cycles per phase: 0 tiles, 1 o, 2 dS, 3 dv formed, 4 S; 7 the rest (work)
+        pacc, pt = _prof_init()
     for i in range(n):
         c = c_hi - i
         sl = i % 2
@@ -315,21 +337,23 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         # the outputs' rows: per-row pointers formed at each store (a hoisted offset tile would hold 64
         # registers through the loop)
         out0 = tok.to(gl.int64) * DV
-        if NORM:  # issued now, used after the chunk's first products (their latency off the critical path)
+        if NORM:  # issued now, used later (their latency off the critical path)
             den0 = gl.load(DEN + tok + rows_b)
             den1 = gl.load(DEN + tok + C // 2 + rows_b)
             z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + gl.arange(0, F, layout=lin))
-
-        # ---- A = (phi_q phi_k^T) * p
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
-        a = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                          is_async=True)
-        a, _, _ = warpgroup_mma_wait(0, deps=(a, qs, ks))
-        am_s.store((a * _intra_decay(bl, rows_s, cols_s)).to(dt))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
 
-        # ---- dn = do / (den + eps) in place, dd = -(do . o) / (den + eps); the next chunk's o
+        # ---- dn = do / (den + eps) in place, dd = -(do . o) / (den + eps); then the dv to add to
         if NORM:
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(o_bar, i & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 1)
             _dn_half(dns, o_s, dd_s.index(sl), den0, 0, eps, blk)  # in two halves of rows (fewer registers live)
             _dn_half(dns, o_s, dd_s.index(sl), den1, 1, eps, blk)
             gl.thread_barrier()
@@ -338,43 +362,32 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
             if not DV_ADD:
                 if i + 1 < n:
                     _load_tile(o_d, tok - C, 0, o_bar, o_s)
-        if DV_ADD:  # the dv to add to, into o's slot (free: o is read, or not used)
+        if DV_ADD:  # into o's slot (free: o is read, or not used; the dv of the chunk before is formed)
             _load_tile(dva_d, tok, 0, dva_bar, o_s)
         fence_async_shared()
         gl.thread_barrier()
+        mbarrier.arrive(dn0_ready)
 
         # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(ds_ready, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 2)
         if i >= 1:
             if i + 1 < n:
                 _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
                             in_bar.index(1 - sl), q_s.index(1 - sl), k_s.index(1 - sl), v_s.index(1 - sl),
                             dn_s.index(1 - sl))
 
-        # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn
-        dv = warpgroup_mma(ks, ds_s, gl.zeros([C, DV], gl.float32, layout=mma_t), use_acc=False, is_async=True)
-        dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_s))
-        dv = warpgroup_mma(am_s.permute((1, 0)), dns, dv * r_end[:, None], is_async=True)
-        dv, _, _ = warpgroup_mma_wait(0, deps=(dv, am_s, dns))
-        if DV_ADD:
-            mbarrier.wait(dva_bar, i & 1)
-            dv += o_s.load(mma_t).to(gl.float32)
-            gl.thread_barrier()
-            if NORM:
-                if i + 1 < n:
-                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
-        gl.store(_rows_ptr(DV_ + out0, rows_t, cols_t, DV), dv.to(DV_.dtype.element_ty))
-
         # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p
         tk = warpgroup_mma(vs, ds_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
-        tk, _, _ = warpgroup_mma_wait(0, deps=(tk, vs, ds_s))
-        if NORM:
-            tk = tk + dz_s.load(col_t)[None, :]
         m = warpgroup_mma(dns, vs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                           is_async=True)
-        m, _, _ = warpgroup_mma_wait(0, deps=(m, dns, vs))
+        tk, m, _, _, _ = warpgroup_mma_wait(0, deps=(tk, m, vs, ds_s, dns))
         if NORM:
+            tk = tk + dz_s.load(col_t)[None, :]
             m = m + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None]
         am_s.store((m * _intra_decay(bl, rows_s, cols_s)).to(dt))
         fence_async_shared()
@@ -384,14 +397,26 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
         gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
 
-        # ---- dn's slot takes e^{b_t} dn: dq's state part here, dS's update in the state partition
+        # ---- dn's slot takes e^{b_t} dn (dq's state part here, dS's update there) once dv is formed
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
+        mbarrier.wait(dv_done, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
+        if NORM and DV_ADD:
+            if i + 1 < n:  # o's slot is free again
+                _load_tile(o_d, tok - C, 0, o_bar, o_s)
         dns.store((dns.load(mma_t).to(gl.float32) * e_t[:, None]).to(dt))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dn_ready)
 
         # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(s_bar, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 4)
         tq = warpgroup_mma(dns, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
         tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dns, st_s))
@@ -408,6 +433,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
         dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 7)
+        gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
 @gluon.jit
@@ -424,38 +452,54 @@ def _dn_half(dns, o_s, dd_sl, den_h, h: gl.constexpr, eps, blk: gl.constexpr):
 
 
 @gluon.jit
-def _state_dot(st_s, dS0, dS1, dz, ZC, slot, f_b, mma_S: gl.constexpr, NORM: gl.constexpr):
-    """<dS, S> + <dz, z>: S from st_s (bf16, two halves of feature rows against dS0, dS1), z from
-    row ``slot`` of ZC's (B*H*(NC+1), F) rows."""
+def _state_dot(st_s, dS0, dS1):
+    """<dS, S>: S from st_s (bf16, two halves of feature rows against dS0, dS1)."""
     FH: gl.constexpr = dS0.shape[0]
-    d = (gl.sum(gl.sum(st_s.slice(0, FH).load(mma_S).to(gl.float32) * dS0, axis=1), axis=0)
-         + gl.sum(gl.sum(st_s.slice(FH, FH).load(mma_S).to(gl.float32) * dS1, axis=1), axis=0))
-    if NORM:
-        d += gl.sum(dz * gl.load(ZC + slot * dz.shape[0] + f_b), axis=0)
-    return d
+    return (gl.sum(gl.sum(st_s.slice(0, FH).load(dS0.type.layout).to(gl.float32) * dS0, axis=1), axis=0)
+            + gl.sum(gl.sum(st_s.slice(FH, FH).load(dS1.type.layout).to(gl.float32) * dS1, axis=1), axis=0))
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st_s, ds_s, dd_s, dz_s, sdot_s, s_bar,
-                         ds_ready, dn_ready, tq_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, NORM: gl.constexpr,
-                         HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
-                         C: gl.constexpr):
+def _dz_half(dz, dd_sl, qs, b_h, h: gl.constexpr, blk: gl.constexpr):
+    """dz + phi_q^T (e^{b_t} dd) over rows [h C/2, (h+1) C/2) of a chunk (b_h: their b_t)."""
+    HC: gl.constexpr = qs.shape[0] // 2
+    w = dd_sl.slice(h * HC, HC).load(gl.SliceLayout(1, blk)) * gl.exp(b_h)
+    return dz + gl.sum(qs.slice(h * HC, HC).load(blk).to(gl.float32) * w[:, None], axis=0)
+
+
+@gluon.jit
+def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s,
+                         sdot_s, in_bar, s_bar, dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, row0, i_bh,
+                         i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
+                         NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
+                         F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
     """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
     Per chunk, from the segment's end: dS's bf16 copy, dz and <dS, S_out> + <dz, z_out> with the
     state leaving the chunk (the gate gradient's part after it) for the chunk partition
-    (``ds_ready``); once it has handed dd and e^{b_t} dn over (``dn_ready``), the gradient entering
-    the chunk, dS <- e^{b_end} dS + phi_q^T (e^{b_t} dn), dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd),
-    and its product with the state entering the chunk (the next one's S_out, in st_s, which it
-    then replaces by the state entering the next chunk once the chunk partition has read it)."""
+    (``ds_ready``); the chunk's dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T
+    in registers, in two halves of columns, adding the window's where ``DV_ADD``) from the chunk
+    partition's dn (``dn0_ready``; ``dv_done`` once formed); then, once the chunk partition has
+    handed e^{b_t} dn over (``dn_ready``), the gradient entering the chunk, dS <- e^{b_end} dS +
+    phi_q^T (e^{b_t} dn), dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd), and its product with the
+    state entering the chunk (the next one's S_out, in st_s, which it then replaces by the state
+    entering the next chunk once the chunk partition has read it)."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
+    DH: gl.constexpr = DV // 2
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    dot_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2)
     f_S = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_S))
     s_off = f_S[:, None] * DV + gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))[None, :]
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, features) of half a chunk
     f_b = gl.arange(0, F, layout=gl.SliceLayout(0, blk))
     t_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
     lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    rows_h = gl.arange(0, C, layout=gl.SliceLayout(1, mma_h))
+    cols_h = gl.arange(0, DH, layout=gl.SliceLayout(0, mma_h))
     st0 = (i_bh * NSEG + i_seg).to(gl.int64)
     if HAS_DS:
         dS0 = gl.load(DS_IN + st0 * F * DV + s_off)
@@ -474,9 +518,15 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
         s_dot += gl.sum(dz * gl.load(ZC + slot * F + f_b), axis=0)
+    if NPROF > 0:  # cycles per phase: 0 dn, 1 S, 2 S's slot free, 3 tiles, 4 dn as it is, 5 dv to add; 7 work
+        pacc, pt = _prof_init()
     for i in range(n):
         c = c_hi - i
         sl = i % 2
+        qs = q_s.index(sl)
+        ks = k_s.index(sl)
+        dns = dn_s.index(sl)
+        bl = BL + row0 + c * C
         # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition
         if NORM:
             dz_s.store(dz)
@@ -487,29 +537,75 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
 
+        # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t)
+        b_end = gl.load(bl + C - 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
+        mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
+        at = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                           is_async=True)
+        at, _, _ = warpgroup_mma_wait(0, deps=(at, ks, qs))
+        at = at * gl.exp(gl.where(cols_s[None, :] >= rows_s[:, None],
+                                  gl.load(bl + cols_s)[None, :] - gl.load(bl + rows_s)[:, None], -float("inf")))
+        at = gl.convert_layout(at.to(dt), dot_h)
+        r_end = gl.exp(b_end - gl.load(bl + rows_h))
+        out = DV_ + (row0 + c * C).to(gl.int64) * DV + rows_h[:, None] * DV
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
+        mbarrier.wait(dn0_ready, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 4)
+        if DV_ADD:
+            mbarrier.wait(dva_bar, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
+        for h in gl.static_range(2):
+            dv = warpgroup_mma(ks, ds_s.slice(h * DH, DH, dim=1), gl.zeros([C, DH], gl.float32, layout=mma_h),
+                               use_acc=False, is_async=True)
+            dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_s))
+            dv = warpgroup_mma(at, dns.slice(h * DH, DH, dim=1), dv * r_end[:, None], is_async=True)
+            dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dns))
+            if DV_ADD:
+                dv += o_s.slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32)
+            gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
+        gl.thread_barrier()
+        mbarrier.arrive(dv_done)
+
         # ---- the gradient entering the chunk
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(dn_ready, i & 1)
-        qs = q_s.index(sl)
-        dns = dn_s.index(sl)
-        bl = BL + row0 + c * C
-        g = gl.exp(gl.load(bl + C - 1))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
+        g = gl.exp(b_end)
         dS0 = warpgroup_mma(qs.slice(0, FH, dim=1).permute((1, 0)), dns, dS0 * g, is_async=True)
         dS1 = warpgroup_mma(qs.slice(FH, FH, dim=1).permute((1, 0)), dns, dS1 * g, is_async=True)
-        if NORM:
-            dz = dz * g
-            for h in gl.static_range(2):  # phi_q^T (e^{b_t} dd) in two halves of tokens
-                w = (dd_s.index(sl).slice(h * (C // 2), C // 2).load(gl.SliceLayout(1, blk))
-                     * gl.exp(gl.load(bl + h * (C // 2) + t_b)))
-                dz += gl.sum(qs.slice(h * (C // 2), C // 2).load(blk).to(gl.float32) * w[:, None], axis=0)
+        if NORM:  # phi_q^T (e^{b_t} dd) in two halves of tokens
+            dz = _dz_half(dz * g, dd_s.index(sl), qs, gl.load(bl + t_b), 0, blk)
+            dz = _dz_half(dz, dd_s.index(sl), qs, gl.load(bl + C // 2 + t_b), 1, blk)
         dS0, dS1, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qs, dns))
         if i + 1 < n:
             # its product with S entering this chunk (the next one's S_out), then the next chunk's S
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(s_bar, i & 1)
-            s_dot = _state_dot(st_s, dS0, dS1, dz, ZC, i_bh * (NC + 1) + c, f_b, mma_S, NORM)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 1)
+            s_dot = _state_dot(st_s, dS0, dS1)
+            if NORM:
+                s_dot += gl.sum(dz * gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_b), axis=0)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(tq_done, i & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 2)
             gl.thread_barrier()
             _load_tile(sc_d, (i_bh * (NC + 1) + c - 1) * F, 0, s_bar, st_s)
-
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 7)
+        gl.store(PROF + prof_row * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if STORE_DS0:
         if i_seg == 0:
             gl.store(DS0 + i_bh.to(gl.int64) * F * DV + s_off, dS0)
@@ -520,9 +616,9 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st
 
 @gluon.jit
 def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DQ, DK_, DV_, DG, DS0, DZ0,
-                          T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr, NORM: gl.constexpr,
+                          PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr, NORM: gl.constexpr,
                           DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr,
-                          DV: gl.constexpr, C: gl.constexpr):
+                          DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr = 0):
     """Grid (NSEG, B*H): the whole backward of one segment of chunks, walked from its end, in two
     partitions (``_bwd_chunk_partition``, ``_bwd_state_partition``). BL: b_t (B*H*T,) fp32; DEN
     (B*H*T,) fp32; ZC (B*H, NC+1, F) fp32; DS_IN (B*H*NSEG, F, DV), DZ_IN (B*H*NSEG, F) fp32: the
@@ -545,38 +641,42 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     o_s = gl.allocate_shared_memory(dt, [C, DV], o_d.layout)
     st_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # S entering the chunk
     ds_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # dS leaving it, for the MMAs
-    am_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))  # A, then M
+    am_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))  # M
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dd_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # e^{b_t} dd
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # S, o; the handshakes; dv
+    # S, o, the dv to add; the handshakes: ds_ready, dn_ready, tq_done, dn0_ready, dv_done
+    bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(in_bar.index(i), count=1)
-    for i in gl.static_range(6):
+    for i in gl.static_range(8):
         mbarrier.init(bar.index(i), count=1)
     fence_async_shared()
     for j in gl.static_range(2):
         if j < n:
             _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c_hi - j) * C, in_bar.index(j),
                         q_s.index(j), k_s.index(j), v_s.index(j), dn_s.index(j))
-    _load_tile(sc_d, (i_bh * (NC + 1) + c_hi) * F, 0, bar.index(0), st_s)
+    _load_tile(sc_d, (i_bh * (NC + 1) + c_hi) * F, 0, bar.index(0), st_s)  # s_bar
     if NORM:
-        _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)
+        _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
+    s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
+    ds_ready, dn_ready, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
+    prof_row = i_bh * NSEG + i_seg
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DV_, DG,
-                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, bar.index(0),
-                                bar.index(1), bar.index(5), bar.index(2), bar.index(3), bar.index(4), r_q, c_q, r_k, c_k,
-                                r_v, c_v, row0, i_bh,
-                                c_hi, n, NC, eps, NORM, DV_ADD, F, DV, C)),
-        (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, q_s, dn_s, st_s, ds_s, dd_s, dz_s,
-                                sdot_s, bar.index(0), bar.index(2), bar.index(3), bar.index(4), row0, i_bh, i_seg, NSEG, c_hi, n, NC,
-                                NORM, HAS_DS, STORE_DS0, F, DV, C)),
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
+                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
+                                dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
+                                row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
+        (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
+                                dz_s, sdot_s, in_bar, s_bar, dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done,
+                                row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
+                                NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
     for i in gl.static_range(2):
         mbarrier.invalidate(in_bar.index(i))
-    for i in gl.static_range(6):
+    for i in gl.static_range(8):
         mbarrier.invalidate(bar.index(i))
 
 
@@ -617,13 +717,14 @@ def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, 
 
 
 def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *, seg_chunks: int,
-              normalize: bool, eps: float, dv_add: bool) -> None:
+              normalize: bool, eps: float, dv_add: bool, prof: Optional[torch.Tensor] = None) -> None:
     """The whole backward (``_gla_bwd_fused_kernel``) into dq, dk, dv ((B, H, T, .) contiguous; dv
     accumulated into with ``dv_add``), dlog_g ((B*H, T) fp32) and, where given, dS0 (B, H, F, Dv)
     and dz0 (B, H, F) fp32. o (B, H, T, Dv) contiguous (read where ``normalize``), do likewise;
     den (B*H, T) fp32; sc (B*H, NC+1, F, Dv) in q's dtype, zc (B*H, NC+1, F) fp32; ds_in
     (B*H*nseg, F, Dv), dz_in (B*H*nseg, F) fp32 or None: the state gradient leaving each segment of
-    ``seg_chunks`` chunks (the last may be shorter)."""
+    ``seg_chunks`` chunks (the last may be shorter). ``prof`` (B*H*nseg, 16) int64, zeroed: a
+    profiling build adds each program's cycles per phase into it (scripts/gla_fused_bwd_probe.py)."""
     B, H, T, F = q.shape
     DV = v.shape[-1]
     NC = T // BT
@@ -638,8 +739,9 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, zc if normalize else f32,
         ds_in if ds_in is not None else f32, dz_in if (ds_in is not None and normalize) else f32,
         dq, dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
-        T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]), NORM=normalize,
-        DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT, num_warps=4)
+        prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
+        NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
+        **({"NPROF": 8} if prof is not None else {}), num_warps=4)
 
 
 def _compile(kernel, args: dict, consts: dict, num_warps: int):
@@ -676,12 +778,14 @@ def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layou
 
 
 def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_ds: bool = False,
-                             store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4):
+                             store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4, nprof: int = 0):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
     d, ds, f32, bf = _compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, ZC=f32, DS_IN=f32, DZ_IN=f32,
-                DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, T=256, H=4, NC=4, NSEG=2, SEG_CHUNKS=seg_chunks,
-                eps=1e-6)
+                DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
+                SEG_CHUNKS=seg_chunks, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,
-                  F=WIDTH, DV=WIDTH, C=BT)
+                  F=WIDTH, DV=WIDTH, C=BT, NPROF=nprof)
+    if nprof:
+        args["PROF"] = torch.empty(16, dtype=torch.int64)
     return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)

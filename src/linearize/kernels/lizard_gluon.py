@@ -43,24 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import _load_pair, _load_tile, _row_col, chunk_gates, model_layout_bits, tma_readable, view2d
+from .gla_gluon import (_load_pair, _load_tile, _prof_init, _row_col, _tick, chunk_gates, model_layout_bits,
+                        tma_readable, view2d)
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _tick(acc, t_prev, k: gl.constexpr):
-    """PROF builds: add the cycles since t_prev to phase k of acc ((8,) int64); returns (acc, now)."""
-    idx = gl.arange(0, 8, layout=acc.type.layout)
-    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [idx], dtype=gl.int64, is_pure=False, pack=1)
-    return gl.where(idx == k, acc + (t - t_prev), acc), t
-
-
-@gluon.jit
-def _prof_init():
-    acc = gl.zeros([8], gl.int64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    return _tick(acc, acc, 8)
 
 
 @gluon.jit
