@@ -28,15 +28,18 @@ partitions hand over through shared memory: the *state* partition carries dS (fp
 a thread) and dz, gives the chunk partition dS's bf16 copy and <dS, S_out> + <dz, z_out> (the gate
 gradient's part after the chunk, with S_out the state leaving it: its product with the state
 entering the chunk, taken once dS has moved past it), forms the chunk's dv (A^T in registers,
-dv in two halves of columns), then applies dS <- e^{b_end} dS + phi_q^T (e^{b_t} dn) once the
-chunk partition has formed e^{b_t} dn; the *chunk* partition forms dn and dd, dk, dq and
-d log_g as the chunk pass does, and issues the loads (each chunk's tiles come into one of two
-slots while the chunk before is computed). dv sits in the state partition because the chunk
-partition was the bottleneck: with all of the chunk pass's products there it worked 17.6K cycles
-a chunk (GLA, H100) while the state partition waited 12.3K of its 17.4K for dn; with A and dv
-moved, 13.4K against 13.7K, and the kernel 1.30 -> 1.12 ms (Lizard's, normalised and adding into
-the window's dv: 1.69 -> 1.48; scripts/gla_fused_bwd_probe.py, docs/results/gla-fused-bwd-probe-h100.json).
-The default on Hopper since it ran there (docs/results/kernels-h100-newbwd.md).
+dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled
+phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
+has formed dn and dd; the *chunk* partition forms dn and dd, dk, dq and d log_g as the chunk
+pass does (e^{b_t} scaling dn S^T's rows), and issues the loads (each chunk's tiles come into one
+of two slots while the chunk before is computed). Why this split (cycles a chunk from the
+kernel's NPROF counters, scripts/gla_fused_bwd_probe.py, H100, B16 T2048): with all of the chunk
+pass's products in the chunk partition it worked 17.6K cycles a chunk (GLA) while the state
+partition waited 12.3K of its 17.4K; with A and dv moved and nothing scaled in place, the chunk
+partition works 13.2K and the state partition 16.3K, and the kernel takes 1.10 ms instead of
+1.30 (Lizard's, normalised and adding into the window's dv: 1.41 against 1.69;
+docs/results/gla-fused-bwd-probe-h100-v3.json). The default on Hopper since it ran there
+(docs/results/kernels-h100-newbwd.md).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -295,15 +298,14 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 @gluon.jit
 def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
-                         dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
+                         dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
                          C: gl.constexpr, NPROF: gl.constexpr):
-    """Four warps forming one chunk's dn (dd), then, from the state partition's dS (dz) leaving the
-    chunk (ds_s, dz_s; ``ds_ready``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does
-    (dv is the state partition's). They hand dn and dd over twice: as they are for dv
-    (``dn0_ready``), then, once dv is formed (``dv_done``), dn's slot scaled to e^{b_t} dn for dS's
-    update (``dn_ready``). They issue every load but S's. Nothing read from global memory waits on
+    """Four warps forming one chunk's dn (dd), handed over for dv and dS's update (``dn0_ready``),
+    then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed
+    back read: ``ds_free``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does (dv is the
+    state partition's; e^{b_t} scales dn S^T's rows, not dn). They issue every load but S's. Nothing read from global memory waits on
     the critical path: den and z's row are loaded at the chunk's start, and with ``DV_ADD`` the dv
     the state partition adds to comes by TMA into o's slot once dd is formed (o's next tile then
     follows once dv is formed)."""
@@ -389,6 +391,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         if NORM:
             tk = tk + dz_s.load(col_t)[None, :]
             m = m + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None]
+        gl.thread_barrier()
+        mbarrier.arrive(ds_free)  # dS's copy and dz are read: the state partition may write the next
         am_s.store((m * _intra_decay(bl, rows_s, cols_s)).to(dt))
         fence_async_shared()
         gl.thread_barrier()
@@ -397,19 +401,15 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
         gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
 
-        # ---- dn's slot takes e^{b_t} dn (dq's state part here, dS's update there) once dv is formed
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
-        mbarrier.wait(dv_done, i & 1)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
-        if NORM and DV_ADD:
-            if i + 1 < n:  # o's slot is free again
-                _load_tile(o_d, tok - C, 0, o_bar, o_s)
-        dns.store((dns.load(mma_t).to(gl.float32) * e_t[:, None]).to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dn_ready)
+        if DV_ADD:  # o's slot (the dv added to) is free again once dv is formed
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
+            mbarrier.wait(dv_done, i & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 3)
+            if NORM:
+                if i + 1 < n:
+                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
 
         # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
         if NPROF > 0:
@@ -422,6 +422,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dns, st_s))
         gl.thread_barrier()
         mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
+        tq = tq * e_t[:, None]
         if NORM:
             tq = tq + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
         dq = warpgroup_mma(am_s, ks, tq, is_async=True)
@@ -460,16 +461,14 @@ def _state_dot(st_s, dS0, dS1):
 
 
 @gluon.jit
-def _dz_half(dz, dd_sl, qs, b_h, h: gl.constexpr, blk: gl.constexpr):
-    """dz + phi_q^T (e^{b_t} dd) over rows [h C/2, (h+1) C/2) of a chunk (b_h: their b_t)."""
-    HC: gl.constexpr = qs.shape[0] // 2
-    w = dd_sl.slice(h * HC, HC).load(gl.SliceLayout(1, blk)) * gl.exp(b_h)
-    return dz + gl.sum(qs.slice(h * HC, HC).load(blk).to(gl.float32) * w[:, None], axis=0)
+def _z_col(dz2, zc):
+    """dz from its (F, 16) product form: the sum of columns 0 and 1 (a bf16 hi + lo pair's products)."""
+    return gl.sum(gl.where(zc[None, :] < 2, dz2, 0.0), axis=1)
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s,
-                         sdot_s, in_bar, s_bar, dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, row0, i_bh,
+def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s, w_s,
+                         sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, row0, i_bh,
                          i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
@@ -478,15 +477,19 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
     state leaving the chunk (the gate gradient's part after it) for the chunk partition
     (``ds_ready``); the chunk's dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T
     in registers, in two halves of columns, adding the window's where ``DV_ADD``) from the chunk
-    partition's dn (``dn0_ready``; ``dv_done`` once formed); then, once the chunk partition has
-    handed e^{b_t} dn over (``dn_ready``), the gradient entering the chunk, dS <- e^{b_end} dS +
-    phi_q^T (e^{b_t} dn), dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd), and its product with the
+    partition's dn (``dn0_ready``; ``dv_done`` once formed); then the gradient entering the chunk,
+    dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled phi_q^T an operand in registers), dz <-
+    e^{b_end} dz + phi_q^T (e^{b_t} dd) (an MMA too: dz as an (F, 16)
+    product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
+    1, the rest zero; elementwise, its reduction over tokens crossed warps), and its product with the
     state entering the chunk (the next one's S_out, in st_s, which it then replaces by the state
-    entering the next chunk once the chunk partition has read it)."""
+    entering the next chunk once the chunk partition has read it). It writes dS's next copy once the
+    chunk partition has read the last (``ds_free``)."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
     DH: gl.constexpr = DV // 2
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    dot_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_S, k_width=2)
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
     dot_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2)
@@ -507,17 +510,24 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
     else:
         dS0 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
         dS1 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+    mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    f_Z = gl.arange(0, F, layout=gl.SliceLayout(1, mma_Z))
+    zc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_Z))
+    wblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # (tokens, 16) of w_s
+    t_w = gl.arange(0, C, layout=gl.SliceLayout(1, wblk))
+    c_w = gl.arange(0, 16, layout=gl.SliceLayout(0, wblk))
     if NORM and HAS_DS:
-        dz = gl.load(DZ_IN + st0 * F + f_b)
+        dzv = gl.load(DZ_IN + st0 * F + f_Z)
     else:
-        dz = gl.zeros([F], gl.float32, layout=gl.SliceLayout(0, blk))
+        dzv = gl.zeros([F], gl.float32, layout=gl.SliceLayout(1, mma_Z))
+    dz = gl.where(zc[None, :] == 0, dzv[:, None], 0.0)  # (F, 16): dz in column 0
     # the state leaving the segment (from global memory: st_s holds the one entering its last chunk)
     slot = i_bh * (NC + 1) + c_hi + 1
     sp = SC + slot.to(gl.int64) * F * DV
     s_dot = (gl.sum(gl.sum(gl.load(sp + s_off).to(gl.float32) * dS0, axis=1), axis=0)
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
-        s_dot += gl.sum(dz * gl.load(ZC + slot * F + f_b), axis=0)
+        s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
     if NPROF > 0:  # cycles per phase: 0 dn, 1 S, 2 S's slot free, 3 tiles, 4 dn as it is, 5 dv to add; 7 work
         pacc, pt = _prof_init()
     for i in range(n):
@@ -527,9 +537,12 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         ks = k_s.index(sl)
         dns = dn_s.index(sl)
         bl = BL + row0 + c * C
-        # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition
+        # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition (once it
+        # has read the chunk before's)
+        if i >= 1:
+            mbarrier.wait(ds_free, (i - 1) & 1)
         if NORM:
-            dz_s.store(dz)
+            dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
         ds_s.slice(FH, FH).store(dS1.to(dt))
         sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
@@ -573,19 +586,26 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         gl.thread_barrier()
         mbarrier.arrive(dv_done)
 
-        # ---- the gradient entering the chunk
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
-        mbarrier.wait(dn_ready, i & 1)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 0)
+        # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t})^T dn, the scaled
+        # phi_q^T an MMA operand in registers (dn stays as it is: the chunk partition reads it too)
         g = gl.exp(b_end)
-        dS0 = warpgroup_mma(qs.slice(0, FH, dim=1).permute((1, 0)), dns, dS0 * g, is_async=True)
-        dS1 = warpgroup_mma(qs.slice(FH, FH, dim=1).permute((1, 0)), dns, dS1 * g, is_async=True)
-        if NORM:  # phi_q^T (e^{b_t} dd) in two halves of tokens
-            dz = _dz_half(dz * g, dd_s.index(sl), qs, gl.load(bl + t_b), 0, blk)
-            dz = _dz_half(dz, dd_s.index(sl), qs, gl.load(bl + C // 2 + t_b), 1, blk)
-        dS0, dS1, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qs, dns))
+        if NORM:  # e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and 1
+            w = dd_s.index(sl).load(gl.SliceLayout(1, wblk)) * gl.exp(gl.load(bl + t_w))
+            w_hi = w.to(dt)
+            w_lo = (w - w_hi.to(gl.float32)).to(dt)
+            w_s.store(gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0)).to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+        e_k = gl.exp(gl.load(bl + gl.arange(0, C, layout=gl.SliceLayout(0, dot_S))))
+        qt0 = (qs.slice(0, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
+        qt1 = (qs.slice(FH, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
+        dS0 = warpgroup_mma(qt0, dns, dS0 * g, is_async=True)
+        dS1 = warpgroup_mma(qt1, dns, dS1 * g, is_async=True)
+        if NORM:
+            dz = warpgroup_mma(qs.permute((1, 0)), w_s, dz * g, is_async=True)
+            dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, w_s))
+        else:
+            dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dns))
         if i + 1 < n:
             # its product with S entering this chunk (the next one's S_out), then the next chunk's S
             if NPROF > 0:
@@ -595,7 +615,7 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
                 pacc, pt = _tick(pacc, pt, 1)
             s_dot = _state_dot(st_s, dS0, dS1)
             if NORM:
-                s_dot += gl.sum(dz * gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_b), axis=0)
+                s_dot += gl.sum(_z_col(dz, zc) * gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_Z), axis=0)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(tq_done, i & 1)
@@ -611,7 +631,7 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
             gl.store(DS0 + i_bh.to(gl.int64) * F * DV + s_off, dS0)
             gl.store(DS0 + i_bh.to(gl.int64) * F * DV + FH * DV + s_off, dS1)
             if NORM:
-                gl.store(DZ0 + i_bh.to(gl.int64) * F + f_b, dz)
+                gl.store(DZ0 + i_bh.to(gl.int64) * F + f_Z, _z_col(dz, zc))
 
 
 @gluon.jit
@@ -637,7 +657,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     q_s = gl.allocate_shared_memory(dt, [2, C, F], q_d.layout)
     k_s = gl.allocate_shared_memory(dt, [2, C, F], k_d.layout)
     v_s = gl.allocate_shared_memory(dt, [2, C, DV], v_d.layout)
-    dn_s = gl.allocate_shared_memory(dt, [2, C, DV], do_d.layout)  # do; dn in place; then e^{b_t} dn
+    dn_s = gl.allocate_shared_memory(dt, [2, C, DV], do_d.layout)  # do; dn in place
     o_s = gl.allocate_shared_memory(dt, [C, DV], o_d.layout)
     st_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # S entering the chunk
     ds_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # dS leaving it, for the MMAs
@@ -645,9 +665,10 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dd_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # e^{b_t} dd
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
+    w_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # S, o, the dv to add; the handshakes: ds_ready, dn_ready, tq_done, dn0_ready, dv_done
+    # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dn0_ready, dv_done
     bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(in_bar.index(i), count=1)
@@ -662,15 +683,15 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
-    ds_ready, dn_ready, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
+    ds_ready, ds_free, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
     prof_row = i_bh * NSEG + i_seg
     gl.warp_specialize([
         (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
-                                dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
+                                dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
-                                dz_s, sdot_s, in_bar, s_bar, dva_bar, ds_ready, dn_ready, tq_done, dn0_ready, dv_done,
+                                dz_s, w_s, sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
                                 row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
