@@ -68,10 +68,12 @@ def main() -> None:
     rows = []
     for case, normalize, dv_add in (("gla", False, False), ("lizard", True, True)):
         ms = {name: [] for name in mods}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for name, mod in mods.items():
+                print(f"{case} {name} round {r}", flush=True)
                 ms[name].append(do_bench(lambda: run(x, normalize, dv_add, mod=mod), warmup=5, rep=50))
         for name, mod in mods.items():
+            print(f"{case} {name} profile", flush=True)
             prof = torch.zeros(B * 32, 16, dtype=torch.int64, device="cuda")
             run(x, normalize, dv_add, prof, mod=mod)
             torch.cuda.synchronize()

@@ -401,15 +401,17 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
         gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
 
-        if DV_ADD:  # o's slot (the dv added to) is free again once dv is formed
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
-            mbarrier.wait(dv_done, i & 1)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 3)
-            if NORM:
-                if i + 1 < n:
-                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
+        # dv formed: o's slot (the dv added to) is free again; and the next dn0_ready cannot complete a
+        # phase before the state partition has waited for this one (a parity wait two phases behind
+        # would wait for a third)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
+        mbarrier.wait(dv_done, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
+        if NORM and DV_ADD:
+            if i + 1 < n:
+                _load_tile(o_d, tok - C, 0, o_bar, o_s)
 
         # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
         if NPROF > 0:
