@@ -305,10 +305,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
     """Four warps forming one chunk's dn (dd), handed over for dv and dS's update (``dn0_ready``),
     then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed
     back read: ``ds_free``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does (dv is the
-    state partition's; e^{b_t} scales dn S^T's rows, not dn). They issue every load but S's. Nothing read from global memory waits on
-    the critical path: den and z's row are loaded at the chunk's start, and with ``DV_ADD`` the dv
-    the state partition adds to comes by TMA into o's slot once dd is formed (o's next tile then
-    follows once dv is formed)."""
+    state partition's; e^{b_t} scales dn S^T's rows, not dn). They issue every load but S's.
+    Nothing read from global memory waits on the critical path: den and z's row are loaded at the
+    chunk's start, and with ``DV_ADD`` the dv the state partition adds to comes by TMA into o's
+    slot once dd is formed (o's next tile then follows once dv is formed)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
