@@ -25,9 +25,11 @@ from triton.testing import do_bench
 from linearize.bench.kernels import _env
 from linearize.kernels import gla_gluon
 
-# waits, by the partitions' phase numbers (see the kernel); "work": everything else
-PHASES = {"chunk": ["tiles", "o", "dS", "dv formed", "S", "-", "-", "work"],
-          "state": ["dn", "S", "S slot free", "tiles", "dn as it is", "dv to add", "-", "work"]}
+# the partitions' phases (see the kernel's NPROF counters)
+PHASES = {"chunk": ["wait tiles", "wait o", "wait dS", "wait dv", "wait S", "work dphi_k", "work dphi_q, dlog_g",
+                    "work dn, dd"],
+          "state": ["wait dS copy read", "wait S", "wait S slot", "wait tiles, dv to add", "wait dn", "work dv",
+                    "work dS copy", "work dS update, <dS, S>"]}
 
 
 def inputs(B: int, T: int, H: int = 32, D: int = 128) -> dict:

@@ -321,7 +321,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
     lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
     rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
-    if NPROF > 0:  # cycles per phase: 0 tiles, 1 o, 2 dS, 3 dv formed, 4 S; 7 the rest (work)
+    # cycles per phase: waits 0 tiles, 1 o, 2 dS, 3 dv formed, 4 S; work 5 dphi_k, 6 dphi_q and d log_g,
+    # 7 the rest (dn, dd)
+    if NPROF > 0:
         pacc, pt = _prof_init()
     for i in range(n):
         c = c_hi - i
@@ -400,6 +402,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         dk, _, _ = warpgroup_mma_wait(0, deps=(dk, am_s, qs))
         db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
         gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
 
         # dv formed: o's slot (the dv added to) is free again; and the next dn0_ready cannot complete a
         # phase before the state partition has waited for this one (a parity wait two phases behind
@@ -436,6 +440,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
         dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 6)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -530,7 +536,9 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
         s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
-    if NPROF > 0:  # cycles per phase: 0 dn, 1 S, 2 S's slot free, 3 tiles, 4 dn as it is, 5 dv to add; 7 work
+    # cycles per phase: waits 0 dS's copy read, 1 S, 2 S's slot free, 3 tiles and the dv to add, 4 dn;
+    # work 5 dv, 6 dS's copy, 7 the rest
+    if NPROF > 0:
         pacc, pt = _prof_init()
     for i in range(n):
         c = c_hi - i
@@ -541,8 +549,12 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         bl = BL + row0 + c * C
         # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition (once it
         # has read the chunk before's)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
         if i >= 1:
             mbarrier.wait(ds_free, (i - 1) & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
         if NORM:
             dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
@@ -551,6 +563,8 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 6)
 
         # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t)
         b_end = gl.load(bl + C - 1)
@@ -575,7 +589,7 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         if DV_ADD:
             mbarrier.wait(dva_bar, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = _tick(pacc, pt, 3)
         for h in gl.static_range(2):
             dv = warpgroup_mma(ks, ds_s.slice(h * DH, DH, dim=1), gl.zeros([C, DH], gl.float32, layout=mma_h),
                                use_acc=False, is_async=True)
@@ -587,6 +601,8 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
             gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
         gl.thread_barrier()
         mbarrier.arrive(dv_done)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
 
         # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t})^T dn, the scaled
         # phi_q^T an MMA operand in registers (dn stays as it is: the chunk partition reads it too)
