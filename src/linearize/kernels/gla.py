@@ -702,8 +702,9 @@ class GLAKernelConfig:
     (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in
     registers, so the state gradient of every chunk is never written or read); only the segment
     pre-pass and scan run before it, where the sequence is cut. On by default: on an H100 (B16
-    T2048, bf16, 32 heads of 128; docs/results/kernels-h100-newbwd.md) GLA's fwd+bwd took 1.980 ms
-    against 2.317 with the two passes, and 510 MiB less; off, the two passes above run."""
+    T2048, bf16, 32 heads of 128; docs/results/kernels-h100-rebalanced.md) GLA's fwd+bwd took 1.763 ms
+    against 2.311 with the two passes, and 1560 MiB of extra memory against 2072; off, the two passes
+    above run."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -772,8 +773,7 @@ def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
 def _gluon_fused_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the whole backward runs there (``cfg.gluon_fused_bwd``, under
     ``cfg.gluon_bwd``: that one turns every Gluon kernel of the backward off), else None."""
-    mod = gluon_kernels("gla_gluon") if cfg.gluon_bwd and cfg.gluon_fused_bwd and q.is_cuda else None
-    return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
+    return _gluon_bwd(cfg, q, k, v, chunk, log_space) if cfg.gluon_fused_bwd else None
 
 
 def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:

@@ -503,9 +503,6 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
     dot_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2)
     f_S = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_S))
     s_off = f_S[:, None] * DV + gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))[None, :]
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, features) of half a chunk
-    f_b = gl.arange(0, F, layout=gl.SliceLayout(0, blk))
-    t_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
     lin: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
