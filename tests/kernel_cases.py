@@ -119,6 +119,59 @@ class _emulated_fused_bwd:
         assert exc_type is not None or not self.on or self.calls, "the backward did not take the fused path"
 
 
+def window_walk_emulated(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool,
+                         sms: int, o=None) -> None:
+    """What ``window_gluon.bwd``'s walking kernel computes, in torch (fp32, every query against
+    every key, masked): with ``o`` it forms D = alpha (dy . o) itself and leaves dy . o in
+    ``delta``, else it reads D from ``delta``; lse is the forward's (base 2)."""
+    assert walk
+    f = lambda x: x.float()
+    a = alpha.float()[None, :, None] if alpha is not None else torch.ones(1, 1, 1)
+    B, H, T, _ = q.shape
+    if o is not None:
+        dyo = (f(dy) * f(o)).sum(-1)
+        delta.copy_(dyo.reshape(B * H, T))
+        D = a * dyo
+    else:
+        D = delta.view(B, H, T)
+    t = torch.arange(T)
+    vis = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
+    s = f(q) @ f(k).transpose(-1, -2) * (scale * 1.4426950408889634)
+    p = torch.where(vis, torch.exp2(s - lse.view(B, H, T, 1)), 0.0)
+    ds = p * (a[..., None] * (f(dy) @ f(v).transpose(-1, -2)) - D[..., None])
+    dq.copy_(scale * ds @ f(k))
+    dk.copy_(scale * ds.transpose(-1, -2) @ f(q))
+    dv.copy_(a[..., None] * p.transpose(-1, -2) @ f(dy))
+
+
+class _emulated_window_walk:
+    """With ``on``: kernels.window routes its backward to ``window_walk_emulated`` (as it routes
+    to the walking Gluon kernel on a Hopper GPU), so that the host side around it (the delta
+    pre-pass or the sums after the kernel's own D) runs in the interpreter; on leaving without
+    an error, asserts that the backward went there, with o exactly where the config asks."""
+
+    def __init__(self, on: bool, own: bool):
+        self.on, self.own, self.calls = on, own, []
+
+    def __enter__(self):
+        from linearize.kernels import window as kwin
+
+        self.old = kwin._gluon_bwd
+        if self.on:
+            def bwd(*args, **kw):
+                self.calls.append(kw.get("o") is not None)
+                window_walk_emulated(*args, **kw)
+
+            emu = type("WalkEmulation", (), {"bwd": staticmethod(bwd)})
+            kwin._gluon_bwd = lambda cfg, q, k, v, window, kmin: emu if kmin is None else None
+
+    def __exit__(self, exc_type, *exc):
+        from linearize.kernels import window as kwin
+
+        kwin._gluon_bwd = self.old
+        assert exc_type is not None or not self.on or self.calls == [self.own], (self.calls, self.own)
+
+
 def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: bool, T: int, DK: int, DV: int,
              B: int = 1, H: int = 2, state: bool = False, extreme: bool = False, seg_chunks: int | None = None,
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
@@ -199,8 +252,10 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
 
 def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, nsink: int,
                 fuse: bool = False, pad: int | None = None, bm: int | None = 16, bn: int = 16, B: int = 2,
-                H: int = 2, seed: int = 0, kv: dict | None = None, bthd: bool = False) -> dict[str, float]:
+                H: int = 2, seed: int = 0, kv: dict | None = None, bthd: bool = False,
+                emulate_walk: bool = False) -> dict[str, float]:
     """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}.
+    ``emulate_walk`` (CPU): the backward through ``window_walk_emulated`` in the Gluon kernel's place.
     ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...);
     ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
     ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
@@ -238,7 +293,8 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
                                      state=k_st, y_global=kin[3] if fuse else None, alpha=kin[4] if fuse else None,
                                      config=cfg)
     assert o2.dtype == dtype
-    (o2.double() * do.to(dev)).sum().backward()
+    with _emulated_window_walk(emulate_walk, cfg.gluon_walk_delta):
+        (o2.double() * do.to(dev)).sum().backward()
     err = {"o": rel_rms(o2.cpu(), o), "state.k": rel_rms(s2.k.cpu(), s.k), "state.v": rel_rms(s2.v.cpu(), s.v),
            "state.pos": 0.0 if torch.equal(s2.pos.cpu(), s.pos) else float("inf")}
     names = ["dq", "dk", "dv"] + (["dy_g", "dalpha"] if fuse else []) + (["dsinks"] if nsink else [])
@@ -510,6 +566,13 @@ INTERPRETER_CASES = {
                                                             kv=dict(kv_bm=32, kv_bn=16, kv_warps=2)), F32),
     "window bf16 sinks fused kv blocks": (window_case, dict(T=75, D=16, DV=16, W=33, nsink=4, fuse=True, bm=32,
                                                             bn=16, kv=dict(kv_bm=32, kv_bn=64)), BF16),
+    # the walking window backward's host side (the kernel's own D and the sums after it, or the
+    # delta pre-pass), with window_walk_emulated in the Gluon kernel's place
+    "window f32 sinks fused walk emulated": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True,
+                                                               emulate_walk=True), F32),
+    "window bf16 sinks fused walk emulated pre-pass": (window_case, dict(
+        T=41, D=16, DV=24, W=20, nsink=4, fuse=True, emulate_walk=True, kv=dict(gluon_walk_delta=False)), BF16),
+    "window f32 no sinks walk emulated": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, emulate_walk=True), F32),
     "hybrid f32 lizard padded": (hybrid_case, dict(padded=True), F32),
     "hybrid f32 lizard": (hybrid_case, dict(padded=False), F32),
     "lizard f32 sinks state": (lizard_case, dict(T=45, DK=16, DV=24, D=16, W=20, nsink=4, state=True), F32),

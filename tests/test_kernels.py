@@ -510,23 +510,30 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
 
 @needs_cuda
 @pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "window 100", "window 1 sinks", "T=64", "T=128",
-                                     "T=192", "T=1216 sinks", "T=4096 fp16 sinks", "model layout sinks fused"])
+                                     "T=192", "T=1216 sinks", "T=4096 fp16 sinks", "model layout sinks fused",
+                                     "pre-pass sinks fused", "pre-pass T=1216 sinks", "pre-pass T=128"])
 def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     """The window's backward as the walking Gluon kernel (WindowKernelConfig.gluon_bwd_walk: one
     program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
     dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
     edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
-    model's layout."""
+    model's layout. D formed in the kernel (the default) or, "pre-pass", by the delta pass."""
     calls = _gluon_spy(monkeypatch, "window_gluon", "bwd", "walk")
+    own = not variant.startswith("pre-pass")
+    variant = variant.removeprefix("pre-pass ")
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     W = int(variant.split()[1]) if variant.startswith("window") else 128
     T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024
     kw = dict(T=T, D=128, DV=128, W=W, nsink=4 if "sinks" in variant or variant.startswith("window 1 ") else 0,
               fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
-              kv=dict(gluon_bwd_walk=True))
+              kv=dict(gluon_bwd_walk=True, gluon_walk_delta=own))
+    from linearize.kernels import window_gluon
+
+    bwd, seen = window_gluon.bwd, []
+    monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: (seen.append(k.get("o") is not None), bwd(*a, **k))[1])
     err = window_case("cuda", dtype, **kw)
-    assert calls == [True], calls
-    assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant}")
+    assert calls == [True] and seen == [own], (calls, seen)
+    assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant} (D {'own' if own else 'pre-pass'})")
 
 
 @needs_cuda
@@ -838,10 +845,12 @@ def test_gluon_window_backward_launch_host_side(monkeypatch):
         window_gluon.bwd(q, k, v.transpose(2, 3), dy, lse, delta, None, dq, dk, dv, window=100, scale=0.125)
 
 
-@pytest.mark.parametrize("T", [64, 1216])
-def test_gluon_window_walk_backward_launch_host_side(T, monkeypatch):
+@pytest.mark.parametrize("T, own", [(64, False), (1216, False), (1216, True)])
+def test_gluon_window_walk_backward_launch_host_side(T, own, monkeypatch):
     """window_gluon.bwd with walk=True up to its launch, on CPU: the grid (segments x batch*heads,
-    the last segment shorter), the segment length and the constexprs."""
+    the last segment shorter), the segment length and the constexprs (OWN_DELTA where o is
+    given); o and prof refused with the one-chunk kernel, o of another shape and prof of another
+    size refused by name."""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import window_gluon
 
@@ -849,15 +858,25 @@ def test_gluon_window_walk_backward_launch_host_side(T, monkeypatch):
     monkeypatch.setattr(window_gluon, "_win_bwd_walk_kernel", rec)
     B, H, D = 1, 2, 128
     g = torch.Generator().manual_seed(0)
-    q, k, v, dy = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    q, k, v, dy, o = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(5))
     lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
     dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
-    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, sms=132)
+    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, sms=132,
+                     o=o if own else None)
     (grid, args, kw), = rec.calls
     nseg, seg_chunks = (1, 1) if T == 64 else (2, 10)  # 19 chunks: segments of 10 and 9
-    assert grid == (nseg, B * H) and args[12] == seg_chunks
-    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, num_warps=4)
+    assert grid == (nseg, B * H) and args[14] == seg_chunks
+    assert args[10] is (o if own else dy)
+    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=own, NPROF=0, num_warps=4)
     assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    with pytest.raises(ValueError, match="walking kernel"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, o=o)
+    with pytest.raises(ValueError, match=r"o must be contiguous \(1, 2, %d, 128\)" % T):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
+                         o=o[..., :64])
+    with pytest.raises(ValueError, match=r"prof must be \(%d, 16\), got \(3, 16\)" % (nseg * B * H * 2)):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
+                         prof=torch.zeros(3, 16, dtype=torch.int64))
 
 
 def test_window_walk_segment_rule():

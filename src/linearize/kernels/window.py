@@ -197,26 +197,31 @@ def _store_sink_grad(SINK, DSINK, i_h, i_blk, NSINK, lse, delta, BS: tl.constexp
 @triton.jit
 def _win_bwd_delta_kernel(O, DY, LSE, SINK, ALPHA, DELTA, DSINK, DALPHA, T, H, NSINK, NMB,
                           DV: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                          HAS_SINK: tl.constexpr, HAS_ALPHA: tl.constexpr):
-    """Grid (query blocks, B*H), for the Gluon backward (``window_gluon``), which takes D ready:
-    D = alpha (dy . o) per row, and per block the partial sums of d alpha (dy . o) and of the
-    sink-logit gradient, as the dq pass stores them. o, dy (B*H*T, Dv) contiguous."""
+                          HAS_SINK: tl.constexpr, HAS_ALPHA: tl.constexpr, FROM_O: tl.constexpr):
+    """Grid (query blocks, B*H), for the Gluon backward (``window_gluon``). FROM_O: D = alpha (dy . o)
+    per row into DELTA (the Gluon kernel takes D ready; o, dy (B*H*T, Dv) contiguous); else DELTA
+    holds dy . o already (the walking kernel formed it). Either way, per block, the partial sums
+    of d alpha (dy . o) and of the sink-logit gradient, as the dq pass stores them."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_h = i_bh % H
     rows = i_m * BM + tl.arange(0, BM)
     mrow = rows < T
-    odv = tl.arange(0, BDV)
-    offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
-    m2 = mrow[:, None] & (odv < DV)[None, :]
-    dyo = tl.sum(tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
-                 * tl.load(O + offs, mask=m2, other=0.0).to(tl.float32), 1)
+    if FROM_O:
+        odv = tl.arange(0, BDV)
+        offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+        m2 = mrow[:, None] & (odv < DV)[None, :]
+        dyo = tl.sum(tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+                     * tl.load(O + offs, mask=m2, other=0.0).to(tl.float32), 1)
+    else:
+        dyo = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=mrow, other=0.0)
     if HAS_ALPHA:
         delta = dyo * tl.load(ALPHA + i_h).to(tl.float32)
         tl.store(DALPHA + i_bh * NMB + i_m, tl.sum(dyo, 0))
     else:
         delta = dyo
-    tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
+    if FROM_O:
+        tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
     if HAS_SINK:
         lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
         _store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
@@ -300,7 +305,11 @@ class WindowKernelConfig:
     of chunks, each tile read once and brought while the chunks before are computed). On by
     default: on an H100 (docs/results/kernels-h100-newbwd.md) Lizard's fwd+bwd with it and the
     fused gated backward took 4.281 ms at B16 T2048 against 4.452 with the fused gated backward
-    alone, and no more at B4 T8192 (4.566 against 4.613) or B1 T32768 (4.928 against 5.063)."""
+    alone, and no more at B4 T8192 (4.566 against 4.613) or B1 T32768 (4.928 against 5.063).
+    ``gluon_walk_delta``: the walking kernel forms D = alpha (dy . o) itself (its dq partition, as
+    each query tile comes, shared with the dk/dv partition through shared memory) instead of the
+    delta pre-pass reading dy and o once more; a small pass after it sums d alpha and the sinks'
+    gradient from the dy . o it leaves."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
@@ -316,6 +325,7 @@ class WindowKernelConfig:
     kv_warps: Optional[int] = 4
     gluon_bwd: bool = True
     gluon_bwd_walk: bool = True
+    gluon_walk_delta: bool = True
 
 
 CONFIG = WindowKernelConfig()
@@ -405,12 +415,17 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     dummy = delta
     gluon = _gluon_bwd(cfg, q, k, v, window, kmin)
     if gluon is not None:
-        _win_bwd_delta_kernel[(nmb, B * H)](
-            o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
-            dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb,
-            DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
-        gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=cfg.gluon_bwd_walk,
-                  sms=device_sms(q))
+        walk = cfg.gluon_bwd_walk
+        own = walk and cfg.gluon_walk_delta and o.is_contiguous()  # the walking kernel forms D itself
+        sums = dict(DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
+        sums_args = (o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
+                     dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
+        if not own:
+            _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=True, **sums)
+        gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
+                  sms=device_sms(q), o=o if own else None)
+        if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
+            _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
         return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,

@@ -31,13 +31,15 @@ q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gla_gluon import _load_pair, _qkv_rows, model_layout_bits, tma_readable, tma_tiles
+from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -45,41 +47,56 @@ WIDTH = 128
 
 @gluon.jit
 def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c, alpha, qk_scale,
-             W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr):
+             W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr, pacc, pt,
+             NPROF: gl.constexpr):
     """dq += ds kd for the query tile (q_t, dy_t) of chunk c against the key tile (kd, vd) of chunk
-    c - lag: a key column is visible iff col <= row + lag C and col > row + lag C - W (and c >= lag)."""
+    c - lag: a key column is visible iff col <= row + lag C and col > row + lag C - W (and c >= lag).
+    Profiling builds (NPROF): the scores' MMAs, the elementwise work and dq's MMA as phases 2, 3, 4."""
     s = warpgroup_mma(q_t, kd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                       is_async=True)
     dp = warpgroup_mma(dy_t, vd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                        is_async=True)
     s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, q_t, kd, dy_t, vd))
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 2)
     vis = (cols[None, :] <= rows[:, None] + lag * C) & (cols[None, :] > rows[:, None] + (lag * C - W)) & (c >= lag)
     p = gl.where(vis, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
     ds = gl.convert_layout((p * (dp * alpha - delta[:, None])).to(q_t.dtype), dot_o)
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 3)
     dq = warpgroup_mma(ds, kd, dq, is_async=True)
     dq, _, _ = warpgroup_mma_wait(0, deps=(dq, ds, kd))
-    return dq
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 4)
+    return dq, pacc, pt
 
 
 @gluon.jit
 def _dkdv_tile(k0, v0, qd, dyd, dk, dv, lse, delta, keys, qry, d: gl.constexpr, c, nc, alpha, qk_scale,
-               W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr):
+               W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr, pacc, pt,
+               NPROF: gl.constexpr):
     """dk += ds^T qd, dv += p^T dyd for the key tile (k0, v0) of chunk c against the query tile
     (qd, dyd) of chunk c + d, transposed (rows are keys): visible iff key <= query + d C and
-    key > query + d C - W (and c + d < nc)."""
+    key > query + d C - W (and c + d < nc). Profiling builds: phases as ``_dq_tile``'s."""
     st = warpgroup_mma(k0, qd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                        is_async=True)
     dpt = warpgroup_mma(v0, dyd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                         is_async=True)
     st, dpt, _, _, _, _ = warpgroup_mma_wait(0, deps=(st, dpt, k0, qd, v0, dyd))
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 2)
     vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & (c + d < nc)
-    pt = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
-    dst = gl.convert_layout((pt * (dpt * alpha - delta[None, :])).to(k0.dtype), dot_o)
-    pt = gl.convert_layout(pt.to(k0.dtype), dot_o)
-    dv = warpgroup_mma(pt, dyd, dv, is_async=True)
+    pt_ = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+    dst = gl.convert_layout((pt_ * (dpt * alpha - delta[None, :])).to(k0.dtype), dot_o)
+    pt_ = gl.convert_layout(pt_.to(k0.dtype), dot_o)
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 3)
+    dv = warpgroup_mma(pt_, dyd, dv, is_async=True)
     dk = warpgroup_mma(dst, qd, dk, is_async=True)
-    dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst, dyd, qd))
-    return dk, dv
+    dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt_, dst, dyd, qd))
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 4)
+    return dk, dv, pacc, pt
 
 
 @gluon.jit
@@ -105,8 +122,8 @@ def _dq_partition(q_s, dy_s, k_s, v_s, bar_q, bar_kv, LSE, DELTA, DQ, tok, c, al
     mbarrier.wait(bar_q.index(0), 0)
     for d in gl.static_range(3):
         mbarrier.wait(bar_kv.index(d), 0)
-        dq = _dq_tile(q_s.index(0), dy_s.index(0), k_s.index(d), v_s.index(d), dq, lse, delta, rows, cols, d, c,
-                      alpha, qk_scale, W, C, mma_s, dot_o)
+        dq, _, _ = _dq_tile(q_s.index(0), dy_s.index(0), k_s.index(d), v_s.index(d), dq, lse, delta, rows, cols, d,
+                            c, alpha, qk_scale, W, C, mma_s, dot_o, 0, 0, 0)
     _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
 
 
@@ -126,9 +143,9 @@ def _dkdv_partition(q_s, dy_s, k_s, v_s, bar_q, bar_kv, LSE, DELTA, DK, DV_, tok
     for d in gl.static_range(3):
         mbarrier.wait(bar_q.index(d), 0)
         i_tok = tok + gl.minimum(d, nc - 1 - c) * C  # (clamped like its tiles; masked below)
-        dk, dv = _dkdv_tile(k_s.index(0), v_s.index(0), q_s.index(d), dy_s.index(d), dk, dv,
-                            gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc, alpha,
-                            qk_scale, W, C, mma_s, dot_o)
+        dk, dv, _, _ = _dkdv_tile(k_s.index(0), v_s.index(0), q_s.index(d), dy_s.index(d), dk, dv,
+                                  gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc,
+                                  alpha, qk_scale, W, C, mma_s, dot_o, 0, 0, 0)
     _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
     _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
 
@@ -180,32 +197,74 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
 
 
 @gluon.jit
-def _walk_dq_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, k_d, v_d, LSE, DELTA, DQ, row0,
-                       r_k, c_k, r_v, c_v, c0, n, alpha, qk_scale, sm_scale, W: gl.constexpr, C: gl.constexpr,
-                       D: gl.constexpr):
+def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
+                  DV: gl.constexpr):
+    """For query tile m of the segment (chunk c0 + m, slot m % 3): D = alpha (dy . o) and lse of
+    its rows into the slot's row vectors (dl_s, ls_s), for both partitions; dy . o itself into
+    DYO (the caller's alpha and sink sums). o comes from global memory, dy from its tile slot."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    sq = m % 3
+    tok = row0 + (c0 + m) * C
+    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, blk))
+    o = gl.load(O + tok.to(gl.int64) * DV + (r[:, None] * DV + cols[None, :]))  # issued before the wait
+    lse = gl.load(LSE + tok + r)
+    mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
+    dyo = gl.sum(dy_s.index(sq).load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
+    gl.store(DYO + tok + r, dyo)
+    dl_s.index(sq).store(dyo * alpha)
+    ls_s.index(sq).store(lse)
+    gl.thread_barrier()  # every warp's rows are written before the one arrival
+    mbarrier.arrive(d_ready.index(sq))
+
+
+@gluon.jit
+def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d, LSE,
+                       DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale, sm_scale,
+                       W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                       OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first. Key
     tile m (chunk c0 + m, m >= -2) lives in slot (m + 2) % 3, query tile m (m >= 0) in slot m % 3.
     Once it and the dk/dv partition are done with key tile j - 2, this partition brings key
-    tile j + 1 into its slot (needed last, by the next chunk)."""
+    tile j + 1 into its slot (needed last, by the next chunk). With OWN_DELTA it also forms D
+    and shares lse for every query tile (``_publish_rows``): tile j + 1's once the dk/dv partition
+    is done with key tile j - 2 (that partition needs it two key chunks later), the first before
+    the walk and the one past the segment's end after it."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     rows = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    pacc = 0
+    pt = 0
+    if NPROF > 0:
+        pacc, pt = _prof_init()
+    if OWN_DELTA:
+        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, 0, alpha, C, DV)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 6)
     for j in range(n):
         c = c0 + j
         tok = row0 + c * C
-        lse = gl.load(LSE + tok + rows)
-        delta = gl.load(DELTA + tok + rows)
         sq = j % 3
+        if not OWN_DELTA:
+            lse = gl.load(LSE + tok + rows)
+            delta = gl.load(DELTA + tok + rows)
         mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
+        if OWN_DELTA:
+            lse = ls_s.index(sq).load(gl.SliceLayout(1, mma_s))
+            delta = dl_s.index(sq).load(gl.SliceLayout(1, mma_s))
         dq = gl.zeros([C, D], gl.float32, layout=mma_o)
         for d in gl.static_range(3):  # key tiles c - 2, c - 1, c
             m = j - 2 + d
             sk = (m + 2) % 3
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(bar_kv.index(sk), ((m + 2) // 3) & 1)
-            dq = _dq_tile(q_s.index(sq), dy_s.index(sq), k_s.index(sk), v_s.index(sk), dq, lse, delta, rows, cols,
-                          2 - d, c, alpha, qk_scale, W, C, mma_s, dot_o)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 0)
+            dq, pacc, pt = _dq_tile(q_s.index(sq), dy_s.index(sq), k_s.index(sk), v_s.index(sk), dq, lse, delta,
+                                    rows, cols, 2 - d, c, alpha, qk_scale, W, C, mma_s, dot_o, pacc, pt, NPROF)
             if d == 0:
                 gl.thread_barrier()  # every warp is past its MMAs on the tile
                 mbarrier.arrive(kv_free.index(sk))
@@ -214,23 +273,45 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, 
                     ck = c0 + m + 3
                     _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
                                v_s.index(sk))
+                if NPROF > 0:
+                    pacc, pt = _tick(pacc, pt, 1)
+                if OWN_DELTA:
+                    if c + 1 < nc:
+                        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, j + 1, alpha, C,
+                                      DV)
+                    if NPROF > 0:
+                        pacc, pt = _tick(pacc, pt, 6)
         _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
         gl.thread_barrier()
         mbarrier.arrive(qdy_free.index(sq))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
+    if OWN_DELTA:
+        if c0 + n + 1 < nc:  # the query tile after next, which the segment's last key chunk sees
+            _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, n + 1, alpha, C, DV)
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 6)
+        gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
 @gluon.jit
-def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, LSE, DELTA, DK, DV_,
-                         row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale, W: gl.constexpr, C: gl.constexpr,
-                         D: gl.constexpr, DV: gl.constexpr):
+def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d, dy_d, LSE,
+                         DELTA, DK, DV_, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale,
+                         W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                         OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
     Once it and the dq partition are done with query tile i, this partition brings query tile
-    i + 3 into its slot."""
+    i + 3 into its slot. With OWN_DELTA, D and lse of a query tile come from the dq partition
+    (``d_ready``); a tile past the sequence's end (clamped, masked) waits for nothing and takes D = 0."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     keys = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     qry = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    pacc = 0
+    pt = 0
+    if NPROF > 0:
+        pacc, pt = _prof_init()
     # the key tiles before the segment (m = -2, -1) are no key chunk of this partition's
     mbarrier.arrive(kv_free.index(0))
     mbarrier.arrive(kv_free.index(1))
@@ -244,11 +325,24 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free
         for d in gl.static_range(3):  # query tiles c, c + 1, c + 2
             m = i + d
             sq = m % 3
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
-            i_tok = row0 + gl.minimum(c + d, nc - 1) * C  # (clamped like its tiles; masked below)
-            dk, dv = _dkdv_tile(k_s.index(sk), v_s.index(sk), q_s.index(sq), dy_s.index(sq), dk, dv,
-                                gl.load(LSE + i_tok + qry), gl.load(DELTA + i_tok + qry), keys, qry, d, c, nc, alpha,
-                                qk_scale, W, C, mma_s, dot_o)
+            if OWN_DELTA:
+                real = c + d < nc
+                if real:
+                    mbarrier.wait(d_ready.index(sq), (m // 3) & 1)
+                lse = ls_s.index(sq).load(gl.SliceLayout(0, mma_s))
+                delta = gl.where(real, dl_s.index(sq).load(gl.SliceLayout(0, mma_s)), 0.0)  # (never NaN * 0)
+            else:
+                i_tok = row0 + gl.minimum(c + d, nc - 1) * C  # (clamped like its tiles; masked below)
+                lse = gl.load(LSE + i_tok + qry)
+                delta = gl.load(DELTA + i_tok + qry)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 0)
+            dk, dv, pacc, pt = _dkdv_tile(k_s.index(sk), v_s.index(sk), q_s.index(sq), dy_s.index(sq), dk, dv, lse,
+                                          delta, keys, qry, d, c, nc, alpha, qk_scale, W, C, mma_s, dot_o, pacc, pt,
+                                          NPROF)
             if d == 0:
                 gl.thread_barrier()
                 mbarrier.arrive(qdy_free.index(sq))
@@ -257,23 +351,33 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free
                     cq = gl.minimum(c + 3, nc - 1)
                     _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
                                dy_s.index(sq))
+                if NPROF > 0:
+                    pacc, pt = _tick(pacc, pt, 1)
         _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
         _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
         gl.thread_barrier()
         mbarrier.arrive(kv_free.index(sk))
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 5)
+    if NPROF > 0:
+        pacc, pt = _tick(pacc, pt, 7)
+        gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
 @gluon.jit
-def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, SEG_CHUNKS, qk_scale, sm_scale,
-                         MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr, C: gl.constexpr,
-                         D: gl.constexpr, DV: gl.constexpr):
+def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, O, PROF, T, H, SEG_CHUNKS, qk_scale,
+                         sm_scale, MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr,
+                         C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
+                         NPROF: gl.constexpr):
     """Grid (segments, B*H): as ``_win_bwd_kernel``, but one program walks a segment of SEG_CHUNKS
     chunks (the last may be shorter), its twelve tile slots two rings: query and dy tiles of three
     consecutive chunks, key and value tiles of three, each tile read once per segment and brought
     by TMA while the chunks before are computed. The dq partition works on query chunk c with key
     tiles c - 2..c, the dk/dv partition on key chunk c with query tiles c..c + 2, each at its own
     pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
-    three chunks on."""
+    three chunks on. OWN_DELTA: D is formed here from O (B*H*T, Dv) (the dq partition, as each
+    query tile comes) and DELTA receives dy . o; else DELTA holds D, from ``window``'s delta pass.
+    NPROF > 0 (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -286,15 +390,20 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T,
     dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
     k_s = gl.allocate_shared_memory(dt, [3, C, D], k_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    dl_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # D of the query tiles (OWN_DELTA)
+    ls_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # their lse
     bar_qdy = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     bar_kv = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     qdy_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    d_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bar_qdy.index(i), count=1)
         mbarrier.init(bar_kv.index(i), count=1)
         mbarrier.init(qdy_free.index(i), count=2)
         mbarrier.init(kv_free.index(i), count=2)
+        mbarrier.init(d_ready.index(i), count=1)
     fence_async_shared()
     for m in gl.static_range(3):  # key tiles -2, -1, 0 (slots 0, 1, 2) and query tiles 0, 1, 2 (clamped)
         ck = gl.maximum(c0 + m - 2, 0)
@@ -305,17 +414,21 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T,
         alpha = gl.load(ALPHA + i_h)
     else:
         alpha = 1.0
+    prof_row = (i_bh * gl.num_programs(0) + i_s) * 2
     gl.warp_specialize([
-        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, k_d, v_d, LSE, DELTA, DQ,
-                              row0, r_k, c_k, r_v, c_v, c0, n, alpha, qk_scale, sm_scale, W, C, D)),
-        (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, LSE, DELTA, DK,
-                                DV_, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale, W, C, D, DV)),
+        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
+                              LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
+                              sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
+        (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d,
+                                dy_d, LSE, DELTA, DK, DV_, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
+                                qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
     ], [4], [248])
     for i in gl.static_range(3):
         mbarrier.invalidate(bar_qdy.index(i))
         mbarrier.invalidate(bar_kv.index(i))
         mbarrier.invalidate(qdy_free.index(i))
         mbarrier.invalidate(kv_free.index(i))
+        mbarrier.invalidate(d_ready.index(i))
 
 
 def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, kmin) -> bool:
@@ -339,38 +452,59 @@ def walk_segments(programs: int, n_chunks: int, sms: int) -> int:
 
 
 def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool = False,
-        sms: int = 132) -> None:
-    """dq, dk, dv ((B, H, T, .) contiguous) from dy ((B, H, T, Dv) contiguous), lse and delta
-    ((B*H, T) fp32, from the forward and ``window``'s delta pre-pass), alpha (H,) fp32 or None.
+        sms: int = 132, o: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None) -> None:
+    """dq, dk, dv ((B, H, T, .) contiguous) from dy ((B, H, T, Dv) contiguous), lse ((B*H, T) fp32,
+    from the forward) and alpha (H,) fp32 or None. ``delta`` (B*H, T) fp32: D from ``window``'s
+    delta pre-pass; or, with ``o`` (the window's output, (B, H, T, Dv) contiguous; walking kernel
+    only), filled here with dy . o (no alpha: for the caller's alpha and sink sums) while the
+    kernel forms D itself.
     ``walk``: the walking kernel (``_win_bwd_walk_kernel``), in ``walk_segments`` segments for
-    ``sms`` multiprocessors."""
+    ``sms`` multiprocessors. ``prof`` (walking kernel only): an int64 tensor of (programs * 2, 16)
+    for a profiling build's cycle counters (each partition's 8 phases)."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     tiles = tma_tiles([q, k, v, dy], [BT, WIDTH])
     if tiles is None or not dy.is_contiguous():
         raise ValueError("window_gluon.bwd: inputs outside its scope (supports_bwd)")
+    if (o is not None or prof is not None) and not walk:
+        raise ValueError("window_gluon.bwd: o and prof are arguments of the walking kernel (walk=True)")
+    if o is not None and not (o.is_contiguous() and o.shape == dy.shape and o.dtype == dy.dtype):
+        raise ValueError(f"window_gluon.bwd: o must be contiguous {tuple(dy.shape)} {dy.dtype}, got "
+                         f"{tuple(o.shape)} {o.dtype} (contiguous: {o.is_contiguous()})")
     descs, views = tiles
-    common = (lse, delta, alpha if alpha is not None else lse, dq, dk, dv, T, H)
+    common = (lse, delta, alpha if alpha is not None else lse, dq, dk, dv)
     scales = (scale * 1.4426950408889634, scale)
     consts = dict(MODEL_LAYOUT=model_layout_bits(views[:3]), HAS_ALPHA=alpha is not None, W=window, C=BT, D=D, DV=DV,
                   num_warps=4)
     if walk:
         nc = T // BT
         seg_chunks = -(-nc // walk_segments(B * H, nc, sms))
-        _win_bwd_walk_kernel[(-(-nc // seg_chunks), B * H)](*descs, *common, seg_chunks, *scales, **consts)
+        grid = (-(-nc // seg_chunks), B * H)
+        if prof is not None and tuple(prof.shape) != (grid[0] * grid[1] * 2, 16):
+            raise ValueError(f"window_gluon.bwd: prof must be ({grid[0] * grid[1] * 2}, 16), got {tuple(prof.shape)}")
+        _win_bwd_walk_kernel[grid](*descs, *common, o if o is not None else dy, prof if prof is not None else lse, T,
+                                   H, seg_chunks, *scales, OWN_DELTA=o is not None,
+                                   NPROF=8 if prof is not None else 0, **consts)
     else:
-        _win_bwd_kernel[(T // BT, B * H)](*descs, *common, *scales, **consts)
+        _win_bwd_kernel[(T // BT, B * H)](*descs, *common, T, H, *scales, **consts)
 
 
-def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False):
-    """Compile the kernel (``walk``: the walking one) for sm_90a without a GPU (CI, probes); returns
-    Triton's compiled kernel."""
+def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False,
+                       own_delta: bool = True, nprof: int = 0):
+    """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, with
+    cycle counters with ``nprof``) for sm_90a without a GPU (CI, probes); returns Triton's
+    compiled kernel."""
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, DK=bf, DV_=bf, T=256, H=4)
+    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, DK=bf, DV_=bf)
+    if walk:
+        args.update(O=bf, PROF=torch.empty(16, dtype=torch.int64))
+    args.update(T=256, H=4)
     if walk:
         args["SEG_CHUNKS"] = 3
     args.update(qk_scale=0.1, sm_scale=0.1)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
+    if walk:
+        consts.update(OWN_DELTA=own_delta, NPROF=nprof)
     return _compile(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)
