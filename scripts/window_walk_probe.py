@@ -2,19 +2,21 @@
 delta pre-pass against D formed in the kernel (``WindowKernelConfig.gluon_walk_delta``), and
 where each partition's cycles go (a profiling build's clock64 counters), in one run.
 
-    python scripts/window_walk_probe.py --out OUT [--shape 16x2048 ...] [--rounds 3]
+    python scripts/window_walk_probe.py --out OUT [--shape 16x2048 ...] [--rounds 3] [--alt NAME=FILE ...]
 
 On one Hopper GPU, bf16, 32 heads, widths 128, window 128, 4 sinks, alpha per head; q, k, v, dy
 random, o and lse from the window's forward. Times ``window._bwd`` whole (pre-pass, kernel, sums),
-median of do_bench's per-round medians, the versions alternating round by round. Writes
-OUT/window-walk-probe.json.
+median of do_bench's per-round medians, the versions alternating round by round. ``--alt`` adds
+other versions of kernels/window_gluon.py (a copy of the file, edited; D in the kernel) timed in
+the same run. Writes OUT/window-walk-probe.json.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+import importlib.util
 import json
+from dataclasses import replace
 import statistics
 from pathlib import Path
 
@@ -40,11 +42,17 @@ def inputs(B: int, T: int, H: int = 32, D: int = 128, W: int = 128) -> dict:
     return dict(q=q, k=k, v=v, dy=dy, sinks=sinks, alpha=alpha, o=o, lse=lse, W=W, scale=scale)
 
 
-def run(x: dict, cfg) -> None:
-    kwin._bwd(x["q"], x["k"], x["v"], x["sinks"], None, x["o"], x["lse"], x["alpha"], x["dy"], x["W"], x["scale"], cfg)
+def run(x: dict, cfg, mod=window_gluon) -> None:
+    old = kwin._gluon_bwd
+    kwin._gluon_bwd = lambda *a: mod  # this version of the kernel (the inputs are in its scope)
+    try:
+        kwin._bwd(x["q"], x["k"], x["v"], x["sinks"], None, x["o"], x["lse"], x["alpha"], x["dy"], x["W"], x["scale"],
+                  cfg)
+    finally:
+        kwin._gluon_bwd = old
 
 
-def phases(x: dict, own: bool) -> dict:
+def phases(x: dict, own: bool, mod=window_gluon) -> dict:
     """Cycles per chunk in each phase of each partition (mean over programs)."""
     B, H, T, D = x["q"].shape
     nc = T // 64
@@ -56,7 +64,7 @@ def phases(x: dict, own: bool) -> dict:
     if not own:  # D as the pre-pass leaves it
         delta = (x["alpha"][None, :, None] * (x["dy"].float() * x["o"].float()).sum(-1)).reshape(B * H, T)
     dq, dk, dv = (torch.empty_like(x["q"]) for _ in range(3))
-    window_gluon.bwd(x["q"], x["k"], x["v"], x["dy"], x["lse"], delta, x["alpha"], dq, dk, dv, window=x["W"],
+    mod.bwd(x["q"], x["k"], x["v"], x["dy"], x["lse"], delta, x["alpha"], dq, dk, dv, window=x["W"],
                      scale=x["scale"], walk=True, sms=torch.cuda.get_device_properties(0).multi_processor_count,
                      o=x["o"] if own else None, prof=prof)
     torch.cuda.synchronize()
@@ -69,20 +77,28 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192, 1x32768)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another window_gluon.py to time beside")
     a = p.parse_args()
+    versions = {name: (window_gluon, kw) for name, kw in VERSIONS.items()}
+    for alt in a.alt:
+        name, path = alt.split("=", 1)
+        spec = importlib.util.spec_from_file_location(f"window_gluon_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        versions[name] = (mod, dict(gluon_walk_delta=True))
     rows = []
     for shape in a.shape or ["16x2048", "4x8192", "1x32768"]:
         B, T = (int(v) for v in shape.split("x"))
         x = inputs(B, T)
-        cfgs = {name: replace(kwin.CONFIG, gluon_bwd=True, gluon_bwd_walk=True, **kw)
-                for name, kw in VERSIONS.items()}
+        cfgs = {name: (mod, replace(kwin.CONFIG, gluon_bwd=True, gluon_bwd_walk=True, **kw))
+                for name, (mod, kw) in versions.items()}
         ms = {name: [] for name in cfgs}
         for r in range(a.rounds):
-            for name, cfg in cfgs.items():
-                ms[name].append(do_bench(lambda: run(x, cfg), warmup=5, rep=50, return_mode="median"))
-        for name, cfg in cfgs.items():
+            for name, (mod, cfg) in cfgs.items():
+                ms[name].append(do_bench(lambda: run(x, cfg, mod), warmup=5, rep=50, return_mode="median"))
+        for name, (mod, cfg) in cfgs.items():
             row = {"B": B, "T": T, "version": name, "median_ms": statistics.median(ms[name]), "ms": ms[name],
-                   "cycles_per_chunk": phases(x, cfg.gluon_walk_delta)}
+                   "cycles_per_chunk": phases(x, cfg.gluon_walk_delta, mod)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(a.out)

@@ -296,13 +296,13 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
 def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, own_delta, tmp_path):
     """kernels/window_gluon.py, the walking window backward (WindowKernelConfig.gluon_bwd_walk),
     forming D itself or reading it: compiled for sm_90a within one block's shared memory (two
-    rings of six 64 x 128 tiles, and with its own D two rings of row vectors), its two
-    warp-specialised partitions assembled by ptxas (the dk/dv partition spills a few scalars, at
-    most 12 words a thread). What it computes is checked on a GPU (test_gpu_window_gluon_walk_backward_*)."""
+    rings of six 64 x 128 tiles, two staging tiles for dk and dv, and two rings of row vectors), its two
+    warp-specialised partitions assembled by ptxas (spilling a few scalars: at most 34 words a
+    thread, 29 seen). What it computes is checked on a GPU (test_gpu_window_gluon_walk_backward_*)."""
     from linearize.kernels import window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True, own_delta=own_delta)
-    _assemble_warp_specialised(k, tmp_path, 12 * 64 * 128 * 2, max_spill=48)
+    _assemble_warp_specialised(k, tmp_path, 14 * 64 * 128 * 2, max_spill=136)
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])

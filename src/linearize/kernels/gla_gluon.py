@@ -92,6 +92,18 @@ def _load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
 
 
 @gluon.jit
+def _store_tile(desc, row, x, x_s, pending: gl.constexpr):
+    """x out by TMA through the staging tile x_s, once at most ``pending`` of this warpgroup's
+    stores are still reading their tiles (0: all have left; 1: all but the last, in another slot)."""
+    tma.store_wait(pending)
+    gl.thread_barrier()
+    x_s.store(x.to(x_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, [row, 0], x_s)
+
+
+@gluon.jit
 def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
     """(first row, column) of one batch x head in input i's 2-D view (``view2d``): bit i of
     MODEL_LAYOUT set for a (B*T, H*D) view, else (B*H*T, D) with row0 = (batch x head) * T."""

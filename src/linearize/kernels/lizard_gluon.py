@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import (_load_pair, _load_tile, _prof_init, _row_col, _tick, chunk_gates, model_layout_bits,
-                        tma_readable, view2d)
+from .gla_gluon import (_load_pair, _load_tile, _prof_init, _row_col, _store_tile, _tick, chunk_gates,
+                        model_layout_bits, tma_readable, view2d)
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -185,18 +185,6 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     return (alpha,)
-
-
-@gluon.jit
-def _store_tile(desc, row, x, x_s, pending: gl.constexpr):
-    """x out by TMA through the staging tile x_s, once at most ``pending`` of this warpgroup's
-    stores are still reading their tiles (0: all have left; 1: all but the last, in another slot)."""
-    tma.store_wait(pending)
-    gl.thread_barrier()
-    x_s.store(x.to(x_s.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(desc, [row, 0], x_s)
 
 
 @gluon.jit

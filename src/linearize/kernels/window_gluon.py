@@ -23,7 +23,11 @@ of three consecutive chunks, key and value tiles of three), each tile is read on
 comes by TMA while the chunks before it are computed, where the one-chunk kernel waits for its
 twelve tiles with nothing else to do (one program per multiprocessor) and reads each tile three
 times. The default on Hopper since it ran there (an H100: 1.00 ms against 1.19 for the one-chunk
-kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md).
+kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md). Its dk and dv
+leave by TMA through two staging tiles (stored from registers they cost the dk/dv partition 4.0K
+cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``): the
+window's whole backward at B16 T2048 on an H100, 1.233 ms with the delta pre-pass and register
+stores, 0.983 with both changes (docs/results/window-walk-h100.md).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
@@ -36,10 +40,10 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _tick, model_layout_bits, tma_readable, tma_tiles
+from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _store_tile, _tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -295,13 +299,13 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
 
 
 @gluon.jit
-def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d, dy_d, LSE,
-                         DELTA, DK, DV_, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale,
+def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d,
+                         dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale,
                          W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                          OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
     Once it and the dq partition are done with query tile i, this partition brings query tile
-    i + 3 into its slot. With OWN_DELTA, D and lse of a query tile come from the dq partition
+    i + 3 into its slot. dk and dv leave by TMA (``out_s``: a staging tile each). With OWN_DELTA, D and lse of a query tile come from the dq partition
     (``d_ready``); a tile past the sequence's end (clamped, masked) waits for nothing and takes D = 0."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -353,19 +357,20 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_f
                                dy_s.index(sq))
                 if NPROF > 0:
                     pacc, pt = _tick(pacc, pt, 1)
-        _store_rows(DK, tok, dk * sm_scale, C, D, mma_o)
-        _store_rows(DV_, tok, dv * alpha, C, DV, mma_o)
-        gl.thread_barrier()
+        # by TMA through two staging tiles (each written once its store of the chunk before has left)
+        _store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 1)
+        _store_tile(dv_d, tok, dv * alpha, out_s.index(1), 1)
         mbarrier.arrive(kv_free.index(sk))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
+    tma.store_wait(0)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
 @gluon.jit
-def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, O, PROF, T, H, SEG_CHUNKS, qk_scale,
+def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d, O, PROF, T, H, SEG_CHUNKS, qk_scale,
                          sm_scale, MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr,
                          C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
                          NPROF: gl.constexpr):
@@ -375,7 +380,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, O,
     by TMA while the chunks before are computed. The dq partition works on query chunk c with key
     tiles c - 2..c, the dk/dv partition on key chunk c with query tiles c..c + 2, each at its own
     pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
-    three chunks on. OWN_DELTA: D is formed here from O (B*H*T, Dv) (the dq partition, as each
+    three chunks on. dk_d, dv_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed here from O (B*H*T, Dv) (the dq partition, as each
     query tile comes) and DELTA receives dy . o; else DELTA holds D, from ``window``'s delta pass.
     NPROF > 0 (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
     i_s = gl.program_id(0)
@@ -390,6 +395,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, O,
     dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
     k_s = gl.allocate_shared_memory(dt, [3, C, D], k_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
+    out_s = gl.allocate_shared_memory(dt, [2, C, D], dk_d.layout)  # dk's and dv's staging tiles
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dl_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # D of the query tiles (OWN_DELTA)
     ls_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # their lse
@@ -419,8 +425,8 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, O,
         (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
                               LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
                               sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
-        (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d,
-                                dy_d, LSE, DELTA, DK, DV_, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
+        (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready,
+                                q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
                                 qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
     ], [4], [248])
     for i in gl.static_range(3):
@@ -482,8 +488,11 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         grid = (-(-nc // seg_chunks), B * H)
         if prof is not None and tuple(prof.shape) != (grid[0] * grid[1] * 2, 16):
             raise ValueError(f"window_gluon.bwd: prof must be ({grid[0] * grid[1] * 2}, 16), got {tuple(prof.shape)}")
-        _win_bwd_walk_kernel[grid](*descs, *common, o if o is not None else dy, prof if prof is not None else lse, T,
-                                   H, seg_chunks, *scales, OWN_DELTA=o is not None,
+        outs = tma_tiles([dk, dv], [BT, WIDTH])
+        if outs is None or not (dk.is_contiguous() and dv.is_contiguous()):
+            raise ValueError("window_gluon.bwd: dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
+        _win_bwd_walk_kernel[grid](*descs, *common[:4], *outs[0], o if o is not None else dy,
+                                   prof if prof is not None else lse, T, H, seg_chunks, *scales, OWN_DELTA=o is not None,
                                    NPROF=8 if prof is not None else 0, **consts)
     else:
         _win_bwd_kernel[(T // BT, B * H)](*descs, *common, T, H, *scales, **consts)
@@ -497,9 +506,11 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, DK=bf, DV_=bf)
+    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf)
     if walk:
-        args.update(O=bf, PROF=torch.empty(16, dtype=torch.int64))
+        args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64))
+    else:
+        args.update(DK=bf, DV_=bf)
     args.update(T=256, H=4)
     if walk:
         args["SEG_CHUNKS"] = 3
