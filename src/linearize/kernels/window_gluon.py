@@ -201,17 +201,23 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
 
 
 @gluon.jit
-def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
-                  DV: gl.constexpr):
+def _o_rows(O, tok, C: gl.constexpr, DV: gl.constexpr, blk: gl.constexpr):
+    """o of the chunk's rows tok.. (C, DV) in registers (``blk``), for ``_publish_rows``."""
+    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, blk))
+    return gl.load(O + tok.to(gl.int64) * DV + (r[:, None] * DV + cols[None, :]))
+
+
+@gluon.jit
+def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
+                  blk: gl.constexpr):
     """For query tile m of the segment (chunk c0 + m, slot m % 3): D = alpha (dy . o) and lse of
     its rows into the slot's row vectors (dl_s, ls_s), for both partitions; dy . o itself into
-    DYO (the caller's alpha and sink sums). o comes from global memory, dy from its tile slot."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    DYO (the caller's alpha and sink sums). o (``_o_rows``) is read ahead by the caller, dy
+    comes from its tile slot."""
     sq = m % 3
     tok = row0 + (c0 + m) * C
     r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, blk))
-    o = gl.load(O + tok.to(gl.int64) * DV + (r[:, None] * DV + cols[None, :]))  # issued before the wait
     lse = gl.load(LSE + tok + r)
     mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
     dyo = gl.sum(dy_s.index(sq).load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
@@ -237,6 +243,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # o and dy rows for D
     rows = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
     pacc = 0
@@ -244,14 +251,17 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
     if NPROF > 0:
         pacc, pt = _prof_init()
     if OWN_DELTA:
-        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, 0, alpha, C, DV)
+        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + c0 * C, C, DV, blk), LSE, DELTA, row0, c0,
+                      0, alpha, C, blk)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
     for j in range(n):
         c = c0 + j
         tok = row0 + c * C
         sq = j % 3
-        if not OWN_DELTA:
+        if OWN_DELTA:  # the next tile's o, read while this chunk's first scores are formed
+            o_next = _o_rows(O, row0 + gl.minimum(c + 1, nc - 1) * C, C, DV, blk)
+        else:
             lse = gl.load(LSE + tok + rows)
             delta = gl.load(DELTA + tok + rows)
         mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
@@ -281,8 +291,8 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
                     pacc, pt = _tick(pacc, pt, 1)
                 if OWN_DELTA:
                     if c + 1 < nc:
-                        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, j + 1, alpha, C,
-                                      DV)
+                        _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o_next, LSE, DELTA, row0, c0, j + 1, alpha,
+                                      C, blk)
                     if NPROF > 0:
                         pacc, pt = _tick(pacc, pt, 6)
         _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
@@ -292,7 +302,8 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             pacc, pt = _tick(pacc, pt, 5)
     if OWN_DELTA:
         if c0 + n + 1 < nc:  # the query tile after next, which the segment's last key chunk sees
-            _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, c0, n + 1, alpha, C, DV)
+            _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + (c0 + n + 1) * C, C, DV, blk), LSE,
+                          DELTA, row0, c0, n + 1, alpha, C, blk)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 6)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
