@@ -1,0 +1,71 @@
+"""Lizard's inference forward on Hopper, timed several ways in one run: the whole call
+(``lizard_attention`` under no_grad, as the kernel bench times it) and the fused Gluon kernel
+alone (``lizard_gluon.lizard_fwd_fused``), the current kernel file beside other versions of it.
+
+    python scripts/lizard_fwd_ab.py --out OUT [--shape 16x2048 ...] [--rounds 5] [--alt NAME=FILE ...]
+
+The bench's inputs (``bench.kernels._shape_inputs``: bf16, 32 heads, widths 128, window 128, 4
+sinks). Rounds alternate the versions; each cell is the median over rounds of do_bench's median
+(L2 flushed between calls). Writes OUT/lizard-fwd-ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from linearize.bench.kernels import _env, _shape_inputs
+from linearize.kernels import lizard_gluon
+from linearize.kernels.lizard import lizard_attention
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another lizard_gluon.py to time beside")
+    a = p.parse_args()
+    mods = {"current": lizard_gluon}
+    for alt in a.alt:
+        name, path = alt.split("=", 1)
+        spec = importlib.util.spec_from_file_location(f"lizard_gluon_{name}", path)
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    rows = []
+    for shape in a.shape or ["16x2048", "4x8192"]:
+        B, T = (int(v) for v in shape.split("x"))
+        x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+        scale = 128 ** -0.5
+
+        def whole():
+            with torch.no_grad():
+                lizard_attention(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], window=128,
+                                 sink_logits=x["sinks"])
+
+        def kernel(mod):
+            return lambda: mod.lizard_fwd_fused(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"],
+                                                x["sinks"], window=128, scale=scale, eps=1e-6)
+
+        cells = {"lizard_attention (whole call)": whole, **{f"fused kernel: {n}": kernel(m) for n, m in mods.items()}}
+        ms = {n: [] for n in cells}
+        for _ in range(a.rounds):
+            for n, fn in cells.items():
+                ms[n].append(do_bench(fn, warmup=10, rep=100, return_mode="median"))
+        for n in cells:
+            rows.append({"B": B, "T": T, "cell": n, "median_ms": statistics.median(ms[n]), "ms": ms[n]})
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lizard-fwd-ab.json").write_text(json.dumps({"env": _env("scripts/lizard_fwd_ab.py"), "rows": rows},
+                                                       indent=1))
+
+
+if __name__ == "__main__":
+    main()
