@@ -229,8 +229,8 @@ def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, 
 
 
 @gluon.jit
-def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, LSE, DELTA, DQ,
-                       O, PROF, prof_row, row0, c0, n, nc, alpha, qk_scale, sm_scale,
+def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d, LSE,
+                       DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale, sm_scale,
                        W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                        OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first. Key
@@ -282,6 +282,11 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             if d == 0:
                 gl.thread_barrier()  # every warp is past its MMAs on the tile
                 mbarrier.arrive(kv_free.index(sk))
+                if m + 3 < n:
+                    mbarrier.wait(kv_free.index(sk), ((m + 2) // 3) & 1)
+                    ck = c0 + m + 3
+                    _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
+                               v_s.index(sk))
                 if NPROF > 0:
                     pacc, pt = _tick(pacc, pt, 1)
                 if OWN_DELTA:
@@ -305,8 +310,8 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
 
 
 @gluon.jit
-def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, LSE,
-                         DELTA, dk_d, dv_d, PROF, prof_row, row0, c0, n, nc, alpha, qk_scale, sm_scale,
+def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d,
+                         dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale,
                          W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                          OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
@@ -356,6 +361,11 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
             if d == 0:
                 gl.thread_barrier()
                 mbarrier.arrive(qdy_free.index(sq))
+                if i + 3 <= n + 1:
+                    mbarrier.wait(qdy_free.index(sq), (i // 3) & 1)
+                    cq = gl.minimum(c + 3, nc - 1)
+                    _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
+                               dy_s.index(sq))
                 if NPROF > 0:
                     pacc, pt = _tick(pacc, pt, 1)
         # by TMA through two staging tiles (each written once its store of the chunk before has left)
@@ -368,27 +378,6 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
-
-
-@gluon.jit
-def _walk_load_partition(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, k_d, v_d, row0, r_q, c_q,
-                         r_k, c_k, r_v, c_v, c0, n, nc, C: gl.constexpr):
-    """One warp bringing the tiles after the first three of each ring: key tile t + 1 into the slot
-    of key tile t - 2 once both partitions are done with that one, then query tile t + 3 into the
-    slot of query tile t likewise (in the order the two partitions free them), so that neither
-    compute partition waits for the other to free a slot."""
-    for t in range(n):
-        if t + 1 < n:
-            sk = t % 3
-            mbarrier.wait(kv_free.index(sk), (t // 3) & 1)
-            ck = c0 + t + 1
-            _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
-        if t + 3 <= n + 1:  # (the segment's last key chunks see the query tiles of the next two)
-            sq = t % 3
-            mbarrier.wait(qdy_free.index(sq), (t // 3) & 1)
-            cq = gl.minimum(c0 + t + 3, nc - 1)
-            _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
-                       dy_s.index(sq))
 
 
 @gluon.jit
@@ -444,15 +433,13 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
         alpha = 1.0
     prof_row = (i_bh * gl.num_programs(0) + i_s) * 2
     gl.warp_specialize([
-        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, LSE, DELTA,
-                              DQ, O, PROF, prof_row, row0, c0, n, nc, alpha, qk_scale, sm_scale, W, C, D, DV, OWN_DELTA,
-                              NPROF)),
+        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
+                              LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
+                              sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
         (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready,
-                                LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, c0, n, nc, alpha, qk_scale, sm_scale,
-                                W, C, D, DV, OWN_DELTA, NPROF)),
-        (_walk_load_partition, (q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, qdy_free, kv_free, q_d, dy_d, k_d, v_d, row0, r_q,
-                                c_q, r_k, c_k, r_v, c_v, c0, n, nc, C)),
-    ], [4, 1], [248, 24])
+                                q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
+                                qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
+    ], [4], [248])
     for i in gl.static_range(3):
         mbarrier.invalidate(bar_qdy.index(i))
         mbarrier.invalidate(bar_kv.index(i))
