@@ -604,12 +604,9 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
                                use_acc=False, is_async=True)
             dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_s))
             dv = warpgroup_mma(at, dns.slice(h * DH, DH, dim=1), dv * r_end[:, None], is_async=True)
-            if DV_ADD:  # the window's dv added by the tensor cores: I (C, C) times its tile (exact in fp32)
-                eye = gl.convert_layout(gl.where(rows_s[:, None] == cols_s[None, :], 1.0, 0.0).to(dt), dot_h)
-                dv = warpgroup_mma(eye, o_s.slice(h * DH, DH, dim=1), dv, is_async=True)
-                dv, at, _, _, _ = warpgroup_mma_wait(0, deps=(dv, at, eye, dns, o_s))
-            else:
-                dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dns))
+            dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dns))
+            if DV_ADD:
+                dv += o_s.slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32)
             gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
         gl.thread_barrier()
         mbarrier.arrive(dv_done)
