@@ -25,9 +25,9 @@ twelve tiles with nothing else to do (one program per multiprocessor) and reads 
 times. The default on Hopper since it ran there (an H100: 1.00 ms against 1.19 for the one-chunk
 kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md). Its dk and dv
 leave by TMA through two staging tiles (stored from registers they cost the dk/dv partition 4.0K
-cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``): the
-window's whole backward at B16 T2048 on an H100, 1.233 ms with the delta pre-pass and register
-stores, 0.983 with both changes (docs/results/window-walk-h100.md).
+cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``; the
+dq partition reads each next tile's o ahead): the window's whole backward at B16 T2048 on an H100,
+1.233 ms with the delta pre-pass and register stores, 0.956 now (docs/results/window-walk-h100.md).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
