@@ -487,7 +487,7 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s, w_s,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s, w_s,
                          sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, row0, i_bh,
                          i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
@@ -607,7 +607,15 @@ def _bwd_state_partition(sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
             dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dns))
             if DV_ADD:
                 dv += o_s.slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32)
-            gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
+            if DV_ADD or not NORM:  # out by TMA through o's slot (free: o and the window's dv are read)
+                o_s.slice(h * DH, DH, dim=1).store(dv.to(dt))
+            else:
+                gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
+        if DV_ADD or not NORM:
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dv_d, [row0 + c * C, 0], o_s)
+            tma.store_wait(0)  # the slot read out before the chunk partition brings its next tile into it
         gl.thread_barrier()
         mbarrier.arrive(dv_done)
         if NPROF > 0:
@@ -717,7 +725,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
-        (_bwd_state_partition, (sc_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
+        (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
                                 dz_s, w_s, sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
                                 row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
@@ -777,7 +785,7 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     DV = v.shape[-1]
     NC = T // BT
     nseg = -(-NC // seg_chunks)
-    tiles = tma_tiles([q, k, v, do, o if normalize else do, dv if dv_add else do], [BT, WIDTH])
+    tiles = tma_tiles([q, k, v, do, o if normalize else do, dv], [BT, WIDTH])
     if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1) and dv.is_contiguous()):
         raise ValueError("gla_gluon.bwd_fused: inputs outside its scope (supports_bwd_chunks)")
     descs, views = tiles
