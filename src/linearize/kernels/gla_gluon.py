@@ -39,7 +39,10 @@ partition waited 12.3K of its 17.4K; with A and dv moved and nothing scaled in p
 partition works 13.2K and the state partition 16.3K, and the kernel takes 1.10 ms instead of
 1.30 (Lizard's, normalised and adding into the window's dv: 1.41 against 1.69;
 docs/results/gla-fused-bwd-probe-h100-v3.json). The default on Hopper since it ran there
-(docs/results/kernels-h100-newbwd.md).
+(docs/results/kernels-h100-newbwd.md). dv leaves by TMA through o's slot where that slot is free
+once dv is formed (Lizard's, where it held o and then the window's dv; unnormalised, where it is
+unused): 0.98 ms instead of 1.10 for GLA, 1.36 instead of 1.42 for Lizard (same run,
+docs/results/gla-fused-bwd-probe-h100-dvtma.json).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
