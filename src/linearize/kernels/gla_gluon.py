@@ -491,7 +491,7 @@ def _z_col(dz2, zc):
 
 @gluon.jit
 def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s, dz_s, w_s,
-                         sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, row0, i_bh,
+                         sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, row0, i_bh,
                          i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
@@ -559,6 +559,12 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         ks = k_s.index(sl)
         dns = dn_s.index(sl)
         bl = BL + row0 + c * C
+        # the chunk's gates and z's row read now (their latency behind the waits below), the gates
+        # then kept in shared memory for the layouts they are read in
+        b_lin = gl.load(bl + gl.arange(0, C, layout=lin))
+        b_end = gl.load(bl + C - 1)
+        if NORM:
+            z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_Z)
         # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition (once it
         # has read the chunk before's)
         if NPROF > 0:
@@ -572,6 +578,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         ds_s.slice(0, FH).store(dS0.to(dt))
         ds_s.slice(FH, FH).store(dS1.to(dt))
         sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
+        b_s.store(b_lin)  # (its last reader, the chunk before's, is behind a barrier of this partition)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
@@ -579,7 +586,6 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
             pacc, pt = _tick(pacc, pt, 6)
 
         # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t)
-        b_end = gl.load(bl + C - 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
@@ -589,9 +595,10 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
                            is_async=True)
         at, _, _ = warpgroup_mma_wait(0, deps=(at, ks, qs))
         at = at * gl.exp(gl.where(cols_s[None, :] >= rows_s[:, None],
-                                  gl.load(bl + cols_s)[None, :] - gl.load(bl + rows_s)[:, None], -float("inf")))
+                                  b_s.load(gl.SliceLayout(0, mma_s))[None, :] - b_s.load(gl.SliceLayout(1, mma_s))[:, None],
+                                  -float("inf")))
         at = gl.convert_layout(at.to(dt), dot_h)
-        r_end = gl.exp(b_end - gl.load(bl + rows_h))
+        r_end = gl.exp(b_end - b_s.load(gl.SliceLayout(1, mma_h)))
         out = DV_ + (row0 + c * C).to(gl.int64) * DV + rows_h[:, None] * DV
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
@@ -628,13 +635,13 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         # phi_q^T an MMA operand in registers (dn stays as it is: the chunk partition reads it too)
         g = gl.exp(b_end)
         if NORM:  # e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and 1
-            w = dd_s.index(sl).load(gl.SliceLayout(1, wblk)) * gl.exp(gl.load(bl + t_w))
+            w = dd_s.index(sl).load(gl.SliceLayout(1, wblk)) * gl.exp(b_s.load(gl.SliceLayout(1, wblk)))
             w_hi = w.to(dt)
             w_lo = (w - w_hi.to(gl.float32)).to(dt)
             w_s.store(gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0)).to(dt))
             fence_async_shared()
             gl.thread_barrier()
-        e_k = gl.exp(gl.load(bl + gl.arange(0, C, layout=gl.SliceLayout(0, dot_S))))
+        e_k = gl.exp(b_s.load(gl.SliceLayout(0, dot_S)))
         qt0 = (qs.slice(0, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
         qt1 = (qs.slice(FH, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
         dS0 = warpgroup_mma(qt0, dns, dS0 * g, is_async=True)
@@ -653,7 +660,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
                 pacc, pt = _tick(pacc, pt, 1)
             s_dot = _state_dot(st_s, dS0, dS1)
             if NORM:
-                s_dot += gl.sum(_z_col(dz, zc) * gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_Z), axis=0)
+                s_dot += gl.sum(_z_col(dz, zc) * z_row, axis=0)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(tq_done, i & 1)
@@ -705,6 +712,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     w_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
+    b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t, for the state partition
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dn0_ready, dv_done
     bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
@@ -729,8 +737,8 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
-                                dz_s, w_s, sdot_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
-                                row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
+                                dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
+                                dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
     for i in gl.static_range(2):
