@@ -172,14 +172,9 @@ def _sum(a, b):
 
 @gluon.jit
 def _intra_decay(bl, rows, cols):
-    """p_ts = e^{b_t - b_s} for s <= t, else 0, from the gates at bl."""
-    return _decay(gl.load(bl + rows), gl.load(bl + cols), rows, cols)
-
-
-@gluon.jit
-def _decay(b_rows, b_cols, rows, cols):
     """p_ts = e^{b_t - b_s} for s <= t, else 0 (masked before the exp: every exponent <= 0)."""
-    return gl.exp(gl.where(cols[None, :] <= rows[:, None], b_rows[:, None] - b_cols[None, :], -float("inf")))
+    return gl.exp(gl.where(cols[None, :] <= rows[:, None], gl.load(bl + rows)[:, None] - gl.load(bl + cols)[None, :],
+                           -float("inf")))
 
 
 @gluon.jit
@@ -317,7 +312,7 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 @gluon.jit
 def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
-                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, b_s, in_bar, s_bar, o_bar,
+                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                          dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
@@ -413,11 +408,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         if NORM:
             tk = tk + dz_s.load(col_t)[None, :]
             m = m + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None]
-        # the chunk's gates from the state partition's copy (written before ds_ready, rewritten after ds_free)
-        p_s = _decay(b_s.load(gl.SliceLayout(1, mma_s)), b_s.load(gl.SliceLayout(0, mma_s)), rows_s, cols_s)
         gl.thread_barrier()
-        mbarrier.arrive(ds_free)  # dS's copy, dz and the gates are read: the state partition may write the next
-        am_s.store((m * p_s).to(dt))
+        mbarrier.arrive(ds_free)  # dS's copy and dz are read: the state partition may write the next
+        am_s.store((m * _intra_decay(bl, rows_s, cols_s)).to(dt))
         fence_async_shared()
         gl.thread_barrier()
         dk = warpgroup_mma(am_s.permute((1, 0)), qs, tk * r_end[:, None], is_async=True)
@@ -719,7 +712,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     w_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
-    b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t (the state partition writes it)
+    b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t, for the state partition
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dn0_ready, dv_done
     bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
@@ -740,8 +733,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     prof_row = i_bh * NSEG + i_seg
     gl.warp_specialize([
         (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
-                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, b_s, in_bar, s_bar,
-                                o_bar,
+                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
