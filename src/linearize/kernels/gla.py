@@ -702,8 +702,8 @@ class GLAKernelConfig:
     (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in
     registers, so the state gradient of every chunk is never written or read); only the segment
     pre-pass and scan run before it, where the sequence is cut. On by default: on an H100 (B16
-    T2048, bf16, 32 heads of 128; docs/results/kernels-h100-dvtma.md) GLA's fwd+bwd took 1.649 ms
-    against 2.319 with the two passes (1560 MiB of extra memory against 2072 in
+    T2048, bf16, 32 heads of 128; docs/results/kernels-h100-final.md) GLA's fwd+bwd took 1.611 ms
+    against 2.321 with the two passes (1560 MiB of extra memory against 2072 in
     kernels-h100-rebalanced.md); off, the two passes above run."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200

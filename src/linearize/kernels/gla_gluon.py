@@ -42,7 +42,8 @@ docs/results/gla-fused-bwd-probe-h100-v3.json). The default on Hopper since it r
 (docs/results/kernels-h100-newbwd.md). dv leaves by TMA through o's slot where that slot is free
 once dv is formed (Lizard's, where it held o and then the window's dv; unnormalised, where it is
 unused): 0.98 ms instead of 1.10 for GLA, 1.36 instead of 1.42 for Lizard (same run,
-docs/results/gla-fused-bwd-probe-h100-dvtma.json).
+docs/results/gla-fused-bwd-probe-h100-dvtma.json); the state partition reads each chunk's gates
+once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
