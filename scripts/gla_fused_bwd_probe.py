@@ -13,17 +13,15 @@ alternating between versions. Writes OUT/gla-fused-bwd-probe.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from linearize.bench.kernels import _env
 from linearize.kernels import gla_gluon
+from probe_common import alt_modules, write_rows
 
 # the partitions' phases (see the kernel's NPROF counters)
 PHASES = {"chunk": ["wait tiles", "wait o", "wait dS", "wait dv", "wait S", "work dphi_k", "work dphi_q, dlog_g",
@@ -60,12 +58,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     B, T = (int(v) for v in a.shape.split("x"))
-    mods = {"current": gla_gluon}
-    for alt in a.alt:
-        name, path = alt.split("=", 1)
-        spec = importlib.util.spec_from_file_location(f"gla_gluon_{name}", path)
-        mods[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods[name])
+    mods = alt_modules(gla_gluon, a.alt)
     x = inputs(B, T)
     rows = []
     for case, normalize, dv_add in (("gla", False, False), ("lizard", True, True)):
@@ -86,10 +79,7 @@ def main() -> None:
                                         "state": {k: round(v) for k, v in zip(PHASES["state"], per[8:]) if k != "-"}}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gla-fused-bwd-probe.json").write_text(json.dumps({"env": _env("scripts/gla_fused_bwd_probe.py"),
-                                                               "rows": rows}, indent=1))
+    write_rows(a.out, "gla-fused-bwd-probe.json", "scripts/gla_fused_bwd_probe.py", rows)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,16 @@ sinks). Rounds alternate the versions; each cell is the median over rounds of do
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-from linearize.bench.kernels import _env, _shape_inputs
+from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import lizard_gluon
 from linearize.kernels.lizard import lizard_attention
+from probe_common import alt_modules, write_rows
 
 
 def main() -> None:
@@ -32,12 +31,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another lizard_gluon.py to time beside")
     a = p.parse_args()
-    mods = {"current": lizard_gluon}
-    for alt in a.alt:
-        name, path = alt.split("=", 1)
-        spec = importlib.util.spec_from_file_location(f"lizard_gluon_{name}", path)
-        mods[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods[name])
+    mods = alt_modules(lizard_gluon, a.alt)
     rows = []
     for shape in a.shape or ["16x2048", "4x8192"]:
         B, T = (int(v) for v in shape.split("x"))
@@ -61,10 +55,7 @@ def main() -> None:
         for n in cells:
             rows.append({"B": B, "T": T, "cell": n, "median_ms": statistics.median(ms[n]), "ms": ms[n]})
             print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lizard-fwd-ab.json").write_text(json.dumps({"env": _env("scripts/lizard_fwd_ab.py"), "rows": rows},
-                                                       indent=1))
+    write_rows(a.out, "lizard-fwd-ab.json", "scripts/lizard_fwd_ab.py", rows)
 
 
 if __name__ == "__main__":

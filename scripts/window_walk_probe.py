@@ -14,18 +14,16 @@ the same run. Writes OUT/window-walk-probe.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from dataclasses import replace
 import statistics
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-from linearize.bench.kernels import _env
 from linearize.kernels import window as kwin
 from linearize.kernels import window_gluon
+from probe_common import alt_modules, write_rows
 
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",
           "D (dq partition)", "other"]
@@ -80,12 +78,8 @@ def main() -> None:
     p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another window_gluon.py to time beside")
     a = p.parse_args()
     versions = {name: (window_gluon, kw) for name, kw in VERSIONS.items()}
-    for alt in a.alt:
-        name, path = alt.split("=", 1)
-        spec = importlib.util.spec_from_file_location(f"window_gluon_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        versions[name] = (mod, dict(gluon_walk_delta=True))
+    alts = alt_modules(window_gluon, a.alt)
+    versions.update({name: (mod, dict(gluon_walk_delta=True)) for name, mod in alts.items() if name != "current"})
     rows = []
     for shape in a.shape or ["16x2048", "4x8192", "1x32768"]:
         B, T = (int(v) for v in shape.split("x"))
@@ -101,10 +95,7 @@ def main() -> None:
                    "cycles_per_chunk": phases(x, cfg.gluon_walk_delta, mod)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "window-walk-probe.json").write_text(json.dumps({"env": _env("scripts/window_walk_probe.py"),
-                                                             "rows": rows}, indent=1))
+    write_rows(a.out, "window-walk-probe.json", "scripts/window_walk_probe.py", rows)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,29 @@ def test_retime_measures_the_checkpoints_layer_again_and_the_page_says_so(lion_m
     assert cost["remeasured"]["command"] == ".venv/bin/python scripts/lion_minilm.py --retime x.json"
     assert "measured again after the training run" in lion_minilm._retimed({"cost": cost})
     assert lion_minilm._retimed({"cost": {"forms": {}}}) == ""
+
+
+def test_probe_alt_modules_load_kernel_copies_with_relative_imports(tmp_path):
+    """scripts/probe_common.alt_modules: a copy of a kernel file (relative imports and all) loads
+    beside the current module, as the GPU probes' --alt NAME=FILE needs; a bad spec is refused by
+    name."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+
+    from linearize.kernels import window_gluon
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        common = _load("probe_common")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    copy = tmp_path / "window_gluon_copy.py"
+    copy.write_text(Path(window_gluon.__file__).read_text().replace("WIDTH = 128", "WIDTH = 128  # the copy"))
+    mods = common.alt_modules(window_gluon, [f"copy={copy}"])
+    assert list(mods) == ["current", "copy"] and mods["current"] is window_gluon
+    assert mods["copy"] is not window_gluon and mods["copy"].__file__ == str(copy)
+    assert mods["copy"].walk_segments(4, 64, 132) == window_gluon.walk_segments(4, 64, 132)
+    with pytest.raises(SystemExit, match="NAME=FILE"):
+        common.alt_modules(window_gluon, [str(copy)])
+    with pytest.raises(SystemExit, match="missing.py"):
+        common.alt_modules(window_gluon, [f"x={tmp_path / 'missing.py'}"])
