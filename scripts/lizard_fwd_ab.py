@@ -11,7 +11,6 @@ sinks). Rounds alternate the versions; each cell is the median over rounds of do
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -21,20 +20,14 @@ from triton.testing import do_bench
 from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import lizard_gluon
 from linearize.kernels.lizard import lizard_attention
-from probe_common import alt_modules, write_rows
+from probe_common import alt_modules, probe_args, write_rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another lizard_gluon.py to time beside")
-    a = p.parse_args()
+    a = probe_args("lizard_gluon.py", ["16x2048", "4x8192"], 5)
     mods = alt_modules(lizard_gluon, a.alt)
     rows = []
-    for shape in a.shape or ["16x2048", "4x8192"]:
-        B, T = (int(v) for v in shape.split("x"))
+    for B, T in a.shapes:
         x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
         scale = 128 ** -0.5
 

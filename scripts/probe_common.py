@@ -3,12 +3,26 @@ one (``--alt NAME=FILE``), and their JSON output."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 from linearize.bench.kernels import _env
+
+
+def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Namespace:
+    """--out, --shape (repeatable BxT; ``shapes`` by default), --rounds, --alt NAME=FILE; the
+    parsed arguments, with ``shapes`` the list of (B, T)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", action="append", default=None, help=f"BxT (repeatable; default {', '.join(shapes)})")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--alt", action="append", default=[], help=f"NAME=FILE: another {kernel_file} to time beside")
+    a = p.parse_args()
+    a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape or shapes]
+    return a
 
 
 def alt_modules(current: ModuleType, alts: list[str]) -> dict[str, ModuleType]:

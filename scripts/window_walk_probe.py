@@ -13,7 +13,6 @@ the same run. Writes OUT/window-walk-probe.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 import statistics
@@ -23,7 +22,7 @@ from triton.testing import do_bench
 
 from linearize.kernels import window as kwin
 from linearize.kernels import window_gluon
-from probe_common import alt_modules, write_rows
+from probe_common import alt_modules, probe_args, write_rows
 
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",
           "D (dq partition)", "other"]
@@ -71,18 +70,12 @@ def phases(x: dict, own: bool, mod=window_gluon) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192, 1x32768)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another window_gluon.py to time beside")
-    a = p.parse_args()
+    a = probe_args("window_gluon.py", ["16x2048", "4x8192", "1x32768"], 3)
     versions = {name: (window_gluon, kw) for name, kw in VERSIONS.items()}
     alts = alt_modules(window_gluon, a.alt)
     versions.update({name: (mod, dict(gluon_walk_delta=True)) for name, mod in alts.items() if name != "current"})
     rows = []
-    for shape in a.shape or ["16x2048", "4x8192", "1x32768"]:
-        B, T = (int(v) for v in shape.split("x"))
+    for B, T in a.shapes:
         x = inputs(B, T)
         cfgs = {name: (mod, replace(kwin.CONFIG, gluon_bwd=True, gluon_bwd_walk=True, **kw))
                 for name, (mod, kw) in versions.items()}
