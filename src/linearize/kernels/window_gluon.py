@@ -50,17 +50,23 @@ WIDTH = 128
 
 
 @gluon.jit
+def _score_pair(a, b, c, d, C: gl.constexpr, mma_s: gl.constexpr):
+    """a b^T and c d^T ((C, C) fp32 each: the scores and dy v^T, or both transposed), two MMAs
+    issued together and waited for together."""
+    s = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+    t = warpgroup_mma(c, d.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False, is_async=True)
+    s, t, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, t, a, b, c, d))
+    return s, t
+
+
+@gluon.jit
 def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c, alpha, qk_scale,
              W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr, pacc, pt,
              NPROF: gl.constexpr):
     """dq += ds kd for the query tile (q_t, dy_t) of chunk c against the key tile (kd, vd) of chunk
     c - lag: a key column is visible iff col <= row + lag C and col > row + lag C - W (and c >= lag).
     Profiling builds (NPROF): the scores' MMAs, the elementwise work and dq's MMA as phases 2, 3, 4."""
-    s = warpgroup_mma(q_t, kd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                      is_async=True)
-    dp = warpgroup_mma(dy_t, vd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                       is_async=True)
-    s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, q_t, kd, dy_t, vd))
+    s, dp = _score_pair(q_t, kd, dy_t, vd, C, mma_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 2)
     vis = (cols[None, :] <= rows[:, None] + lag * C) & (cols[None, :] > rows[:, None] + (lag * C - W)) & (c >= lag)
@@ -82,11 +88,7 @@ def _dkdv_tile(k0, v0, qd, dyd, dk, dv, lse, delta, keys, qry, d: gl.constexpr, 
     """dk += ds^T qd, dv += p^T dyd for the key tile (k0, v0) of chunk c against the query tile
     (qd, dyd) of chunk c + d, transposed (rows are keys): visible iff key <= query + d C and
     key > query + d C - W (and c + d < nc). Profiling builds: phases as ``_dq_tile``'s."""
-    st = warpgroup_mma(k0, qd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                       is_async=True)
-    dpt = warpgroup_mma(v0, dyd.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
-                        is_async=True)
-    st, dpt, _, _, _, _ = warpgroup_mma_wait(0, deps=(st, dpt, k0, qd, v0, dyd))
+    st, dpt = _score_pair(k0, qd, v0, dyd, C, mma_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 2)
     vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & (c + d < nc)
