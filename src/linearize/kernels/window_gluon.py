@@ -318,8 +318,9 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
                          OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
     Once it and the dq partition are done with query tile i, this partition brings query tile
-    i + 3 into its slot. dk and dv leave by TMA (``out_s``: a staging tile each). With OWN_DELTA, D and lse of a query tile come from the dq partition
-    (``d_ready``); a tile past the sequence's end (clamped, masked) waits for nothing and takes D = 0."""
+    i + 3 into its slot. dk and dv leave by TMA (``out_s``: a staging tile each). With OWN_DELTA, D
+    and lse of a query tile come from the dq partition (``d_ready``); a tile past the sequence's
+    end (clamped, masked) waits for nothing and takes D = 0."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
