@@ -595,9 +595,9 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         at = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
         at, _, _ = warpgroup_mma_wait(0, deps=(at, ks, qs))
+        b_cols = b_s.load(gl.SliceLayout(0, mma_s))
         at = at * gl.exp(gl.where(cols_s[None, :] >= rows_s[:, None],
-                                  b_s.load(gl.SliceLayout(0, mma_s))[None, :] - b_s.load(gl.SliceLayout(1, mma_s))[:, None],
-                                  -float("inf")))
+                                  b_cols[None, :] - b_s.load(gl.SliceLayout(1, mma_s))[:, None], -float("inf")))
         at = gl.convert_layout(at.to(dt), dot_h)
         r_end = gl.exp(b_end - b_s.load(gl.SliceLayout(1, mma_h)))
         out = DV_ + (row0 + c * C).to(gl.int64) * DV + rows_h[:, None] * DV
