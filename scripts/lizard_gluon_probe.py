@@ -9,6 +9,7 @@ Rounds alternate the two forwards; the figures are medians of triton.testing.do_
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def triton_fwd(x, window=128):
                             window=window, sink_logits=x["sinks"])
 
 
-def fused_fwd(x, nseg=1, window=128, prof=None):
+def fused_fwd(x, nseg=1, window=128, prof=None, store=False):
     from linearize.kernels import lizard_gluon as L
     nseg, seg_len = L.segment_plan(x["v"].shape[2], nseg)
     s_in = z_in = None
@@ -59,7 +60,7 @@ def fused_fwd(x, nseg=1, window=128, prof=None):
         s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
     return L.lizard_fwd_fused(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
                               x["sinks"], window=window, scale=x["q_w"].shape[-1] ** -0.5, eps=1e-6, nseg=nseg,
-                              S_in=s_in, z_in=z_in, prof=prof)
+                              S_in=s_in, z_in=z_in, prof=prof, store=store)
 
 
 def reference(x, window=128):
@@ -179,16 +180,22 @@ PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "w
                     "", "", "", ""]}
 
 
-def profile(rows, B=16, T=2048):
-    """Cycles per chunk in each phase of both partitions' loops (clock64 between marks; program means)."""
+def profile(rows, B=16, T=2048, store=False):
+    """Cycles per chunk in each phase of both partitions' loops (clock64 between marks; program
+    means), and the kernel's time without counters; ``store``: the training kernel (TRAIN, storing
+    what the backward reads)."""
+    from triton.testing import do_bench
+
     x = inputs(B, T)
     prof = torch.zeros(B * 32, 16, dtype=torch.int64, device="cuda")
     with torch.no_grad():
         for _ in range(3):
-            fused_fwd(x, 1, prof=prof)
+            fused_fwd(x, 1, prof=prof, store=store)
         torch.cuda.synchronize()
+        ms = statistics.median(do_bench(lambda: fused_fwd(x, 1, store=store), warmup=10, rep=100, return_mode="all"))
     per = (prof.double().mean(0) / (T // 64)).tolist()
-    row = {"profile": True, "B": B, "T": T, "note": "cycles per chunk, accumulated over 3 calls",
+    row = {"profile": True, "train": store, "B": B, "T": T, "median_ms": ms,
+           "note": "cycles per chunk, accumulated over 3 calls",
            "output": dict(zip(PHASES["output"], per[:8])), "state": dict(zip(PHASES["state"][:4], per[8:12]))}
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -201,6 +208,7 @@ if __name__ == "__main__":
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--train", action="store_true", help="with --profile: the training kernel's profile too")
     p.add_argument("--segments", action="store_true")
     p.add_argument("--copy", action="store_true")
     p.add_argument("--layout", action="store_true")
@@ -215,6 +223,8 @@ if __name__ == "__main__":
             check(rows)
         if a.profile:
             profile(rows)
+            if a.train:
+                profile(rows, store=True)
         if a.segments:
             sweep_segments(rows)
         if a.copy:
