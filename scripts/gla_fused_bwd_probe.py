@@ -38,7 +38,8 @@ def inputs(B: int, T: int, H: int = 32, D: int = 128) -> dict:
         return torch.randn(*shape, generator=g, device="cuda").to(dtype)
 
     return dict(q=rnd(B, H, T, D).abs(), k=rnd(B, H, T, D).abs(), v=rnd(B, H, T, D), o=rnd(B, H, T, D),
-                log_g=F.logsigmoid(rnd(B, H, T, dtype=torch.float32) + 4), den=rnd(B * H, T, dtype=torch.float32).abs() + 1,
+                log_g=F.logsigmoid(rnd(B, H, T, dtype=torch.float32) + 4),
+                den=rnd(B * H, T, dtype=torch.float32).abs() + 1,
                 sc=rnd(B * H, NC + 1, D, D), zc=rnd(B * H, NC + 1, D, dtype=torch.float32).abs(), do=rnd(B, H, T, D),
                 dq=rnd(B, H, T, D), dk=rnd(B, H, T, D), dv=rnd(B, H, T, D),
                 dlog_g=torch.zeros(B * H, T, device="cuda"), NC=NC)

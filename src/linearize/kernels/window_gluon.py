@@ -313,8 +313,8 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
 
 @gluon.jit
 def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, q_d,
-                         dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale, sm_scale,
-                         W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                         dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row, row0, r_q, c_q, c0, n, nc, alpha, qk_scale,
+                         sm_scale, W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                          OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
     Once it and the dq partition are done with query tile i, this partition brings query tile
@@ -394,8 +394,9 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
     by TMA while the chunks before are computed. The dq partition works on query chunk c with key
     tiles c - 2..c, the dk/dv partition on key chunk c with query tiles c..c + 2, each at its own
     pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
-    three chunks on. dk_d, dv_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed here from O (B*H*T, Dv) (the dq partition, as each
-    query tile comes) and DELTA receives dy . o; else DELTA holds D, from ``window``'s delta pass.
+    three chunks on. dk_d, dv_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed
+    here from O (B*H*T, Dv) (the dq partition, as each query tile comes) and DELTA receives dy . o;
+    else DELTA holds D, from ``window``'s delta pass.
     NPROF > 0 (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
@@ -492,7 +493,7 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         raise ValueError(f"window_gluon.bwd: o must be contiguous {tuple(dy.shape)} {dy.dtype}, got "
                          f"{tuple(o.shape)} {o.dtype} (contiguous: {o.is_contiguous()})")
     descs, views = tiles
-    common = (lse, delta, alpha if alpha is not None else lse, dq, dk, dv)
+    common = (lse, delta, alpha if alpha is not None else lse, dq)
     scales = (scale * 1.4426950408889634, scale)
     consts = dict(MODEL_LAYOUT=model_layout_bits(views[:3]), HAS_ALPHA=alpha is not None, W=window, C=BT, D=D, DV=DV,
                   num_warps=4)
@@ -505,11 +506,11 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         outs = tma_tiles([dk, dv], [BT, WIDTH])
         if outs is None or not (dk.is_contiguous() and dv.is_contiguous()):
             raise ValueError("window_gluon.bwd: dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
-        _win_bwd_walk_kernel[grid](*descs, *common[:4], *outs[0], o if o is not None else dy,
-                                   prof if prof is not None else lse, T, H, seg_chunks, *scales, OWN_DELTA=o is not None,
-                                   NPROF=8 if prof is not None else 0, **consts)
+        _win_bwd_walk_kernel[grid](*descs, *common, *outs[0], o if o is not None else dy,
+                                   prof if prof is not None else lse, T, H, seg_chunks, *scales,
+                                   OWN_DELTA=o is not None, NPROF=8 if prof is not None else 0, **consts)
     else:
-        _win_bwd_kernel[(T // BT, B * H)](*descs, *common, T, H, *scales, **consts)
+        _win_bwd_kernel[(T // BT, B * H)](*descs, *common, dk, dv, T, H, *scales, **consts)
 
 
 def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False,
@@ -520,15 +521,12 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf)
+    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, T=256, H=4, qk_scale=0.1,
+                sm_scale=0.1)
     if walk:
-        args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64))
+        args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64), SEG_CHUNKS=3)
     else:
         args.update(DK=bf, DV_=bf)
-    args.update(T=256, H=4)
-    if walk:
-        args["SEG_CHUNKS"] = 3
-    args.update(qk_scale=0.1, sm_scale=0.1)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
     if walk:
         consts.update(OWN_DELTA=own_delta, NPROF=nprof)
