@@ -37,13 +37,14 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *,
-                       seg_chunks: int, normalize: bool, eps: float, dv_add: bool) -> None:
+                       seg_chunks: int, normalize: bool, eps: float, dv_add: bool, side_dot=None, alpha=None) -> None:
     """What ``kernels.gla_gluon.bwd_fused`` computes, in fp32 torch, with its signature: each segment
     of ``seg_chunks`` chunks walked from its end from the state gradient leaving it (ds_in, dz_in),
     chunk by chunk as the kernel does (the gate gradient's part after a chunk from the state leaving
     it, sc[c + 1]). CPU interpreter cases put it in the kernel's place (``_emulated_fused_bwd``) to
     run the host side of the fused path: the plan, the segments' entering gradients, the
-    arguments' meaning, dv added into the window's, dS0 and dz0."""
+    arguments' meaning, dv added into the window's, dS0 and dz0. With side_dot and alpha, o is
+    y = o_g + alpha_h x and side_dot the rows' do . x, as the kernel takes them."""
     B, H, T, F_ = q.shape
     NC = sc.shape[1] - 1
     BT = T // NC
@@ -68,7 +69,10 @@ def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk,
                 S, z = sc[bh, c].to(f), zc[bh, c] if normalize else torch.zeros(F_)
                 if normalize:
                     rden = 1.0 / (den.view(B * H, T)[bh, t] + eps)
-                    dn, dd = doc * rden[:, None], -(doc * o[b_, h_, t].to(f)).sum(1) * rden
+                    do_o = (doc * o[b_, h_, t].to(f)).sum(1)
+                    if side_dot is not None:
+                        do_o = do_o - alpha[h_] * side_dot.view(B * H, T)[bh, t]
+                    dn, dd = doc * rden[:, None], -do_o * rden
                 else:
                     dn, dd = doc, torch.zeros(BT)
                 A = (qc @ kc.T) * p
@@ -97,7 +101,7 @@ class _emulated_fused_bwd:
     leaving without an error, asserts that the backward went there."""
 
     def __init__(self, on: bool):
-        self.on, self.calls = on, []
+        self.on, self.calls, self.sides = on, [], []
 
     def __enter__(self):
         from linearize.kernels import gla as kgla
@@ -106,6 +110,7 @@ class _emulated_fused_bwd:
         if self.on:
             def bwd_fused(*args, **kw):
                 self.calls.append(kw["seg_chunks"])
+                self.sides.append(kw.get("side_dot") is not None)
                 fused_bwd_emulated(*args, **kw)
 
             emu = type("FusedEmulation", (), {"bwd_fused": staticmethod(bwd_fused)})
@@ -381,7 +386,8 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
 def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D: int, W: int, nsink: int,
                 log_space: bool = False, state: bool = False, pad: int | None = None, seg_chunks: int | None = None,
                 chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
-                seed: int = 0, lizard_cfg: dict | None = None, gla_cfg: dict | None = None) -> dict[str, float]:
+                seed: int = 0, lizard_cfg: dict | None = None, gla_cfg: dict | None = None,
+                emulate_walk: bool = False, og_from_y: bool | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
     states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
     the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
@@ -389,7 +395,9 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
     configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``, ``gla_cfg``: more
     LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
-    ``fused_bwd_emulated``)."""
+    ``fused_bwd_emulated``); ``emulate_walk`` (CPU): the window's backward through
+    ``window_walk_emulated``, forming its own D; ``og_from_y`` (with both emulations): whether the
+    gated backward must have taken dy . o_g from y and the window's dy . o_w (asserted)."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -451,11 +459,14 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
         calls = []
         fn_apply = kliz._LizardFunction.apply
         kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
-        with _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd"))):
+        emu_fused = _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd")))
+        with emu_fused, _emulated_window_walk(emulate_walk, True):
             y2, sg2, sw2 = run(kin, True)
             assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
             ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
              + (sg2.z.double() * dz.to(dev)).sum()).backward()
+        if og_from_y is not None:
+            assert emu_fused.sides == [og_from_y], (emu_fused.sides, og_from_y)
     finally:
         kliz._LizardFunction.apply = fn_apply
         kgla.set_config(**dataclasses.asdict(old))
@@ -557,6 +568,17 @@ INTERPRETER_CASES = {
         normalize=False, log_space=False, T=64, DK=16, DV=16, state=True, gla_cfg=dict(gluon_fused_bwd=True)), F32),
     "lizard f32 sinks state fused bwd emulated segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True)), F32),
+    # with the walking window backward emulated too: the gated backward takes dy . o_g from y and
+    # the window's dy . o_w (og_from_y; one segment), or reads o_g where told not to, or segmented
+    "lizard f32 sinks state fused bwd + walk emulated, og from y": (lizard_case, dict(
+        T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
+        emulate_walk=True, og_from_y=True), F32),
+    "lizard f32 sinks fused bwd + walk emulated, og kept": (lizard_case, dict(
+        T=64, DK=16, DV=16, D=16, W=20, nsink=4, gla_cfg=dict(gluon_fused_bwd=True), emulate_walk=True,
+        lizard_cfg=dict(og_from_y=False), og_from_y=False), F32),
+    "lizard f32 sinks fused bwd + walk emulated, segments": (lizard_case, dict(
+        T=96, DK=16, DV=16, D=16, W=20, nsink=4, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True),
+        emulate_walk=True, og_from_y=False), F32),
     "window f32 sinks": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4), F32),
     "window bf16 sinks fused": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True), BF16),
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),

@@ -422,26 +422,38 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments"])
-def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls):
+@pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments",
+                                     "walk one segment", "walk one segment state fp16", "walk one segment og kept"])
+def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls,
+                                                                  monkeypatch):
     """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
     (adding its dv into the window's) after the Gluon window backward: y, both states and every
     gradient against the fp64 reference; also from an initial state, with the backward's own
     sequence segments (one (batch x head) pair: four segments), fp16, and with the window's
-    backward as the walking kernel too."""
+    backward as the walking kernel too. With the walking kernel and the gated backward in one
+    segment, the forward keeps no o_g and the gated backward takes dy . o_g from y and the
+    window's dy . o_w (LizardKernelConfig.og_from_y), unless told not to ("og kept")."""
+    from linearize.kernels import gla_gluon
     from linearize.kernels import window as kwin
 
-    kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state=variant == "state",
+    sides = _spy(monkeypatch, gla_gluon, "bwd_fused", "side_dot")
+    kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state="state" in variant,
               gla_cfg=dict(gluon_fused_bwd=True))
     if variant.endswith("segments"):
         kw.update(T=2048, B=1, H=2)
-    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    if "one segment" in variant:  # (B x H = 6 pairs would walk two segments each)
+        kw["gla_cfg"]["seg_chunks"] = 16
+    if variant.endswith("og kept"):
+        kw["lizard_cfg"] = dict(og_from_y=False)
+    dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
     try:
         err = lizard_case("cuda", dtype, **kw)
     finally:
         kwin.set_config(**dataclasses.asdict(old))
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
+    og_from_y = "one segment" in variant and not variant.endswith("og kept")
+    assert [x is not None for x in sides] == [og_from_y], variant
     if variant == "segments":
         assert gluon_fused_calls[0] < 32, gluon_fused_calls
     assert_errors(err, KTOL[dtype], f"lizard gluon fused backward {variant}")

@@ -244,16 +244,18 @@ def _spill_bytes(r) -> int:
     return max(spills)
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout, train", [(False, 4, 0, False), (True, 0, 7, False),
-                                                                   (False, 4, 7, True)])
-def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, tmp_path):
-    """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference,
-    compiles for sm_90a within one block's shared memory, and Triton's ptxas assembles it (its two
-    warp-specialised partitions, their register limits included). What it computes is checked on a
-    GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*)."""
+@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og", [
+    (False, 4, 0, False, True), (True, 0, 7, False, True), (False, 4, 7, True, True), (False, 4, 0, True, False)])
+def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, tmp_path):
+    """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference
+    and (train) in training, with or without o_g among what it stores, compiles for sm_90a within
+    one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
+    partitions, their register limits included). What it computes is checked on a GPU
+    (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
     from linearize.kernels import lizard_gluon
 
-    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train)
+    k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
+                                        store_og=store_og)
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
@@ -276,19 +278,22 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
     assert _spill_bytes(r) == 0, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("normalize, dv_add, has_ds, store_ds0, model_layout",
-                         [(False, False, False, False, 0), (True, True, True, True, 7)])
-def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds, store_ds0, model_layout, tmp_path):
+@pytest.mark.parametrize("normalize, dv_add, has_ds, store_ds0, model_layout, side",
+                         [(False, False, False, False, 0, False), (True, True, True, True, 7, False),
+                          (True, True, False, False, 0, True)])
+def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds, store_ds0, model_layout, side,
+                                                      tmp_path):
     """kernels/gla_gluon.py, the whole gated backward as one kernel (GLAKernelConfig.gluon_fused_bwd):
     compiled for sm_90a within one block's shared memory (two slots of the four chunk tiles, S,
     dS's copy, M and o), its two warp-specialised partitions assembled by ptxas. (The state
     partition, which carries dS and forms dv, spills loop-invariant pointers and a few values
-    around its products: 65 words a thread with segments, dS0 and a model's layout.) What it computes is checked on a GPU
-    (test_gpu_gla_gluon_fused_backward_*)."""
+    around its products: 65 words a thread with segments, dS0 and a model's layout.) ``side``: o
+    read as y with the other branch's part of do . o subtracted (Lizard, og_from_y). What it
+    computes is checked on a GPU (test_gpu_gla_gluon_fused_backward_*, test_gpu_lizard_one_op_*)."""
     from linearize.kernels import gla_gluon
 
     k = gla_gluon.compile_fused_for_hopper(normalize=normalize, dv_add=dv_add, has_ds=has_ds, store_ds0=store_ds0,
-                                           model_layout=model_layout)
+                                           model_layout=model_layout, side=side)
     _assemble_warp_specialised(k, tmp_path, 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2, max_spill=272)
 
 

@@ -1007,6 +1007,16 @@ def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: i
     return ds_buf, dz_buf
 
 
+def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_space: bool, cfg: GLAKernelConfig) -> int:
+    """The segments the fused Gluon backward walks for these inputs (each beyond the first costs a
+    pre-pass reading o), or 0 where that backward does not run."""
+    BT = _chunk(cfg, q.dtype)
+    if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is None:
+        return 0
+    B, H, T = q.shape[:3]
+    return _segments(T, BT, B * H, device_sms(q), cfg)[0]
+
+
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
                eps: float, segs: tuple[int, int], cfg: GLAKernelConfig) -> BwdPlan:
     """The backward up to its chunk pass: with segments, each segment's own state gradient and
@@ -1041,7 +1051,7 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
     if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is not None:
         # the fused kernel walks segments of its own (one program per multiprocessor each)
-        nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)
+        nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg)  # (as fused_bwd_segments)
         if nseg > 1:
             ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
         return BwdPlan(do, den_, dlog_g, sc, zc if zc is not None else dlog_g, None, None, None, dlog_g, dS0, dz0,
@@ -1064,11 +1074,14 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
 
 
 def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
-               dv_into: Optional[torch.Tensor] = None):
+               dv_into: Optional[torch.Tensor] = None, side: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
     """The backward's chunk pass after ``bwd_states`` (or, for a ``fused`` plan, the whole fused
     Gluon backward); returns (dq, dk, dv, dlog_g, dS0, dz0).
     With ``dv_into`` (contiguous, v's shape and dtype) dv is added to it in place and returned,
-    which spares a sum of two dv tensors where v also feeds another branch (Lizard's window)."""
+    which spares a sum of two dv tensors where v also feeds another branch (Lizard's window).
+    With ``side`` = (side_dot, alpha), for a fused plan of one segment only (``fused_bwd_segments``):
+    the o given to ``bwd_states`` was y = o + alpha_h x, side_dot ((B*H, T) fp32) the rows' do . x
+    (``gla_gluon.bwd_fused``)."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
@@ -1082,9 +1095,14 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     if p.fused:
         if dv_into is not None and not dv_into.is_contiguous():
             raise ValueError("gla.bwd_chunks: the fused backward adds dv into a contiguous tensor only")
+        if side is not None and p.seg_chunks * BT < T:  # the segments' pre-pass read y as o
+            raise RuntimeError("gla.bwd_chunks: side takes a fused plan of one segment (fused_bwd_segments)")
         _gluon_fused_bwd(cfg, q, k, v, BT, log_space).bwd_fused(
             q, k, v, log_g, p.o.contiguous(), p.den, p.sc, p.zc, p.do, p.ds_in, p.dz_in, dq, dk, dv, dlog_g, dS0, dz0,
-            seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None)
+            seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None,
+            side_dot=side[0] if side is not None else None, alpha=side[1] if side is not None else None)
+    elif side is not None:
+        raise RuntimeError("gla.bwd_chunks: side takes a fused plan (fused_bwd_segments)")
     elif gluon is not None and (dv_into is None or dv_into.is_contiguous()):
         gluon.bwd_chunks(q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
                          normalize=normalize, eps=eps, dv_add=dv_into is not None)

@@ -312,19 +312,21 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                          dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
-                         NORM: gl.constexpr, DV_ADD: gl.constexpr, F: gl.constexpr, DV: gl.constexpr,
-                         C: gl.constexpr, NPROF: gl.constexpr):
+                         NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
+                         DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
     """Four warps forming one chunk's dn (dd), handed over for dv and dS's update (``dn0_ready``),
     then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed
     back read: ``ds_free``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does (dv is the
     state partition's; e^{b_t} scales dn S^T's rows, not dn). They issue every load but S's.
     Nothing read from global memory waits on the critical path: den and z's row are loaded at the
     chunk's start, and with ``DV_ADD`` the dv the state partition adds to comes by TMA into o's
-    slot once dd is formed (o's next tile then follows once dv is formed)."""
+    slot once dd is formed (o's next tile then follows once dv is formed). With ``SIDE`` the tile
+    read as o is y = o + alpha x (alpha: this head's), and SIDE_DOT holds the rows' do . x: dd
+    takes do . o as do . y - alpha (do . x)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -360,6 +362,12 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
         if NORM:  # issued now, used later (their latency off the critical path)
             den0 = gl.load(DEN + tok + rows_b)
             den1 = gl.load(DEN + tok + C // 2 + rows_b)
+            if SIDE:
+                side0 = alpha * gl.load(SIDE_DOT + tok + rows_b)
+                side1 = alpha * gl.load(SIDE_DOT + tok + C // 2 + rows_b)
+            else:
+                side0 = 0.0
+                side1 = 0.0
             z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + gl.arange(0, F, layout=lin))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
@@ -374,8 +382,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
             mbarrier.wait(o_bar, i & 1)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 1)
-            _dn_half(dns, o_s, dd_s.index(sl), den0, 0, eps, blk)  # in two halves of rows (fewer registers live)
-            _dn_half(dns, o_s, dd_s.index(sl), den1, 1, eps, blk)
+            _dn_half(dns, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)  # in two halves of rows (fewer registers
+            _dn_half(dns, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)  # live)
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
             gl.thread_barrier()
@@ -464,14 +472,14 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, 
 
 
 @gluon.jit
-def _dn_half(dns, o_s, dd_sl, den_h, h: gl.constexpr, eps, blk: gl.constexpr):
-    """Rows [h C/2, (h+1) C/2) of a chunk: dn = do / (den + eps) in place of do, dd = -(do . o) / (den + eps)
-    into dd_sl (also for dz's update)."""
+def _dn_half(dns, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.constexpr):
+    """Rows [h C/2, (h+1) C/2) of a chunk: dn = do / (den + eps) in place of do, dd = -(do . o - side_h) / (den + eps)
+    into dd_sl (also for dz's update); side_h: what of do . o is the other branch's (or 0)."""
     HC: gl.constexpr = dns.shape[0] // 2
     rden = 1.0 / (den_h + eps)
     do_h = dns.slice(h * HC, HC)
     do = do_h.load(blk).to(gl.float32)
-    dd_h = -gl.sum(do * o_s.slice(h * HC, HC).load(blk).to(gl.float32), axis=1) * rden
+    dd_h = (side_h - gl.sum(do * o_s.slice(h * HC, HC).load(blk).to(gl.float32), axis=1)) * rden
     do_h.store((do * rden[:, None]).to(dns.dtype))
     dd_sl.slice(h * HC, HC).store(dd_h)
 
@@ -681,17 +689,20 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
 
 
 @gluon.jit
-def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DQ, DK_, DV_, DG, DS0, DZ0,
-                          PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr, NORM: gl.constexpr,
-                          DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr, F: gl.constexpr,
-                          DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr = 0):
+def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SIDE_DOT, ALPHA, ZC, DS_IN, DZ_IN, DQ,
+                          DK_, DV_, DG, DS0, DZ0, PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr,
+                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
+                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, SIDE: gl.constexpr = False,
+                          NPROF: gl.constexpr = 0):
     """Grid (NSEG, B*H): the whole backward of one segment of chunks, walked from its end, in two
     partitions (``_bwd_chunk_partition``, ``_bwd_state_partition``). BL: b_t (B*H*T,) fp32; DEN
     (B*H*T,) fp32; ZC (B*H, NC+1, F) fp32; DS_IN (B*H*NSEG, F, DV), DZ_IN (B*H*NSEG, F) fp32: the
     state gradient leaving each segment (HAS_DS); DQ, DK_, DV_ (B*H*T, .) contiguous; DG (B*H*T,)
     fp32; DS0, DZ0 the initial state's gradient (STORE_DS0, written by segment 0). dva_d: dv's tiles,
     where the window's dv comes from (DV_ADD) and, through o's slot, where dv leaves (DV_ADD or
-    unnormalised; else by DV_'s rows)."""
+    unnormalised; else by DV_'s rows). SIDE (normalised): o_d holds y = o + alpha_h x (ALPHA (H,)
+    fp32) and SIDE_DOT (B*H*T,) fp32 the rows' do . x (Lizard: y and the window's dy . o_w, so that
+    the forward need not store the gated output o beside y)."""
     i_seg = gl.program_id(0)
     i_bh = gl.program_id(1)
     row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
@@ -734,11 +745,15 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, ZC
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
     ds_ready, ds_free, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
     prof_row = i_bh * NSEG + i_seg
+    if SIDE:
+        alpha = gl.load(ALPHA + i_bh % H)
+    else:
+        alpha = 0.0
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, ZC, DQ, DK_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
-                                row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, F, DV, C, NPROF)),
+                                row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
                                 dd_s, dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
                                 dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
@@ -787,13 +802,15 @@ def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, 
 
 
 def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *, seg_chunks: int,
-              normalize: bool, eps: float, dv_add: bool, prof: Optional[torch.Tensor] = None) -> None:
+              normalize: bool, eps: float, dv_add: bool, side_dot: Optional[torch.Tensor] = None,
+              alpha: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None) -> None:
     """The whole backward (``_gla_bwd_fused_kernel``) into dq, dk, dv ((B, H, T, .) contiguous; dv
     accumulated into with ``dv_add``), dlog_g ((B*H, T) fp32) and, where given, dS0 (B, H, F, Dv)
     and dz0 (B, H, F) fp32. o (B, H, T, Dv) contiguous (read where ``normalize``), do likewise;
     den (B*H, T) fp32; sc (B*H, NC+1, F, Dv) in q's dtype, zc (B*H, NC+1, F) fp32; ds_in
     (B*H*nseg, F, Dv), dz_in (B*H*nseg, F) fp32 or None: the state gradient leaving each segment of
-    ``seg_chunks`` chunks (the last may be shorter). ``prof`` (B*H*nseg, 16) int64, zeroed: a
+    ``seg_chunks`` chunks (the last may be shorter). With ``side_dot`` ((B*H, T) fp32) and ``alpha``
+    ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``prof`` (B*H*nseg, 16) int64, zeroed: a
     profiling build adds each program's cycles per phase into it (scripts/gla_fused_bwd_probe.py)."""
     B, H, T, F = q.shape
     DV = v.shape[-1]
@@ -804,14 +821,19 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         raise ValueError("gla_gluon.bwd_fused: inputs outside its scope (supports_bwd_chunks)")
     descs, views = tiles
     st_d = tma_tiles([sc.view(B * H, NC + 1, F, DV)], [F, DV])[0][0]
+    side = side_dot is not None
+    if side and not (normalize and alpha is not None and side_dot.is_contiguous() and side_dot.numel() == B * H * T
+                     and alpha.numel() == H and alpha.dtype == torch.float32 and side_dot.dtype == torch.float32):
+        raise ValueError("gla_gluon.bwd_fused: side_dot takes normalize, (B*H, T) fp32 side_dot and (H,) fp32 alpha")
     f32 = dlog_g  # a placeholder for the pointers a configuration does not read
     _gla_bwd_fused_kernel[(nseg, B * H)](
-        *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, zc if normalize else f32,
+        *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, side_dot if side else f32,
+        alpha if side else f32, zc if normalize else f32,
         ds_in if ds_in is not None else f32, dz_in if (ds_in is not None and normalize) else f32,
         dq, dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
         prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
         NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
-        **({"NPROF": 8} if prof is not None else {}), num_warps=4)
+        SIDE=side, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
 
 
 def _compile(kernel, args: dict, consts: dict, num_warps: int):
@@ -848,14 +870,16 @@ def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layou
 
 
 def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_ds: bool = False,
-                             store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4, nprof: int = 0):
+                             store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4, nprof: int = 0,
+                             side: bool = False):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
     d, ds, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, ZC=f32, DS_IN=f32, DZ_IN=f32,
+    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, SIDE_DOT=f32, ALPHA=f32,
+                ZC=f32, DS_IN=f32, DZ_IN=f32,
                 DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
                 SEG_CHUNKS=seg_chunks, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,
-                  F=WIDTH, DV=WIDTH, C=BT, NPROF=nprof)
+                  F=WIDTH, DV=WIDTH, C=BT, SIDE=side, NPROF=nprof)
     if nprof:
         args["PROF"] = torch.empty(16, dtype=torch.int64)
     return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)

@@ -84,7 +84,11 @@ class LizardKernelConfig:
     entering every chunk); the backward is the same either way.
     ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``);
     with more than one, each segment's entering state comes from the gated op's segment pre-pass
-    and scan, and every segment is a program of its own."""
+    and scan, and every segment is a program of its own.
+    ``og_from_y``: with ``fused_train``, where the backward's window kernel forms dy . o_w itself
+    (``window.forms_dyo``) and the fused gated backward walks one segment, the forward stores no
+    o_g: the gated backward takes dy . o_g as dy . y - alpha_h (dy . o_w), from y (kept as the op's
+    output) and the window's rows. One (B, H, T, Dv) tensor fewer written and kept."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
@@ -95,6 +99,7 @@ class LizardKernelConfig:
     fused_fwd: bool = True
     fused_train: bool = True
     fused_segments: Optional[int] = None
+    og_from_y: bool = True
 
 
 CONFIG = LizardKernelConfig()
@@ -168,9 +173,12 @@ class _LizardFunction(torch.autograd.Function):
 
         store = grad_mode and any(ctx.needs_input_grad[:10])
         fused = None
+        # the backward's gated kernel can take dy . o_g from y and the window's dy . o_w (see og_from_y)
+        og_from_y = (store and normalize and cfg.og_from_y and kwin.forms_dyo(kwin.CONFIG, q_w, k_w, v, window, kmin)
+                     and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1)
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
-                                   window, scale, eps, cfg, store=True)
+                                   window, scale, eps, cfg, store=True, store_og=not og_from_y)
         if fused is not None:
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
@@ -178,7 +186,9 @@ class _LizardFunction(torch.autograd.Function):
             y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
                 phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window,
                 scale, store, cfg)
-        ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin)
+        if og_from_y:
+            o_g = None  # (the Triton passes wrote it: not kept)
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y if og_from_y else None)
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
         ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
@@ -192,7 +202,7 @@ class _LizardFunction(torch.autograd.Function):
         from . import gla as kgla
         from . import window as kwin
 
-        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin = ctx.saved_tensors
+        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y = ctx.saved_tensors
         inter, ctx.inter = ctx.inter, None
         if inter is None:
             raise RuntimeError("lizard_attention's backward can run once per forward: it frees its intermediates "
@@ -203,19 +213,24 @@ class _LizardFunction(torch.autograd.Function):
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
         side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
-        o_g = inter.pop("o_g")
+        o_g = inter.pop("o_g")  # None where y stands in (og_from_y)
         with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's
-            gp = kgla.bwd_states(phi_q, phi_k, v, log_g, o_g if normalize else None, inter["den"], inter["sc"],
-                                 inter["zc"], dy, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, gcfg)
+            gp = kgla.bwd_states(phi_q, phi_k, v, log_g, (y if o_g is None else o_g) if normalize else None,
+                                 inter["den"], inter["sc"], inter["zc"], dy, dS_T, dz_T, need_dstate, normalize,
+                                 log_space, eps, segs, gcfg)
         # o_w and lse are freed as this returns (their readers are queued on this stream, before
         # anything that could take their memory)
-        dq_w, dk_w, dv_w, d_sinks, d_alpha = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), inter.pop("lse"),
-                                                       alpha, dy, window, scale, wcfg)
+        dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"),
+                                                              inter.pop("lse"), alpha, dy, window, scale, wcfg)
+        if y is not None and dyo_w is None:
+            raise RuntimeError("lizard_attention: the forward kept y for the window's dy . o_w, which its backward "
+                               "did not form")
         join_stream(side, *vars(gp).values())
         del o_g  # read on the side stream: freed only once this stream has waited for it
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
-        dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg,
-                                                       dv_into=dv_w)
+        dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(
+            phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg, dv_into=dv_w,
+            side=(dyo_w, alpha.float().contiguous()) if y is not None else None)
         return (dq, dk, dv, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
                 None, None, None, None, None, None, None, None)
 
@@ -334,7 +349,7 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
 
 
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
-                   window, scale, eps, cfg, store: bool = False):
+                   window, scale, eps, cfg, store: bool = False, store_og: bool = True):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
     from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
     unnormalised or log-space features, or outside ``lizard_gluon.supports``)."""
@@ -355,5 +370,5 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
     elif nseg > 1:
         s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
-                                        eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store)
+                                        eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og)
     return (*out, (nseg, seg_len))

@@ -392,7 +392,8 @@ def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bo
 
 
 def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig):
-    """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None)."""
+    """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None), and the rows' dy . o
+    ((B*H, T) fp32) where the walking kernel formed it (``forms_dyo``), else None."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     BM, BN = cfg.bm, cfg.bn
@@ -417,7 +418,7 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     gluon = _gluon_bwd(cfg, q, k, v, window, kmin)
     if gluon is not None:
         walk = cfg.gluon_bwd_walk
-        own = walk and cfg.gluon_walk_delta and o.is_contiguous()  # the walking kernel forms D itself
+        own = forms_dyo(cfg, q, k, v, window, kmin) and o.is_contiguous()  # the walking kernel forms D itself
         sums = dict(DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
         sums_args = (o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
                      dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
@@ -427,7 +428,7 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
                   sms=device_sms(q), o=o if own else None)
         if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
-        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
+        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), delta if own else None
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,
         alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
@@ -439,7 +440,7 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
         dk, dv, *strides, T, H, scale * LOG2E, scale, BM=KV_BM, BN=KV_BN, NQB=_query_blocks(window, KV_BM, KV_BN),
         HAS_KMIN=kmin is not None, HAS_ALPHA=alpha is not None, PREC=prec, **geo,
         **{**launch, "num_warps": cfg.kv_warps or cfg.bwd_warps})
-    return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS)
+    return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), None
 
 
 def _sink_alpha_grads(dsink, dalpha, sinks, alpha, B: int, H: int, nmb: int, nsink: int, BS: int):
@@ -453,6 +454,12 @@ def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
     """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
     mod = gluon_kernels("window_gluon") if cfg.gluon_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd(q, k, v, window, kmin) else None
+
+
+def forms_dyo(cfg: WindowKernelConfig, q, k, v, window: int, kmin) -> bool:
+    """Whether ``_bwd`` runs the walking Gluon kernel that forms D itself (given a contiguous o), and
+    so leaves the rows' dy . o for a caller (Lizard's gated backward takes dy . o_g from it and y)."""
+    return cfg.gluon_bwd_walk and cfg.gluon_walk_delta and _gluon_bwd(cfg, q, k, v, window, kmin) is not None
 
 
 class _WindowFunction(torch.autograd.Function):
@@ -472,7 +479,7 @@ class _WindowFunction(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, sinks, kmin, o, lse, alpha = ctx.saved_tensors
         window, scale, cfg, fused = ctx.args
-        dq, dk, dv, d_sinks, d_alpha = _bwd(q, k, v, sinks, kmin, o, lse, alpha if fused else None, dy,
+        dq, dk, dv, d_sinks, d_alpha, _ = _bwd(q, k, v, sinks, kmin, o, lse, alpha if fused else None, dy,
                                             window, scale, cfg)
         dyg = dy if fused else None
         return dq, dk, dv, d_sinks, dyg, d_alpha, None, None, None, None, None
