@@ -442,7 +442,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     if variant.endswith("segments"):
         kw.update(T=2048, B=1, H=2)
     if "one segment" in variant:  # (B x H = 6 pairs would walk two segments each)
-        kw["gla_cfg"]["seg_chunks"] = 16
+        kw["seg_chunks"] = 16
     if variant.endswith("og kept"):
         kw["lizard_cfg"] = dict(og_from_y=False)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
