@@ -70,14 +70,17 @@ def main() -> None:
                 ms[name].append(do_bench(lambda: run(x, normalize, dv_add, mod=mod), warmup=5, rep=50))
         for name, mod in mods.items():
             print(f"{case} {name} profile", flush=True)
-            prof = torch.zeros(B * 32, 16, dtype=torch.int64, device="cuda")
+            width = getattr(mod, "PROF_WIDTH", 16)  # (16: one state partition, in earlier versions)
+            prof = torch.zeros(B * 32, width, dtype=torch.int64, device="cuda")
             run(x, normalize, dv_add, prof, mod=mod)
             torch.cuda.synchronize()
             per = (prof.double().mean(0) / x["NC"]).tolist()
             row = {"case": case, "version": name, "B": B, "T": T, "median_ms": statistics.median(ms[name]),
                    "ms": ms[name],
                    "cycles_per_chunk": {"chunk": {k: round(v) for k, v in zip(PHASES["chunk"], per[:8]) if k != "-"},
-                                        "state": {k: round(v) for k, v in zip(PHASES["state"], per[8:]) if k != "-"}}}
+                                        **{f"state {h}" if width > 16 else "state":
+                                           {k: round(v) for k, v in zip(PHASES["state"], per[8 + 8 * h:16 + 8 * h])}
+                                           for h in range((width - 8) // 8)}}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     write_rows(a.out, "gla-fused-bwd-probe.json", "scripts/gla_fused_bwd_probe.py", rows)
