@@ -125,24 +125,25 @@ class _emulated_fused_bwd:
 
 
 def window_walk_emulated(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool,
-                         sms: int, o=None) -> None:
+                         sms: int, o=None, scores_delta: bool = False) -> None:
     """What ``window_gluon.bwd``'s walking kernel computes, in torch (fp32, every query against
     every key, masked): with ``o`` it forms D = alpha (dy . o) itself and leaves dy . o in
-    ``delta``, else it reads D from ``delta``; lse is the forward's (base 2)."""
-    assert walk
+    ``delta``; with ``scores_delta`` the same, dy . o as sum_s p_ts (dy_t . v_s); else it reads D
+    from ``delta``; lse is the forward's (base 2)."""
+    assert walk and not (o is not None and scores_delta)
     f = lambda x: x.float()
     a = alpha.float()[None, :, None] if alpha is not None else torch.ones(1, 1, 1)
     B, H, T, _ = q.shape
-    if o is not None:
-        dyo = (f(dy) * f(o)).sum(-1)
-        delta.copy_(dyo.reshape(B * H, T))
-        D = a * dyo
-    else:
-        D = delta.view(B, H, T)
     t = torch.arange(T)
     vis = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
     s = f(q) @ f(k).transpose(-1, -2) * (scale * 1.4426950408889634)
     p = torch.where(vis, torch.exp2(s - lse.view(B, H, T, 1)), 0.0)
+    if o is not None or scores_delta:
+        dyo = (f(dy) * f(o)).sum(-1) if o is not None else (p * (f(dy) @ f(v).transpose(-1, -2))).sum(-1)
+        delta.copy_(dyo.reshape(B * H, T))
+        D = a * dyo
+    else:
+        D = delta.view(B, H, T)
     ds = p * (a[..., None] * (f(dy) @ f(v).transpose(-1, -2)) - D[..., None])
     dq.copy_(scale * ds @ f(k))
     dk.copy_(scale * ds.transpose(-1, -2) @ f(q))
@@ -156,7 +157,7 @@ class _emulated_window_walk:
     an error, asserts that the backward went there, with o exactly where the config asks."""
 
     def __init__(self, on: bool, own: bool):
-        self.on, self.own, self.calls = on, own, []
+        self.on, self.own, self.calls, self.scores = on, own, [], []
 
     def __enter__(self):
         from linearize.kernels import window as kwin
@@ -164,7 +165,8 @@ class _emulated_window_walk:
         self.old = kwin._gluon_bwd
         if self.on:
             def bwd(*args, **kw):
-                self.calls.append(kw.get("o") is not None)
+                self.calls.append(kw.get("o") is not None or kw.get("scores_delta", False))
+                self.scores.append(kw.get("scores_delta", False))
                 window_walk_emulated(*args, **kw)
 
             emu = type("WalkEmulation", (), {"bwd": staticmethod(bwd)})
@@ -387,7 +389,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
                 log_space: bool = False, state: bool = False, pad: int | None = None, seg_chunks: int | None = None,
                 chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
                 seed: int = 0, lizard_cfg: dict | None = None, gla_cfg: dict | None = None,
-                emulate_walk: bool = False, og_from_y: bool | None = None) -> dict[str, float]:
+                emulate_walk: bool = False, og_from_y: bool | None = None,
+                ow_from_scores: bool | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
     states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
     the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
@@ -397,7 +400,9 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
     ``fused_bwd_emulated``); ``emulate_walk`` (CPU): the window's backward through
     ``window_walk_emulated``, forming its own D; ``og_from_y`` (with both emulations): whether the
-    gated backward must have taken dy . o_g from y and the window's dy . o_w (asserted)."""
+    gated backward must have taken dy . o_g from y and the window's dy . o_w (asserted);
+    ``ow_from_scores`` (with ``emulate_walk``): whether the window's backward must have formed
+    dy . o_w from its scores, the forward keeping no o_w (asserted)."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -460,13 +465,16 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
         fn_apply = kliz._LizardFunction.apply
         kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
         emu_fused = _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd")))
-        with emu_fused, _emulated_window_walk(emulate_walk, True):
+        emu_walk = _emulated_window_walk(emulate_walk, True)
+        with emu_fused, emu_walk:
             y2, sg2, sw2 = run(kin, True)
             assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
             ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
              + (sg2.z.double() * dz.to(dev)).sum()).backward()
         if og_from_y is not None:
             assert emu_fused.sides == [og_from_y], (emu_fused.sides, og_from_y)
+        if ow_from_scores is not None:
+            assert emu_walk.scores == [ow_from_scores], (emu_walk.scores, ow_from_scores)
     finally:
         kliz._LizardFunction.apply = fn_apply
         kgla.set_config(**dataclasses.asdict(old))
@@ -569,16 +577,17 @@ INTERPRETER_CASES = {
     "lizard f32 sinks state fused bwd emulated segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True)), F32),
     # with the walking window backward emulated too: the gated backward takes dy . o_g from y and
-    # the window's dy . o_w (og_from_y; one segment), or reads o_g where told not to, or segmented
+    # the window's dy . o_w (og_from_y; one segment), or reads o_g where told not to, or segmented;
+    # the window's dy . o_w from its scores (ow_from_scores), or from o where told not to
     "lizard f32 sinks state fused bwd + walk emulated, og from y": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
-        emulate_walk=True, og_from_y=True), F32),
+        emulate_walk=True, og_from_y=True, ow_from_scores=True), F32),
     "lizard f32 sinks fused bwd + walk emulated, og kept": (lizard_case, dict(
         T=64, DK=16, DV=16, D=16, W=20, nsink=4, gla_cfg=dict(gluon_fused_bwd=True), emulate_walk=True,
-        lizard_cfg=dict(og_from_y=False), og_from_y=False), F32),
+        lizard_cfg=dict(og_from_y=False, ow_from_scores=False), og_from_y=False, ow_from_scores=False), F32),
     "lizard f32 sinks fused bwd + walk emulated, segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True),
-        emulate_walk=True, og_from_y=False), F32),
+        emulate_walk=True, og_from_y=False, ow_from_scores=True), F32),
     "window f32 sinks": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4), F32),
     "window bf16 sinks fused": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True), BF16),
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),

@@ -430,21 +430,27 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     (adding its dv into the window's) after the Gluon window backward: y, both states and every
     gradient against the fp64 reference; also from an initial state, with the backward's own
     sequence segments (one (batch x head) pair: four segments), fp16, and with the window's
-    backward as the walking kernel too. With the walking kernel and the gated backward in one
-    segment, the forward keeps no o_g and the gated backward takes dy . o_g from y and the
-    window's dy . o_w (LizardKernelConfig.og_from_y), unless told not to ("og kept")."""
+    backward as the walking kernel too. With the walking kernel the forward keeps no o_w (that
+    kernel forms dy . o_w from its scores: LizardKernelConfig.ow_from_scores), and with the gated
+    backward in one segment no o_g (the gated backward takes dy . o_g from y and the window's
+    dy . o_w: og_from_y), unless told not to ("og kept": both kept)."""
     from linearize.kernels import gla_gluon
     from linearize.kernels import window as kwin
 
     sides = _spy(monkeypatch, gla_gluon, "bwd_fused", "side_dot")
+    from linearize.kernels import window_gluon
+
+    walk_kw, wbwd = [], window_gluon.bwd
+    monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: (walk_kw.append(k) if k.get("walk") else None,
+                                                              wbwd(*a, **k))[1])
     kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state="state" in variant,
               gla_cfg=dict(gluon_fused_bwd=True))
     if variant.endswith("segments"):
         kw.update(T=2048, B=1, H=2)
     if "one segment" in variant:  # (B x H = 6 pairs would walk two segments each)
         kw["seg_chunks"] = 16
-    if variant.endswith("og kept"):
-        kw["lizard_cfg"] = dict(og_from_y=False)
+    if variant.endswith("og kept"):  # (o_w too: D from o in the window's kernel)
+        kw["lizard_cfg"] = dict(og_from_y=False, ow_from_scores=False)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
     try:
@@ -454,6 +460,8 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
+    walk_o = [k["o"] is not None for k in walk_kw]
+    assert walk_o == ([variant.endswith("og kept")] if variant.startswith("walk") else []), (variant, walk_o)
     if variant == "segments":
         assert gluon_fused_calls[0] < 32, gluon_fused_calls
     assert_errors(err, KTOL[dtype], f"lizard gluon fused backward {variant}")
@@ -523,16 +531,22 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
 @needs_cuda
 @pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "window 100", "window 1 sinks", "T=64", "T=128",
                                      "T=192", "T=1216 sinks", "T=4096 fp16 sinks", "model layout sinks fused",
-                                     "pre-pass sinks fused", "pre-pass T=1216 sinks", "pre-pass T=128"])
+                                     "pre-pass sinks fused", "pre-pass T=1216 sinks", "pre-pass T=128",
+                                     "scores sinks fused", "scores T=64", "scores T=128", "scores T=192",
+                                     "scores T=1216 sinks", "scores T=4096 fp16 sinks", "scores window 1 sinks",
+                                     "scores window 100", "scores model layout sinks fused"])
 def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     """The window's backward as the walking Gluon kernel (WindowKernelConfig.gluon_bwd_walk: one
     program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
     dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
     edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
-    model's layout. D formed in the kernel (the default) or, "pre-pass", by the delta pass."""
+    model's layout. D formed in the kernel (the default), "scores": in the kernel from its scores
+    (o not given: what Lizard's op runs, LizardKernelConfig.ow_from_scores), or, "pre-pass", by the
+    delta pass."""
     calls = _gluon_spy(monkeypatch, "window_gluon", "bwd", "walk")
     own = not variant.startswith("pre-pass")
-    variant = variant.removeprefix("pre-pass ")
+    scores = variant.startswith("scores")
+    variant = variant.removeprefix("pre-pass ").removeprefix("scores ")
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     W = int(variant.split()[1]) if variant.startswith("window") else 128
     T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024
@@ -542,7 +556,14 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     from linearize.kernels import window_gluon
 
     bwd, seen = window_gluon.bwd, []
-    monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: (seen.append(k.get("o") is not None), bwd(*a, **k))[1])
+
+    def spy(*a, **k):
+        seen.append(k.get("o") is not None)
+        if scores:  # the window op keeps o: the kernel is told to form D from its scores instead
+            k = {**k, "o": None, "scores_delta": k.get("o") is not None}
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(window_gluon, "bwd", spy)
     err = window_case("cuda", dtype, **kw)
     assert calls == [True] and seen == [own], (calls, seen)
     assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant} (D {'own' if own else 'pre-pass'})")
@@ -794,7 +815,8 @@ def test_gluon_chunk_pass_launch_host_side(monkeypatch):
 def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     """gla_gluon.bwd_fused up to its launch, on CPU: the grid (segments x batch*heads, the last
     segment shorter), b, the states' 2-D view, which pointers it passes for each configuration,
-    the constexprs, and its refusal of layouts TMA cannot read."""
+    the constexprs, its refusal of layouts TMA cannot read; with side_dot and alpha (y read as o),
+    their pointers and SIDE, and its refusal where they do not fit."""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import gla_gluon
 
@@ -818,13 +840,14 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     (grid, args, kw), = rec.calls
     assert grid == (3, B * H)  # 5 chunks in segments of 2, 2, 1
     assert kw == dict(MODEL_LAYOUT=0b001, NORM=normalize, DV_ADD=True, HAS_DS=True, STORE_DS0=True, F=D, DV=D,
-                      C=64, num_warps=4)
+                      C=64, SIDE=False, num_warps=4)
     assert args[4].base.data_ptr() == (o if normalize else do).data_ptr()
     assert args[5].base.data_ptr() == dv.data_ptr() and list(args[5].block_shape) == [64, D]  # the dv added to
     assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
-    assert args[7] is sc and args[11] is ds_in and args[17] is dS0 and args[18] is dz0
-    assert (args[9] is den, args[10] is zc, args[12] is dz_in) == (normalize,) * 3
-    assert args[19] is dlog_g and args[20:26] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
+    assert args[7] is sc and args[13] is ds_in and args[19] is dS0 and args[20] is dz0
+    assert (args[9] is den, args[12] is zc, args[14] is dz_in) == (normalize,) * 3
+    assert args[10] is dlog_g and args[11] is dlog_g  # no side: placeholders
+    assert args[21] is dlog_g and args[22:28] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
     torch.testing.assert_close(args[8].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,
@@ -832,6 +855,20 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     with pytest.raises(ValueError, match="outside its scope"):  # segments without their entering gradients
         gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
                             seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)
+    side_dot, alpha = torch.zeros(B * H, T, **f32), torch.ones(H, **f32)
+    side = dict(seg_chunks=NC, eps=1e-6, dv_add=True, side_dot=side_dot, alpha=alpha)
+    if not normalize:  # dd exists only normalised
+        with pytest.raises(ValueError, match="side_dot takes normalize"):
+            gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                                normalize=False, **side)
+        return
+    gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                        normalize=True, **side)
+    (grid, args, kw) = rec.calls[-1]
+    assert grid == (1, B * H) and kw["SIDE"] is True and args[10] is side_dot and args[11] is alpha
+    with pytest.raises(ValueError, match="side_dot takes"):  # alpha per head, fp32
+        gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                            normalize=True, **{**side, "alpha": torch.ones(H + 1, **f32)})
 
 
 def test_gluon_window_backward_launch_host_side(monkeypatch):
@@ -857,12 +894,13 @@ def test_gluon_window_backward_launch_host_side(monkeypatch):
         window_gluon.bwd(q, k, v.transpose(2, 3), dy, lse, delta, None, dq, dk, dv, window=100, scale=0.125)
 
 
-@pytest.mark.parametrize("T, own", [(64, False), (1216, False), (1216, True)])
-def test_gluon_window_walk_backward_launch_host_side(T, own, monkeypatch):
+@pytest.mark.parametrize("T, D_from", [(64, "pre-pass"), (1216, "pre-pass"), (1216, "o"), (1216, "scores")])
+def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
     """window_gluon.bwd with walk=True up to its launch, on CPU: the grid (segments x batch*heads,
-    the last segment shorter), the segment length and the constexprs (OWN_DELTA where o is
-    given); o and prof refused with the one-chunk kernel, o of another shape and prof of another
-    size refused by name."""
+    the last segment shorter), the segment length and the constexprs (OWN_DELTA where o is given
+    or scores_delta, D_SCORES with the latter); o, scores_delta and prof refused with the
+    one-chunk kernel, o with scores_delta refused, o of another shape and prof of another size
+    refused by name."""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import window_gluon
 
@@ -874,15 +912,21 @@ def test_gluon_window_walk_backward_launch_host_side(T, own, monkeypatch):
     lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
     dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
     window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, sms=132,
-                     o=o if own else None)
+                     o=o if D_from == "o" else None, scores_delta=D_from == "scores")
     (grid, args, kw), = rec.calls
     nseg, seg_chunks = (1, 1) if T == 64 else (2, 10)  # 19 chunks: segments of 10 and 9
     assert grid == (nseg, B * H) and args[14] == seg_chunks
-    assert args[10] is (o if own else dy)
-    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=own, NPROF=0, num_warps=4)
+    assert args[10] is (o if D_from == "o" else dy)
+    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from != "pre-pass",
+                      D_SCORES=D_from == "scores", NPROF=0, num_warps=4)
     assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
     with pytest.raises(ValueError, match="walking kernel"):
         window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, o=o)
+    with pytest.raises(ValueError, match="walking kernel"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, scores_delta=True)
+    with pytest.raises(ValueError, match="not both"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, o=o,
+                         scores_delta=True)
     with pytest.raises(ValueError, match=r"o must be contiguous \(1, 2, %d, 128\)" % T):
         window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
                          o=o[..., :64])

@@ -244,18 +244,20 @@ def _spill_bytes(r) -> int:
     return max(spills)
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og", [
-    (False, 4, 0, False, True), (True, 0, 7, False, True), (False, 4, 7, True, True), (False, 4, 0, True, False)])
-def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, tmp_path):
+@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow", [
+    (False, 4, 0, False, True, True), (True, 0, 7, False, True, True), (False, 4, 7, True, True, True),
+    (False, 4, 0, True, False, False)])
+def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, store_ow,
+                                                  tmp_path):
     """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference
-    and (train) in training, with or without o_g among what it stores, compiles for sm_90a within
+    and (train) in training, with or without o_g and o_w among what it stores, compiles for sm_90a within
     one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
     partitions, their register limits included). What it computes is checked on a GPU
     (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
     from linearize.kernels import lizard_gluon
 
     k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
-                                        store_og=store_og)
+                                        store_og=store_og, store_ow=store_ow)
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
@@ -297,16 +299,18 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
     _assemble_warp_specialised(k, tmp_path, 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2, max_spill=272)
 
 
-@pytest.mark.parametrize("window, model_layout, own_delta", [(128, 0, True), (100, 7, True), (128, 0, False)])
-def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, own_delta, tmp_path):
+@pytest.mark.parametrize("window, model_layout, own_delta, scores", [
+    (128, 0, True, False), (100, 7, True, False), (128, 0, False, False), (128, 7, True, True)])
+def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, own_delta, scores, tmp_path):
     """kernels/window_gluon.py, the walking window backward (WindowKernelConfig.gluon_bwd_walk),
-    forming D itself or reading it: compiled for sm_90a within one block's shared memory (two
+    forming D itself (from o or from its scores) or reading it: compiled for sm_90a within one block's shared memory (two
     rings of six 64 x 128 tiles, two staging tiles for dk and dv, and two rings of row vectors), its two
     warp-specialised partitions assembled by ptxas (spilling a few scalars: at most 34 words a
     thread, 29 seen). What it computes is checked on a GPU (test_gpu_window_gluon_walk_backward_*)."""
     from linearize.kernels import window_gluon
 
-    k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True, own_delta=own_delta)
+    k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True, own_delta=own_delta,
+                                        scores_delta=scores)
     _assemble_warp_specialised(k, tmp_path, 14 * 64 * 128 * 2, max_spill=136)
 
 

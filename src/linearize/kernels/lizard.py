@@ -94,7 +94,9 @@ class LizardKernelConfig:
     path in fp32 (B8 T2048) d phi_q 0.41% -> 0.49% relative RMS, d log_g 0.37% -> 0.54%, every other
     gradient unchanged (docs/results/og-from-y-h100.md). Not where the gated backward runs in
     segments (fewer (batch x head) pairs than multiprocessors: B4 T8192 keeps o_g), whose pre-pass
-    reads o_g beside the window's backward, before dy . o_w exists."""
+    reads o_g beside the window's backward, before dy . o_w exists.
+    ``ow_from_scores``: where the backward's window kernel forms dy . o_w itself (``window.forms_dyo``),
+    the forward keeps no o_w either: that kernel forms it from its scores, sum_s p_ts (dy_t . v_s)."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
@@ -106,6 +108,7 @@ class LizardKernelConfig:
     fused_train: bool = True
     fused_segments: Optional[int] = None
     og_from_y: bool = True
+    ow_from_scores: bool = True
 
 
 CONFIG = LizardKernelConfig()
@@ -180,11 +183,14 @@ class _LizardFunction(torch.autograd.Function):
         store = grad_mode and any(ctx.needs_input_grad[:10])
         fused = None
         # the backward's gated kernel can take dy . o_g from y and the window's dy . o_w (see og_from_y)
-        og_from_y = (store and normalize and cfg.og_from_y and kwin.forms_dyo(kwin.CONFIG, q_w, k_w, v, window, kmin)
+        window_dyo = store and kwin.forms_dyo(kwin.CONFIG, q_w, k_w, v, window, kmin)
+        og_from_y = (window_dyo and normalize and cfg.og_from_y
                      and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1)
+        ow_from_scores = window_dyo and cfg.ow_from_scores
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
-                                   window, scale, eps, cfg, store=True, store_og=not og_from_y)
+                                   window, scale, eps, cfg, store=True, store_og=not og_from_y,
+                                   store_ow=not ow_from_scores)
         if fused is not None:
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
@@ -194,6 +200,8 @@ class _LizardFunction(torch.autograd.Function):
                 scale, store, cfg)
         if og_from_y:
             o_g = None  # (the Triton passes wrote it: not kept)
+        if ow_from_scores:
+            o_w = None
         ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y if og_from_y else None)
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
@@ -355,7 +363,7 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
 
 
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
-                   window, scale, eps, cfg, store: bool = False, store_og: bool = True):
+                   window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
     from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
     unnormalised or log-space features, or outside ``lizard_gluon.supports``)."""
@@ -376,5 +384,6 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
     elif nseg > 1:
         s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
-                                        eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og)
+                                        eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
+                                        store_ow=store_ow)
     return (*out, (nseg, seg_len))

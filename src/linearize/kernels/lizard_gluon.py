@@ -55,7 +55,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
                       y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
                       eps,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                      NPROF: gl.constexpr, TRAIN: gl.constexpr, STORE_OG: gl.constexpr):
+                      NPROF: gl.constexpr, TRAIN: gl.constexpr, STORE_OG: gl.constexpr, STORE_OW: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
     e^{b_t} phi_q S + A V from the state partition's copies of S (st_s) and A (a_s) over its den
     (den_s), the combine, and y out by TMA. It issues every load but phi_k's (the state partition
@@ -166,7 +166,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
         # one division per row, not per element
-        if TRAIN:  # and what the backward reads: o_w (normalised) and o_g (STORE_OG) by TMA, den, lse (base 2)
+        if TRAIN:  # and what the backward reads: o_g, o_w (normalised; STORE_OG, STORE_OW) by TMA, den, lse (base 2)
             # The tiles go out through two staging slots: o_g (slot 0), o_w (1), y (0); each waits
             # only for the store before the one it follows in its slot (with one slot the three
             # stores went one after another, each waiting for the last to leave).
@@ -177,8 +177,11 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
             if STORE_OG:
                 _store_tile(og_d, tok, o_g, y_s.index(0), 0)
             y = o_g + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-            _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(1), 1)
-            _store_tile(y_d, tok, y, y_s.index(0), 1)
+            if STORE_OW:
+                _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(1), 1)
+                _store_tile(y_d, tok, y, y_s.index(0), 1)
+            else:  # (y's store of the chunk before may be the one in flight: in its slot)
+                _store_tile(y_d, tok, y, y_s.index(0), 0)
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
             _store_tile(y_d, row0 + c * C, y, y_s.index(0), 0)
@@ -327,7 +330,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
                        T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr,
-                       STORE_OG: gl.constexpr = True):
+                       STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -385,7 +388,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     gl.warp_specialize([
         (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s,
                              den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
-                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF, TRAIN, STORE_OG)),
+                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW)),
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
@@ -422,7 +425,7 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False,
-                     store_og: bool = True):
+                     store_og: bool = True, store_ow: bool = True):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
@@ -430,6 +433,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk, and the last one's), else None.
     ``store_og`` False: o_g is not stored (None in the dict): a backward that takes dy . o_g as
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
+    ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
 
     ``nseg`` > 1: the sequence in about that many segments (``segment_plan``), one program each; S_in
     (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) the states entering each (fp32), from the
@@ -452,7 +456,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     sc_d = og_d = ow_d = descs[-1]  # (unused without ``store``)
     if store:
         f32 = dict(dtype=torch.float32, device=v.device)
-        inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y), lse=torch.empty(B * H, T, **f32),
+        inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y) if store_ow else None, lse=torch.empty(B * H, T, **f32),
                      den=torch.empty(B * H, T, **f32), sc=torch.empty(B * H, NC + 1, F, DV, dtype=v.dtype, device=v.device),
                      zc=torch.empty(B * H, NC + 1, F, **f32))
         sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
@@ -466,7 +470,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
-        D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og,
+        D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow,
         num_warps=4)
     if store:  # the state leaving the last chunk, as the Triton forward keeps it
         inter["sc"][:, NC] = S_T.view(B * H, F, DV)
@@ -502,7 +506,7 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
 
 
 def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
-                       model_layout: int = 0, train: bool = False, store_og: bool = True):
+                       model_layout: int = 0, train: bool = False, store_og: bool = True, store_ow: bool = True):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from .gla_gluon import _compile, _compile_args
@@ -512,5 +516,5 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                 S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
-                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og)
+                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow)
     return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)

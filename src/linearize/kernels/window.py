@@ -393,7 +393,8 @@ def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bo
 
 def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig):
     """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None), and the rows' dy . o
-    ((B*H, T) fp32) where the walking kernel formed it (``forms_dyo``), else None."""
+    ((B*H, T) fp32) where the walking kernel formed it (``forms_dyo``), else None. o may be None
+    only where ``forms_dyo``: the kernel then forms dy . o from the scores."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     BM, BN = cfg.bm, cfg.bn
@@ -418,14 +419,15 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     gluon = _gluon_bwd(cfg, q, k, v, window, kmin)
     if gluon is not None:
         walk = cfg.gluon_bwd_walk
-        own = forms_dyo(cfg, q, k, v, window, kmin) and o.is_contiguous()  # the walking kernel forms D itself
+        # the walking kernel forms D itself (from o, or from the scores where there is no o)
+        own = forms_dyo(cfg, q, k, v, window, kmin) and (o is None or o.is_contiguous())
         sums = dict(DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
-        sums_args = (o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
+        sums_args = (o if o is not None else dy, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
                      dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
         if not own:
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=True, **sums)
         gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
-                  sms=device_sms(q), o=o if own else None)
+                  sms=device_sms(q), o=o if own else None, scores_delta=own and o is None)
         if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
         return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), delta if own else None
@@ -457,8 +459,9 @@ def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
 
 
 def forms_dyo(cfg: WindowKernelConfig, q, k, v, window: int, kmin) -> bool:
-    """Whether ``_bwd`` runs the walking Gluon kernel that forms D itself (given a contiguous o), and
-    so leaves the rows' dy . o for a caller (Lizard's gated backward takes dy . o_g from it and y)."""
+    """Whether ``_bwd`` runs the walking Gluon kernel that forms D itself (from a contiguous o, or
+    from the scores where o is None: a forward need not keep o), and so leaves the rows' dy . o for
+    a caller (Lizard's gated backward takes dy . o_g from it and y)."""
     return cfg.gluon_bwd_walk and cfg.gluon_walk_delta and _gluon_bwd(cfg, q, k, v, window, kmin) is not None
 
 

@@ -60,6 +60,14 @@ def _score_pair(a, b, c, d, C: gl.constexpr, mma_s: gl.constexpr):
 
 
 @gluon.jit
+def _probs(s, lse, rows, cols, lag: gl.constexpr, c, qk_scale, W: gl.constexpr, C: gl.constexpr):
+    """p = exp2(s qk_scale - lse) of a query tile (chunk c) against the key tile of chunk c - lag, 0
+    where a key is not visible: col <= row + lag C and col > row + lag C - W (and c >= lag)."""
+    vis = (cols[None, :] <= rows[:, None] + lag * C) & (cols[None, :] > rows[:, None] + (lag * C - W)) & (c >= lag)
+    return gl.where(vis, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
+
+
+@gluon.jit
 def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c, alpha, qk_scale,
              W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr, dot_o: gl.constexpr, pacc, pt,
              NPROF: gl.constexpr):
@@ -69,8 +77,7 @@ def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c
     s, dp = _score_pair(q_t, kd, dy_t, vd, C, mma_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 2)
-    vis = (cols[None, :] <= rows[:, None] + lag * C) & (cols[None, :] > rows[:, None] + (lag * C - W)) & (c >= lag)
-    p = gl.where(vis, gl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    p = _probs(s, lse, rows, cols, lag, c, qk_scale, W, C)
     ds = gl.convert_layout((p * (dp * alpha - delta[:, None])).to(q_t.dtype), dot_o)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 3)
@@ -211,18 +218,10 @@ def _o_rows(O, tok, C: gl.constexpr, DV: gl.constexpr, blk: gl.constexpr):
 
 
 @gluon.jit
-def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
-                  blk: gl.constexpr):
-    """For query tile m of the segment (chunk c0 + m, slot m % 3): D = alpha (dy . o) and lse of
-    its rows into the slot's row vectors (dl_s, ls_s), for both partitions; dy . o itself into
-    DYO (the caller's alpha and sink sums). o (``_o_rows``) is read ahead by the caller, dy
-    comes from its tile slot."""
-    sq = m % 3
-    tok = row0 + (c0 + m) * C
-    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    lse = gl.load(LSE + tok + r)
-    mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
-    dyo = gl.sum(dy_s.index(sq).load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
+def _share_rows(dl_s, ls_s, d_ready, sq, dyo, lse, DYO, tok, r, alpha):
+    """D = alpha (dy . o) and lse of a query tile's rows (r: their offsets, in dyo's layout) into
+    its slot's row vectors (dl_s, ls_s), for both partitions (``d_ready``); dy . o itself into DYO
+    (the caller's alpha and sink sums)."""
     gl.store(DYO + tok + r, dyo)
     dl_s.index(sq).store(dyo * alpha)
     ls_s.index(sq).store(lse)
@@ -231,17 +230,57 @@ def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, 
 
 
 @gluon.jit
+def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
+                  blk: gl.constexpr):
+    """For query tile m of the segment (chunk c0 + m, slot m % 3): dy . o from o (``_o_rows``, read
+    ahead by the caller) and dy (its tile slot), shared (``_share_rows``)."""
+    sq = m % 3
+    tok = row0 + (c0 + m) * C
+    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    lse = gl.load(LSE + tok + r)
+    mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
+    dyo = gl.sum(dy_s.index(sq).load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
+    _share_rows(dl_s, ls_s, d_ready, sq, dyo, lse, DYO, tok, r, alpha)
+
+
+@gluon.jit
+def _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DYO, row0, c0, m, nc, alpha,
+                    qk_scale, W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr):
+    """For query tile m of the segment (chunk c0 + m, slot m % 3): dy . o as sum_s p_ts (dy_t . v_s)
+    over its three key tiles (m - 2..m, slots (m' + 2) % 3), p from the scores and lse, so that o is
+    not read (nor stored by the forward), shared (``_share_rows``); returns (lse, D) for the caller."""
+    sq = m % 3
+    c = c0 + m
+    tok = row0 + c * C
+    rows = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    lse = gl.load(LSE + tok + rows)
+    mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
+    dyo = gl.zeros([C], gl.float32, layout=gl.SliceLayout(1, mma_s))
+    for d in gl.static_range(3):  # key tiles c - 2, c - 1, c
+        mk = m - 2 + d
+        sk = (mk + 2) % 3
+        mbarrier.wait(bar_kv.index(sk), ((mk + 2) // 3) & 1)
+        s, dp = _score_pair(q_s.index(sq), k_s.index(sk), dy_s.index(sq), v_s.index(sk), C, mma_s)
+        dyo += gl.sum(_probs(s, lse, rows, cols, 2 - d, c, qk_scale, W, C) * dp, axis=1)
+    _share_rows(dl_s, ls_s, d_ready, sq, dyo, lse, DYO, tok, rows, alpha)
+    return lse, dyo * alpha
+
+
+@gluon.jit
 def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d, LSE,
                        DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale, sm_scale,
                        W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                       OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
+                       OWN_DELTA: gl.constexpr, D_SCORES: gl.constexpr, NPROF: gl.constexpr):
     """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first. Key
     tile m (chunk c0 + m, m >= -2) lives in slot (m + 2) % 3, query tile m (m >= 0) in slot m % 3.
     Once it and the dk/dv partition are done with key tile j - 2, this partition brings key
     tile j + 1 into its slot (needed last, by the next chunk). With OWN_DELTA it also forms D
     and shares lse for every query tile (``_publish_rows``): tile j + 1's once the dk/dv partition
     is done with key tile j - 2 (that partition needs it two key chunks later), the first before
-    the walk and the one past the segment's end after it."""
+    the walk and the one past the segment's end after it. With D_SCORES instead, D of every query
+    tile from its scores (``_publish_scores``) as the tile comes, and of the two past the segment's
+    end after the walk (their key tiles brought too)."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
@@ -252,7 +291,11 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
     pt = 0
     if NPROF > 0:
         pacc, pt = _prof_init()
-    if OWN_DELTA:
+    FROM_O: gl.constexpr = OWN_DELTA and not D_SCORES
+    n_keys = n  # key tiles this partition brings: with D_SCORES also the one after the segment
+    if D_SCORES:
+        n_keys = gl.minimum(n + 1, nc - c0)
+    if FROM_O:
         _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + c0 * C, C, DV, blk), LSE, DELTA, row0, c0,
                       0, alpha, C, blk)
         if NPROF > 0:
@@ -261,13 +304,18 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
         c = c0 + j
         tok = row0 + c * C
         sq = j % 3
-        if OWN_DELTA:  # the next tile's o, read while this chunk's first scores are formed
+        if FROM_O:  # the next tile's o, read while this chunk's first scores are formed
             o_next = _o_rows(O, row0 + gl.minimum(c + 1, nc - 1) * C, C, DV, blk)
-        else:
+        elif not D_SCORES:
             lse = gl.load(LSE + tok + rows)
             delta = gl.load(DELTA + tok + rows)
+        if D_SCORES:
+            lse, delta = _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0,
+                                         c0, j, nc, alpha, qk_scale, W, C, mma_s)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 6)
         mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
-        if OWN_DELTA:
+        if FROM_O:
             lse = ls_s.index(sq).load(gl.SliceLayout(1, mma_s))
             delta = dl_s.index(sq).load(gl.SliceLayout(1, mma_s))
         dq = gl.zeros([C, D], gl.float32, layout=mma_o)
@@ -284,14 +332,14 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             if d == 0:
                 gl.thread_barrier()  # every warp is past its MMAs on the tile
                 mbarrier.arrive(kv_free.index(sk))
-                if m + 3 < n:
+                if m + 3 < n_keys:
                     mbarrier.wait(kv_free.index(sk), ((m + 2) // 3) & 1)
                     ck = c0 + m + 3
                     _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
                                v_s.index(sk))
                 if NPROF > 0:
                     pacc, pt = _tick(pacc, pt, 1)
-                if OWN_DELTA:
+                if FROM_O:
                     if c + 1 < nc:
                         _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o_next, LSE, DELTA, row0, c0, j + 1, alpha,
                                       C, blk)
@@ -302,10 +350,23 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
         mbarrier.arrive(qdy_free.index(sq))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
-    if OWN_DELTA:
+    if FROM_O:
         if c0 + n + 1 < nc:  # the query tile after next, which the segment's last key chunk sees
             _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + (c0 + n + 1) * C, C, DV, blk), LSE,
                           DELTA, row0, c0, n + 1, alpha, C, blk)
+    if D_SCORES:  # the two query tiles after the segment, which its last key chunks see
+        if c0 + n < nc:  # (its key tile n came in the walk)
+            _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n, nc,
+                            alpha, qk_scale, W, C, mma_s)
+        if c0 + n + 1 < nc:  # key tile n + 1 into key tile n - 2's slot, once both partitions are done with it
+            sk = n % 3
+            gl.thread_barrier()
+            mbarrier.arrive(kv_free.index(sk))
+            mbarrier.wait(kv_free.index(sk), (n // 3) & 1)
+            ck = c0 + n + 1
+            _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
+            _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n + 1,
+                            nc, alpha, qk_scale, W, C, mma_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 6)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -387,7 +448,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
 def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d, O, PROF, T, H, SEG_CHUNKS, qk_scale,
                          sm_scale, MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr,
                          C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
-                         NPROF: gl.constexpr):
+                         NPROF: gl.constexpr, D_SCORES: gl.constexpr = False):
     """Grid (segments, B*H): as ``_win_bwd_kernel``, but one program walks a segment of SEG_CHUNKS
     chunks (the last may be shorter), its twelve tile slots two rings: query and dy tiles of three
     consecutive chunks, key and value tiles of three, each tile read once per segment and brought
@@ -396,7 +457,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
     pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
     three chunks on. dk_d, dv_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed
     here from O (B*H*T, Dv) (the dq partition, as each query tile comes) and DELTA receives dy . o;
-    else DELTA holds D, from ``window``'s delta pass.
+    with D_SCORES too, from the scores (O not read); else DELTA holds D, from ``window``'s delta pass.
     NPROF > 0 (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
@@ -439,7 +500,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
     gl.warp_specialize([
         (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
                               LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
-                              sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
+                              sm_scale, W, C, D, DV, OWN_DELTA, D_SCORES, NPROF)),
         (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready,
                                 q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
                                 qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
@@ -473,12 +534,14 @@ def walk_segments(programs: int, n_chunks: int, sms: int) -> int:
 
 
 def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool = False,
-        sms: int = 132, o: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None) -> None:
+        sms: int = 132, o: Optional[torch.Tensor] = None, scores_delta: bool = False,
+        prof: Optional[torch.Tensor] = None) -> None:
     """dq, dk, dv ((B, H, T, .) contiguous) from dy ((B, H, T, Dv) contiguous), lse ((B*H, T) fp32,
     from the forward) and alpha (H,) fp32 or None. ``delta`` (B*H, T) fp32: D from ``window``'s
     delta pre-pass; or, with ``o`` (the window's output, (B, H, T, Dv) contiguous; walking kernel
     only), filled here with dy . o (no alpha: for the caller's alpha and sink sums) while the
-    kernel forms D itself.
+    kernel forms D itself; or, with ``scores_delta`` (walking kernel, no o), the same from the
+    scores: dy . o_t = sum_s p_ts (dy_t . v_s), so that o need not exist.
     ``walk``: the walking kernel (``_win_bwd_walk_kernel``), in ``walk_segments`` segments for
     ``sms`` multiprocessors. ``prof`` (walking kernel only): an int64 tensor of (programs * 2, 16)
     for a profiling build's cycle counters (each partition's 8 phases)."""
@@ -487,8 +550,10 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
     tiles = tma_tiles([q, k, v, dy], [BT, WIDTH])
     if tiles is None or not dy.is_contiguous():
         raise ValueError("window_gluon.bwd: inputs outside its scope (supports_bwd)")
-    if (o is not None or prof is not None) and not walk:
-        raise ValueError("window_gluon.bwd: o and prof are arguments of the walking kernel (walk=True)")
+    if (o is not None or prof is not None or scores_delta) and not walk:
+        raise ValueError("window_gluon.bwd: o, scores_delta and prof are arguments of the walking kernel (walk=True)")
+    if o is not None and scores_delta:
+        raise ValueError("window_gluon.bwd: D comes from o or from the scores (scores_delta), not both")
     if o is not None and not (o.is_contiguous() and o.shape == dy.shape and o.dtype == dy.dtype):
         raise ValueError(f"window_gluon.bwd: o must be contiguous {tuple(dy.shape)} {dy.dtype}, got "
                          f"{tuple(o.shape)} {o.dtype} (contiguous: {o.is_contiguous()})")
@@ -508,16 +573,17 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
             raise ValueError("window_gluon.bwd: dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
         _win_bwd_walk_kernel[grid](*descs, *common, *outs[0], o if o is not None else dy,
                                    prof if prof is not None else lse, T, H, seg_chunks, *scales,
-                                   OWN_DELTA=o is not None, NPROF=8 if prof is not None else 0, **consts)
+                                   OWN_DELTA=o is not None or scores_delta, D_SCORES=scores_delta,
+                                   NPROF=8 if prof is not None else 0, **consts)
     else:
         _win_bwd_kernel[(T // BT, B * H)](*descs, *common, dk, dv, T, H, *scales, **consts)
 
 
 def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False,
-                       own_delta: bool = True, nprof: int = 0):
-    """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, with
-    cycle counters with ``nprof``) for sm_90a without a GPU (CI, probes); returns Triton's
-    compiled kernel."""
+                       own_delta: bool = True, nprof: int = 0, scores_delta: bool = False):
+    """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, from the
+    scores with ``scores_delta``, with cycle counters with ``nprof``) for sm_90a without a GPU (CI,
+    probes); returns Triton's compiled kernel."""
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
@@ -529,5 +595,5 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
         args.update(DK=bf, DV_=bf)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
     if walk:
-        consts.update(OWN_DELTA=own_delta, NPROF=nprof)
+        consts.update(OWN_DELTA=own_delta or scores_delta, NPROF=nprof, D_SCORES=scores_delta)
     return _compile(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)
