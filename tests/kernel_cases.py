@@ -581,13 +581,16 @@ INTERPRETER_CASES = {
     # the window's dy . o_w from its scores (ow_from_scores), or from o where told not to
     "lizard f32 sinks state fused bwd + walk emulated, og from y": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
-        emulate_walk=True, og_from_y=True, ow_from_scores=True), F32),
+        emulate_walk=True, og_from_y=True, ow_from_scores=False), F32),
+    "lizard f32 sinks state fused bwd + walk emulated, og from y, ow from scores": (lizard_case, dict(
+        T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
+        emulate_walk=True, lizard_cfg=dict(ow_from_scores=True), og_from_y=True, ow_from_scores=True), F32),
     "lizard f32 sinks fused bwd + walk emulated, og kept": (lizard_case, dict(
         T=64, DK=16, DV=16, D=16, W=20, nsink=4, gla_cfg=dict(gluon_fused_bwd=True), emulate_walk=True,
-        lizard_cfg=dict(og_from_y=False, ow_from_scores=False), og_from_y=False, ow_from_scores=False), F32),
+        lizard_cfg=dict(og_from_y=False), og_from_y=False, ow_from_scores=False), F32),
     "lizard f32 sinks fused bwd + walk emulated, segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True),
-        emulate_walk=True, og_from_y=False, ow_from_scores=True), F32),
+        emulate_walk=True, lizard_cfg=dict(ow_from_scores=True), og_from_y=False, ow_from_scores=True), F32),
     "window f32 sinks": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4), F32),
     "window bf16 sinks fused": (window_case, dict(T=41, D=16, DV=24, W=20, nsink=4, fuse=True), BF16),
     "window f32 no sinks padded": (window_case, dict(T=41, D=16, DV=16, W=20, nsink=0, pad=5), F32),

@@ -423,17 +423,18 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
 
 @needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments",
-                                     "walk one segment", "walk one segment state fp16", "walk one segment og kept"])
+                                     "walk one segment", "walk one segment state fp16", "walk one segment og kept",
+                                     "walk one segment ow from scores", "walk segments ow from scores"])
 def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls,
                                                                   monkeypatch):
     """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
     (adding its dv into the window's) after the Gluon window backward: y, both states and every
     gradient against the fp64 reference; also from an initial state, with the backward's own
     sequence segments (one (batch x head) pair: four segments), fp16, and with the window's
-    backward as the walking kernel too. With the walking kernel the forward keeps no o_w (that
-    kernel forms dy . o_w from its scores: LizardKernelConfig.ow_from_scores), and with the gated
-    backward in one segment no o_g (the gated backward takes dy . o_g from y and the window's
-    dy . o_w: og_from_y), unless told not to ("og kept": both kept)."""
+    backward as the walking kernel too. With the walking kernel and the gated backward in one
+    segment the forward keeps no o_g (the gated backward takes dy . o_g from y and the window's
+    dy . o_w: LizardKernelConfig.og_from_y), unless told not to ("og kept"); told to, no o_w
+    either (the walking kernel forms dy . o_w from its scores: ow_from_scores), also in segments."""
     from linearize.kernels import gla_gluon
     from linearize.kernels import window as kwin
 
@@ -445,12 +446,14 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
                                                               wbwd(*a, **k))[1])
     kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state="state" in variant,
               gla_cfg=dict(gluon_fused_bwd=True))
-    if variant.endswith("segments"):
+    if "walk segments" in variant or variant == "segments":
         kw.update(T=2048, B=1, H=2)
     if "one segment" in variant:  # (B x H = 6 pairs would walk two segments each)
         kw["seg_chunks"] = 16
-    if variant.endswith("og kept"):  # (o_w too: D from o in the window's kernel)
-        kw["lizard_cfg"] = dict(og_from_y=False, ow_from_scores=False)
+    if variant.endswith("og kept"):
+        kw["lizard_cfg"] = dict(og_from_y=False)
+    if variant.endswith("ow from scores"):
+        kw["lizard_cfg"] = dict(ow_from_scores=True)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
     try:
@@ -461,7 +464,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
     walk_o = [k["o"] is not None for k in walk_kw]
-    assert walk_o == ([variant.endswith("og kept")] if variant.startswith("walk") else []), (variant, walk_o)
+    assert walk_o == ([not variant.endswith("ow from scores")] if variant.startswith("walk") else []), (variant, walk_o)
     if variant == "segments":
         assert gluon_fused_calls[0] < 32, gluon_fused_calls
     assert_errors(err, KTOL[dtype], f"lizard gluon fused backward {variant}")

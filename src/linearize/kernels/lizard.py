@@ -95,8 +95,13 @@ class LizardKernelConfig:
     gradient unchanged (docs/results/og-from-y-h100.md). Not where the gated backward runs in
     segments (fewer (batch x head) pairs than multiprocessors: B4 T8192 keeps o_g), whose pre-pass
     reads o_g beside the window's backward, before dy . o_w exists.
-    ``ow_from_scores``: where the backward's window kernel forms dy . o_w itself (``window.forms_dyo``),
-    the forward keeps no o_w either: that kernel forms it from its scores, sum_s p_ts (dy_t . v_s)."""
+    ``ow_from_scores`` (off by default): where the backward's window kernel forms dy . o_w itself
+    (``window.forms_dyo``), the forward keeps no o_w either: that kernel forms it from its scores,
+    sum_s p_ts (dy_t . v_s). A memory option: one (B, H, T, Dv) tensor fewer kept per layer until
+    its backward, at a cost in time, the window kernel's dq partition forming three more score
+    tiles a chunk (H100, same run: fwd+bwd 3.422 -> 3.572 ms at B16 T2048, 3.909 -> 4.014 at
+    B4 T8192; the training forward 1.097 -> 1.088 and 1.229 -> 1.129; gradients as accurate;
+    docs/results/og-from-y-h100.md)."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
@@ -108,7 +113,7 @@ class LizardKernelConfig:
     fused_train: bool = True
     fused_segments: Optional[int] = None
     og_from_y: bool = True
-    ow_from_scores: bool = True
+    ow_from_scores: bool = False
 
 
 CONFIG = LizardKernelConfig()
