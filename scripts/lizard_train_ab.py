@@ -5,7 +5,9 @@ memory, and each gradient's error against our torch path in fp32.
     python scripts/lizard_train_ab.py --out OUT [--shape 16x2048 ...] [--rounds 5]
         [--variant NAME=FIELD=VALUE[;FIELD=VALUE] ...] [--check-batch 2]
 
-Default variants: the defaults, and ``og kept`` (og_from_y=False: the forward stores o_g). The
+A variant's fields are LizardKernelConfig's, or, prefixed ``gla.`` / ``window.``, those of
+``kernels.gla.CONFIG`` / ``kernels.window.CONFIG`` (set while that variant runs). Default
+variants: the defaults, and ``og kept`` (og_from_y=False: the forward stores o_g). The
 bench's inputs (``bench.kernels._shape_inputs``: bf16, 32 heads, widths 128, window 128, 4 sinks).
 Rounds alternate the variants; each time is the median over rounds of do_bench's median (L2
 flushed between calls). Errors: relative RMS of every gradient against the torch path on the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import statistics
@@ -25,25 +28,35 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
+from linearize.kernels import gla as kgla
+from linearize.kernels import window as kwin
 from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
 from probe_common import write_rows
 
 NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
 
 
-def _variant(spec: str) -> tuple[str, LizardKernelConfig]:
+def _variant(spec: str) -> tuple[str, tuple]:
+    """NAME=FIELD=VALUE;... -> (NAME, (LizardKernelConfig, gla config changes, window config changes))."""
     name, sep, fields = spec.partition("=")
     if not sep:
         raise SystemExit(f"--variant takes NAME=FIELD=VALUE[;FIELD=VALUE], got {spec!r}")
-    kw = {}
+    kw, parts = {}, {"gla": {}, "window": {}}
     for f in filter(None, fields.split(";")):
         k, _, v = f.partition("=")
-        kw[k] = ast.literal_eval(v)
-    return name, LizardKernelConfig(**kw)
+        mod, dot, field = k.partition(".")
+        (parts[mod] if dot else kw)[field if dot else k] = ast.literal_eval(v)
+    return name, (LizardKernelConfig(**kw), parts["gla"], parts["window"])
 
 
-def _run(x: dict, cfg: LizardKernelConfig, leaves: list):
-    return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=cfg)[0]
+def _run(x: dict, cfg: tuple, leaves: list):
+    lizard_cfg, gla_changes, window_changes = cfg
+    old_g, old_w = kgla.set_config(**gla_changes), kwin.set_config(**window_changes)
+    try:
+        return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=lizard_cfg)[0]
+    finally:  # (the backward runs with the configs its forward saw)
+        kgla.set_config(**dataclasses.asdict(old_g))
+        kwin.set_config(**dataclasses.asdict(old_w))
 
 
 def _leaves(x: dict, dtype=None) -> list:
@@ -100,7 +113,7 @@ def main() -> None:
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 1)
     ref = _leaves(x, torch.float32)
     os.environ["LINEARIZE_KERNELS"] = "0"
-    _run(x, LizardKernelConfig(), ref).backward(x["dy"].float())
+    _run(x, (LizardKernelConfig(), {}, {}), ref).backward(x["dy"].float())
     os.environ["LINEARIZE_KERNELS"] = "1"
     for n, cfg in variants.items():
         leaves = _leaves(x)

@@ -120,6 +120,11 @@ def test_sequence_split_follows_the_sweep():
     assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=1) == (2, 4096)  # 128 programs on 132
     assert kgla._segments(32768, 64, 32, 132, cfg, v_blocks=2) == (8, 4096)
     assert kgla._segments(1000, 64, 1, 132, cfg, v_blocks=2) == (2, 512)  # segments keep at least 8 chunks
+    # the fused backward's programs take a multiprocessor each: one segment where B x H nearly fills them
+    f = dict(fill=cfg.fused_fill)
+    assert kgla._segments(8192, 64, 4 * 32, 132, cfg, **f) == (1, 8192)
+    assert kgla._segments(32768, 64, 32, 132, cfg, **f) == (4, 8192)
+    assert kgla._segments(2048, 64, 16 * 32, 132, cfg, **f) == (1, 2048)
 
 
 @pytest.mark.parametrize("grad_mode", [True, False])
@@ -411,13 +416,14 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
         kw.update(extreme=True, normalize=True)
     err = gla_case("cuda", dtype, **kw)
     assert_errors(err, KTOL[dtype], f"gla gluon fused backward {variant}")
-    # without fixed segments, the host splits the sequence the way the other passes do (few programs
+    # without fixed segments, the host splits the sequence by its rule for this kernel (few programs
     # here: 2 x 3 heads, so the 16 chunks of T=1024 go in two segments of 8 on a 132-SM H100/H200)
     from linearize.kernels import gla as kgla
     from linearize.kernels.dispatch import device_sms
 
     cuda = torch.empty(0, device="cuda")
-    auto = kgla._segments(T, 64, 2 * 3, device_sms(cuda), kgla.GLAKernelConfig())[1] // 64
+    cfg = kgla.GLAKernelConfig()
+    auto = kgla._segments(T, 64, 2 * 3, device_sms(cuda), cfg, fill=cfg.fused_fill)[1] // 64
     assert gluon_fused_calls == [5 if "segments" in variant else auto], gluon_fused_calls
 
 
