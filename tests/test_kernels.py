@@ -777,7 +777,9 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
             o_g=(B, H, T, D), o_w=(B, H, T, D), lse=(B * H, T), den=(B * H, T), sc=(B * H, NC + 1, D, D),
             zc=(B * H, NC + 1, D))
         assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
-        torch.testing.assert_close(inter["sc"][:, NC].float(), S_T.view(B * H, D, D).bfloat16().float())
+        # (the launch is recorded, not run: S_T is uninitialised memory, which may hold NaNs)
+        torch.testing.assert_close(inter["sc"][:, NC].float(), S_T.view(B * H, D, D).bfloat16().float(),
+                                   equal_nan=True)
     else:
         assert inter is None
     b = args[9].view(B, H, T // 64, 64)
