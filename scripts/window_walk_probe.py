@@ -53,7 +53,7 @@ def phases(x: dict, own: bool, mod=window_gluon) -> dict:
     """Cycles per chunk in each phase of each partition (mean over programs)."""
     B, H, T, D = x["q"].shape
     nc = T // 64
-    nseg = window_gluon.walk_segments(B * H, nc, torch.cuda.get_device_properties(0).multi_processor_count)
+    nseg = mod.walk_segments(B * H, nc, torch.cuda.get_device_properties(0).multi_processor_count)
     seg = -(-nc // nseg)
     programs = -(-nc // seg) * B * H
     prof = torch.zeros(programs * 2, 16, dtype=torch.int64, device="cuda")
