@@ -3,7 +3,10 @@
 memory, and each gradient's error against our torch path in fp32.
 
     python scripts/lizard_train_ab.py --out OUT [--shape 16x2048 ...] [--rounds 5]
-        [--variant NAME=FIELD=VALUE[;FIELD=VALUE] ...] [--check-batch 2]
+        [--variant NAME=FIELD=VALUE[;FIELD=VALUE] ...] [--check-batch 2] [--op lizard|gla]
+
+``--op gla``: gated linear attention alone instead, as the kernel bench times it
+(``gla_chunk_triton``, unnormalised plain features; no error check).
 
 A variant's fields are LizardKernelConfig's, or, prefixed ``gla.`` / ``window.``, those of
 ``kernels.gla.CONFIG`` / ``kernels.window.CONFIG`` (set while that variant runs). Default
@@ -53,15 +56,17 @@ def _run(x: dict, cfg: tuple, leaves: list):
     lizard_cfg, gla_changes, window_changes = cfg
     old_g, old_w = kgla.set_config(**gla_changes), kwin.set_config(**window_changes)
     try:
+        if len(leaves) == 4:  # --op gla
+            return kgla.gla_chunk_triton(*leaves, normalize=False, log_space_features=False)[0]
         return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=lizard_cfg)[0]
     finally:  # (the backward runs with the configs its forward saw)
         kgla.set_config(**dataclasses.asdict(old_g))
         kwin.set_config(**dataclasses.asdict(old_w))
 
 
-def _leaves(x: dict, dtype=None) -> list:
+def _leaves(x: dict, dtype=None, names=NAMES) -> list:
     return [(x[n] if dtype is None or n in ("log_g", "alpha", "sinks") else x[n].to(dtype)).detach()
-            .requires_grad_() for n in NAMES]
+            .requires_grad_() for n in names]
 
 
 def main() -> None:
@@ -71,6 +76,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--variant", action="append", default=None)
     p.add_argument("--check-batch", type=int, default=2)
+    p.add_argument("--op", choices=("lizard", "gla"), default="lizard")
     a = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape or ["16x2048", "4x8192"]]
     variants = dict(_variant(s) for s in a.variant or ["default=", "og kept=og_from_y=False"])
@@ -79,7 +85,7 @@ def main() -> None:
     rows = []
     for B, T in shapes:
         x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 0)
-        leaves = _leaves(x)
+        leaves = _leaves(x, names=("fq", "fk", "v", "log_g") if a.op == "gla" else NAMES)
 
         def train(cfg):
             def step():
@@ -103,12 +109,15 @@ def main() -> None:
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
             for k in ("fwd+bwd", "training fwd"):
-                rows.append({"B": B, "T": T, "variant": n, "pass": k, "median_ms": statistics.median(ms[(n, k)]),
+                rows.append({"op": a.op, "B": B, "T": T, "variant": n, "pass": k, "median_ms": statistics.median(ms[(n, k)]),
                              "ms": ms[(n, k)], **({"peak_extra_mib": peak} if k == "fwd+bwd" else {})})
                 print(json.dumps(rows[-1]), flush=True)
         del x, leaves
         torch.cuda.empty_cache()
 
+    if a.op == "gla" or a.check_batch < 1:
+        write_rows(a.out, "lizard-train-ab.json", "scripts/lizard_train_ab.py", rows)
+        return
     B, T = a.check_batch, shapes[0][1]
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 1)
     ref = _leaves(x, torch.float32)

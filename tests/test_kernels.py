@@ -120,11 +120,12 @@ def test_sequence_split_follows_the_sweep():
     assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=1) == (2, 4096)  # 128 programs on 132
     assert kgla._segments(32768, 64, 32, 132, cfg, v_blocks=2) == (8, 4096)
     assert kgla._segments(1000, 64, 1, 132, cfg, v_blocks=2) == (2, 512)  # segments keep at least 8 chunks
-    # the fused backward's programs take a multiprocessor each: one segment where B x H nearly fills them
-    f = dict(fill=cfg.fused_fill)
-    assert kgla._segments(8192, 64, 4 * 32, 132, cfg, **f) == (1, 8192)
-    assert kgla._segments(32768, 64, 32, 132, cfg, **f) == (4, 8192)
-    assert kgla._segments(2048, 64, 16 * 32, 132, cfg, **f) == (1, 2048)
+    # the fused backward's programs take a multiprocessor each: whole where B x H fill half of them
+    assert kgla._fused_segments(8192, 64, 4 * 32, 132, cfg) == (1, 8192)
+    assert kgla._fused_segments(2048, 64, 16 * 32, 132, cfg) == (1, 2048)
+    assert kgla._fused_segments(1000, 64, 66, 132, cfg) == (1, 1024)
+    assert kgla._fused_segments(32768, 64, 32, 132, cfg) == (8, 4096)  # few programs: split as the passes
+    assert kgla._fused_segments(8192, 64, 4 * 32, 132, dataclasses.replace(cfg, seg_chunks=16)) == (8, 1024)
 
 
 @pytest.mark.parametrize("grad_mode", [True, False])
@@ -422,8 +423,7 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
     from linearize.kernels.dispatch import device_sms
 
     cuda = torch.empty(0, device="cuda")
-    cfg = kgla.GLAKernelConfig()
-    auto = kgla._segments(T, 64, 2 * 3, device_sms(cuda), cfg, fill=cfg.fused_fill)[1] // 64
+    auto = kgla._fused_segments(T, 64, 2 * 3, device_sms(cuda), kgla.GLAKernelConfig())[1] // 64
     assert gluon_fused_calls == [5 if "segments" in variant else auto], gluon_fused_calls
 
 

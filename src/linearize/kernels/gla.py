@@ -677,12 +677,14 @@ class GLAKernelConfig:
     NV reaches the multiprocessors (see ``_segments``): at B4 T8192 (256 main-pass programs on 132)
     one segment beat fill 2's two (Lizard's gated op 0.880 / 3.621 ms fwd / fwd+bwd against 0.972 /
     3.727; docs/results/kernels-h200-den-segments.json, rows ``fill``);
-    ``fused_fill``: ``fill`` for the fused Gluon backward (below), whose programs take one
-    multiprocessor each: with 2, B4 T8192 (128 (batch x head) programs on an H100's 132) was cut
-    in two segments, 256 programs in two waves of the same total work plus the segment pre-pass;
-    with 1 it runs whole (Lizard's fwd+bwd 3.924 -> 3.406 ms on an H100, where o_g need not be
-    kept either; 4.272 -> 4.240 at B1 T32768, 4 segments instead of 8;
-    docs/results/lizard-train-ab-h100-fill.json);
+    ``fused_whole``: the fused Gluon backward (below), whose programs take one multiprocessor each,
+    runs the sequence whole where the (batch x head) programs fill at least this share of the
+    multiprocessors; below, ``_segments`` splits it. By ``_segments``' rule alone, B4 T8192 (128
+    programs on an H100's 132) was cut in two: 256 programs in two waves doing the same work, plus
+    the segment pre-pass (and Lizard had to keep o_g for it). Whole, on an H100 (fwd+bwd, same runs,
+    docs/results/lizard-train-ab-h100-fill.json, gla-train-ab-h100-fill.json): Lizard 3.924 ->
+    3.406 ms, GLA 1.754 -> 1.612. Where programs are few, splitting still pays: B1 T32768 (32
+    programs), GLA 2.005 ms in 8 segments against 2.104 in 4; Lizard level (4.229 against 4.210);
     ``seg_chunks``: forces the segment length in chunks (tests);
     ``den_warps``: the normaliser pass's warps. Its programs each walk their segment's chunks one
     after another, now carrying z and forming phi(q).z only (the main pass adds rowsum(A)). H200,
@@ -727,7 +729,7 @@ class GLAKernelConfig:
     par_warps_log: int = 8
     par_stages: int = 1
     fill: int = 2
-    fused_fill: int = 1
+    fused_whole: float = 0.5
     seg_chunks: Optional[int] = None
     tma: bool = True
     gluon_bwd: bool = True
@@ -787,20 +789,18 @@ def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
     return min(cfg.chunk, 32) if dtype == torch.float32 else cfg.chunk
 
 
-def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig, v_blocks: int = 1,
-              fill: Optional[int] = None) -> tuple[int, int]:
+def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig, v_blocks: int = 1) -> tuple[int, int]:
     """(number of segments, segment length in tokens, a whole number of chunks) for T tokens, with
     ``programs`` = batch * heads and ``v_blocks`` the forward main pass's programs per (batch, head).
     No split where those programs already give every multiprocessor one: the pre-pass and the scan
-    of a split then cost more than its extra programs buy. ``fill``: programs per multiprocessor
-    aimed at (None: ``cfg.fill``)."""
+    of a split then cost more than its extra programs buy."""
     n_chunks = max(1, math.ceil(T / BT))
     if cfg.seg_chunks is not None:
         seg_chunks = cfg.seg_chunks
     elif programs * v_blocks >= sms:
         seg_chunks = n_chunks
     else:
-        want = round((cfg.fill if fill is None else fill) * sms / max(1, programs))
+        want = round(cfg.fill * sms / max(1, programs))
         nseg = max(1, min(want, n_chunks // 8))  # keep segments at least 8 chunks long
         seg_chunks = math.ceil(n_chunks / nseg)
     return math.ceil(n_chunks / seg_chunks), seg_chunks * BT
@@ -1023,7 +1023,16 @@ def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_sp
     if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is None:
         return 0
     B, H, T = q.shape[:3]
-    return _segments(T, BT, B * H, device_sms(q), cfg, fill=cfg.fused_fill)[0]
+    return _fused_segments(T, BT, B * H, device_sms(q), cfg)[0]
+
+
+def _fused_segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig) -> tuple[int, int]:
+    """(segments, segment length in tokens) of the fused backward: whole where the programs fill
+    ``cfg.fused_whole`` of the multiprocessors (unless ``cfg.seg_chunks`` forces a length), else
+    ``_segments``."""
+    if cfg.seg_chunks is None and programs >= cfg.fused_whole * sms:
+        return 1, max(1, math.ceil(T / BT)) * BT
+    return _segments(T, BT, programs, sms, cfg)
 
 
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
@@ -1060,7 +1069,7 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
     if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is not None:
         # the fused kernel walks segments of its own (one program per multiprocessor each)
-        nseg, seg_len = _segments(T, BT, B * H, device_sms(q), cfg, fill=cfg.fused_fill)  # (as fused_bwd_segments)
+        nseg, seg_len = _fused_segments(T, BT, B * H, device_sms(q), cfg)
         if nseg > 1:
             ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
         return BwdPlan(do, den_, dlog_g, sc, zc if zc is not None else dlog_g, None, None, None, dlog_g, dS0, dz0,

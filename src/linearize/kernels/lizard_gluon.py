@@ -80,6 +80,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
     cols_s = gl.arange(0, C, layout=col_s)
     rows_o = gl.arange(0, C, layout=row_o)
     causal = cols_s[None, :] <= rows_s[:, None]
+    NST: gl.constexpr = (1 + STORE_OG + STORE_OW) if TRAIN else 1  # tiles stored a chunk
 
     if NPROF > 0:
         pacc, pt = _prof_init()
@@ -166,25 +167,27 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
         # one division per row, not per element
-        if TRAIN:  # and what the backward reads: o_g, o_w (normalised; STORE_OG, STORE_OW) by TMA, den, lse (base 2)
-            # The tiles go out through two staging slots: o_g (slot 0), o_w (1), y (0); each waits
-            # only for the store before the one it follows in its slot (with one slot the three
-            # stores went one after another, each waiting for the last to leave).
+        # The tiles go out by TMA through two staging slots in turn: store k of the walk through slot
+        # k % 2, once the store before it in that slot (k - 2) has left. (With o_g into slot 0 after
+        # all stores had left, y's store of each chunk waited for the last one's: dropping o_g's
+        # store, which also dropped that wait, shortened the training forward more than its bytes.)
+        k = ci * NST  # this chunk's first store
+        if TRAIN:  # and what the backward reads: o_g, o_w (normalised; STORE_OG, STORE_OW), den, lse (base 2)
             tok = row0 + c * C
             gl.store(DEN + tok + rows_o, den)
             gl.store(LSE + tok + rows_s, m + gl.log2(l_w))
             o_g = num * (1.0 / (den + eps))[:, None]
             if STORE_OG:
-                _store_tile(og_d, tok, o_g, y_s.index(0), 0)
+                _store_tile(og_d, tok, o_g, y_s.index(k % 2), 1)
+                k += 1
             y = o_g + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
             if STORE_OW:
-                _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(1), 1)
-                _store_tile(y_d, tok, y, y_s.index(0), 1)
-            else:  # (y's store of the chunk before may be the one in flight: in its slot)
-                _store_tile(y_d, tok, y, y_s.index(0), 0)
+                _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(k % 2), 1)
+                k += 1
+            _store_tile(y_d, tok, y, y_s.index(k % 2), 1)
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-            _store_tile(y_d, row0 + c * C, y, y_s.index(0), 0)
+            _store_tile(y_d, row0 + c * C, y, y_s.index(k % 2), 1)
     tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -356,7 +359,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
     zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
     ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
-    y_s = gl.allocate_shared_memory(dt, [2 if TRAIN else 1, C, DV], y_d.layout)  # staging: o_g and y, o_w
+    y_s = gl.allocate_shared_memory(dt, [2, C, DV], y_d.layout)  # staging for the stores, used in turn
     a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
     den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
