@@ -80,8 +80,9 @@ class LizardKernelConfig:
     against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at
     B4 T8192 (docs/results/lizard-gluon-h200-v7.json).
     ``fused_train``: the same kernel for the forward of training (where a gradient is recorded),
-    storing what the backward reads as the Triton passes would (o_g, o_w, den, lse, the state
-    entering every chunk); the backward is the same either way.
+    storing what the backward reads as the Triton passes would (den, lse, the state entering
+    every chunk, o_w, and o_g where ``og_from_y`` does not spare it); the backward is the same
+    either way.
     ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``);
     with more than one, each segment's entering state comes from the gated op's segment pre-pass
     and scan, and every segment is a program of its own.
