@@ -94,8 +94,9 @@ class LizardKernelConfig:
     1.288 -> 1.093, peak memory 2344 -> 2088 MiB. The price is y's rounding in dd: against the torch
     path in fp32 (B8 T2048) d phi_q 0.41% -> 0.49% relative RMS, d log_g 0.37% -> 0.54%, every other
     gradient unchanged (docs/results/og-from-y-h100.md). Not where the gated backward runs in
-    segments (fewer (batch x head) pairs than multiprocessors: B4 T8192 keeps o_g), whose pre-pass
-    reads o_g beside the window's backward, before dy . o_w exists.
+    segments (pairs filling less than half the multiprocessors, ``GLAKernelConfig.fused_whole``:
+    B1 T32768 keeps o_g), whose pre-pass reads o_g beside the window's backward, before dy . o_w
+    exists.
     ``ow_from_scores`` (off by default): where the backward's window kernel forms dy . o_w itself
     (``window.forms_dyo``), the forward keeps no o_w either: that kernel forms it from its scores,
     sum_s p_ts (dy_t . v_s). A memory option: one (B, H, T, Dv) tensor fewer kept per layer until
