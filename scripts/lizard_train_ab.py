@@ -52,11 +52,11 @@ def _variant(spec: str) -> tuple[str, tuple]:
     return name, (LizardKernelConfig(**kw), parts["gla"], parts["window"])
 
 
-def _run(x: dict, cfg: tuple, leaves: list):
+def _run(cfg: tuple, leaves: list, op: str = "lizard"):
     lizard_cfg, gla_changes, window_changes = cfg
     old_g, old_w = kgla.set_config(**gla_changes), kwin.set_config(**window_changes)
     try:
-        if len(leaves) == 4:  # --op gla
+        if op == "gla":
             return kgla.gla_chunk_triton(*leaves, normalize=False, log_space_features=False)[0]
         return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=lizard_cfg)[0]
     finally:  # (the backward runs with the configs its forward saw)
@@ -89,11 +89,11 @@ def main() -> None:
 
         def train(cfg):
             def step():
-                _run(x, cfg, leaves).backward(x["dy"])
+                _run(cfg, leaves, a.op).backward(x["dy"])
             return step
 
         def fwd_only(cfg):
-            return lambda: _run(x, cfg, leaves)
+            return lambda: _run(cfg, leaves, a.op)
 
         ms = {(n, k): [] for n in variants for k in ("fwd+bwd", "training fwd")}
         for _ in range(a.rounds):
@@ -122,11 +122,11 @@ def main() -> None:
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 1)
     ref = _leaves(x, torch.float32)
     os.environ["LINEARIZE_KERNELS"] = "0"
-    _run(x, (LizardKernelConfig(), {}, {}), ref).backward(x["dy"].float())
+    _run((LizardKernelConfig(), {}, {}), ref).backward(x["dy"].float())
     os.environ["LINEARIZE_KERNELS"] = "1"
     for n, cfg in variants.items():
         leaves = _leaves(x)
-        _run(x, cfg, leaves).backward(x["dy"])
+        _run(cfg, leaves).backward(x["dy"])
         err = {f"d{name}": ((g.grad.float() - r.grad).norm() / r.grad.norm()).item()
                for name, g, r in zip(NAMES, leaves, ref)}
         rows.append({"B": B, "T": T, "variant": n, "pass": "grad rel RMS vs torch fp32", **err})

@@ -93,3 +93,31 @@ def test_probe_alt_modules_load_kernel_copies_with_relative_imports(tmp_path):
         common.alt_modules(window_gluon, [str(copy)])
     with pytest.raises(SystemExit, match="missing.py"):
         common.alt_modules(window_gluon, [f"x={tmp_path / 'missing.py'}"])
+
+
+def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
+    """scripts/lizard_train_ab: a variant's fields go to LizardKernelConfig, or (prefixed gla. /
+    window.) to the kernel modules' configs, set only while that variant's op runs (the backward
+    reads the configs its forward saw); a spec without NAME= is refused."""
+    pytest.importorskip("triton")
+    import sys
+
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import window as kwin
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        ab = _load("lizard_train_ab")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    name, cfg = ab._variant("a=og_from_y=False;gla.fused_whole=0.25;window.gluon_walk_delta=False")
+    assert name == "a" and cfg[0].og_from_y is False and cfg[0].ow_from_scores is False
+    assert cfg[1:] == ({"fused_whole": 0.25}, {"gluon_walk_delta": False})
+    seen = []
+    monkeypatch.setattr(ab, "lizard_attention", lambda *a, config, **k: seen.append(
+        (config.og_from_y, kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta)) or (None,))
+    before = (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta)
+    ab._run(cfg, [None] * 8)
+    assert seen == [(False, 0.25, False)] and (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta) == before
+    with pytest.raises(SystemExit, match="NAME=FIELD=VALUE"):
+        ab._variant("og_from_y")
