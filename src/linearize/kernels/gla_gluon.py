@@ -313,7 +313,7 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 @gluon.jit
 def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
-                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
+                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
                          dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
@@ -386,6 +386,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
             _dn_half(dns, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)  # live)
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
+            _dz_operand(dd_s.index(sl), bl, w_s.index(sl))
             gl.thread_barrier()
             if not DV_ADD:
                 if i + 1 < n:
@@ -472,6 +473,19 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
 
 
 @gluon.jit
+def _dz_operand(dd_sl, bl, w_sl):
+    """e^{b_t} dd of a chunk (dd from dd_sl, b_t from bl) as a bf16 hi + lo pair in w_sl's columns 0
+    and 1, the rest zero: the right operand of the state partition's dz update (an MMA)."""
+    C: gl.constexpr = w_sl.shape[0]
+    wblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # (tokens, 16) of w_s
+    c_w = gl.arange(0, 16, layout=gl.SliceLayout(0, wblk))
+    w = dd_sl.load(gl.SliceLayout(1, wblk)) * gl.exp(gl.load(bl + gl.arange(0, C, layout=gl.SliceLayout(1, wblk))))
+    w_hi = w.to(w_sl.dtype)
+    w_lo = (w - w_hi.to(gl.float32)).to(w_sl.dtype)
+    w_sl.store(gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0)).to(w_sl.dtype))
+
+
+@gluon.jit
 def _dn_half(dns, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.constexpr):
     """Rows [h C/2, (h+1) C/2) of a chunk: dn = do / (den + eps) in place of do, dd = -(do . o - side_h) / (den + eps)
     into dd_sl (also for dz's update); side_h: what of do . o is the other branch's (or 0)."""
@@ -499,7 +513,7 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s, dd_s,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
                          dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
                          row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
@@ -513,7 +527,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
     dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled phi_q^T an operand in registers), dz <-
     e^{b_end} dz + phi_q^T (e^{b_t} dd) (an MMA too: dz as an (F, 16)
     product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
-    1, the rest zero; elementwise, its reduction over tokens crossed warps), and its product with the
+    1, the rest zero, written by the chunk partition with dd, a slot per chunk parity; elementwise,
+    its reduction over tokens crossed warps), and its product with the
     state entering the chunk (the next one's S_out, in st_s, which it then replaces by the state
     entering the next chunk once the chunk partition has read it). It writes dS's next copy once the
     chunk partition has read the last (``ds_free``)."""
@@ -542,9 +557,6 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     f_Z = gl.arange(0, F, layout=gl.SliceLayout(1, mma_Z))
     zc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_Z))
-    wblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # (tokens, 16) of w_s
-    t_w = gl.arange(0, C, layout=gl.SliceLayout(1, wblk))
-    c_w = gl.arange(0, 16, layout=gl.SliceLayout(0, wblk))
     if NORM and HAS_DS:
         dzv = gl.load(DZ_IN + st0 * F + f_Z)
     else:
@@ -643,21 +655,15 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t})^T dn, the scaled
         # phi_q^T an MMA operand in registers (dn stays as it is: the chunk partition reads it too)
         g = gl.exp(b_end)
-        if NORM:  # e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and 1
-            w = dd_s.index(sl).load(gl.SliceLayout(1, wblk)) * gl.exp(b_s.load(gl.SliceLayout(1, wblk)))
-            w_hi = w.to(dt)
-            w_lo = (w - w_hi.to(gl.float32)).to(dt)
-            w_s.store(gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0)).to(dt))
-            fence_async_shared()
-            gl.thread_barrier()
         e_k = gl.exp(b_s.load(gl.SliceLayout(0, dot_S)))
         qt0 = (qs.slice(0, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
         qt1 = (qs.slice(FH, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
         dS0 = warpgroup_mma(qt0, dns, dS0 * g, is_async=True)
         dS1 = warpgroup_mma(qt1, dns, dS1 * g, is_async=True)
         if NORM:
-            dz = warpgroup_mma(qs.permute((1, 0)), w_s, dz * g, is_async=True)
-            dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, w_s))
+            ws = w_s.index(sl)  # e^{b_t} dd, from the chunk partition (dn0_ready)
+            dz = warpgroup_mma(qs.permute((1, 0)), ws, dz * g, is_async=True)
+            dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, ws))
         else:
             dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dns))
         if i + 1 < n:
@@ -724,7 +730,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dd_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # e^{b_t} dd
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
-    w_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
+    w_s = gl.allocate_shared_memory(dt, [2, C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
     b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t, for the state partition
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -751,11 +757,11 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
         alpha = 0.0
     gl.warp_specialize([
         (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
-                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, sdot_s, in_bar, s_bar, o_bar,
+                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
-                                dd_s, dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
+                                dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
                                 dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
