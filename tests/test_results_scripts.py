@@ -19,6 +19,17 @@ def _load(name: str):
     return module
 
 
+def _load_probe(name: str):
+    """A GPU probe script, which imports its neighbour probe_common as the scripts folder's own."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return _load(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
 @pytest.fixture(scope="module")
 def lion_minilm():
     return _load("lion_minilm")
@@ -74,15 +85,9 @@ def test_probe_alt_modules_load_kernel_copies_with_relative_imports(tmp_path):
     beside the current module, as the GPU probes' --alt NAME=FILE needs; a bad spec is refused by
     name."""
     pytest.importorskip("triton.experimental.gluon")
-    import sys
-
     from linearize.kernels import window_gluon
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        common = _load("probe_common")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    common = _load_probe("probe_common")
     copy = tmp_path / "window_gluon_copy.py"
     copy.write_text(Path(window_gluon.__file__).read_text().replace("WIDTH = 128", "WIDTH = 128  # the copy"))
     mods = common.alt_modules(window_gluon, [f"copy={copy}"])
@@ -100,16 +105,10 @@ def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
     window.) to the kernel modules' configs, set only while that variant's op runs (the backward
     reads the configs its forward saw); a spec without NAME= is refused."""
     pytest.importorskip("triton")
-    import sys
-
     from linearize.kernels import gla as kgla
     from linearize.kernels import window as kwin
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        ab = _load("lizard_train_ab")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    ab = _load_probe("lizard_train_ab")
     name, cfg = ab._variant("a=og_from_y=False;gla.fused_whole=0.25;window.gluon_walk_delta=False")
     assert name == "a" and cfg[0].og_from_y is False and cfg[0].ow_from_scores is False
     assert cfg[1:] == ({"fused_whole": 0.25}, {"gluon_walk_delta": False})
