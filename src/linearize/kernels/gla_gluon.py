@@ -43,7 +43,10 @@ docs/results/gla-fused-bwd-probe-h100-v3.json). The default on Hopper since it r
 once dv is formed (Lizard's, where it held o and then the window's dv; unnormalised, where it is
 unused): 0.98 ms instead of 1.10 for GLA, 1.36 instead of 1.42 for Lizard (same run,
 docs/results/gla-fused-bwd-probe-h100-dvtma.json); the state partition reads each chunk's gates
-once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json).
+once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json); the chunk partition
+forms the dz update's operand (e^{b_t} dd) with dd: Lizard's 1.33 -> 1.30
+(gla-fused-bwd-probe-h100-dz-operand.json). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
+window's part of do . o comes as a row vector.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
