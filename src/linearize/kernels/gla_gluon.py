@@ -485,7 +485,8 @@ def _dz_operand(dd_sl, bl, w_sl):
     w = dd_sl.load(gl.SliceLayout(1, wblk)) * gl.exp(gl.load(bl + gl.arange(0, C, layout=gl.SliceLayout(1, wblk))))
     w_hi = w.to(w_sl.dtype)
     w_lo = (w - w_hi.to(gl.float32)).to(w_sl.dtype)
-    w_sl.store(gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0)).to(w_sl.dtype))
+    w = gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0))
+    w_sl.store(w.to(w_sl.dtype))
 
 
 @gluon.jit
@@ -760,7 +761,8 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
         alpha = 0.0
     gl.warp_specialize([
         (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
-                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
+                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
+                                o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
@@ -819,8 +821,9 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     den (B*H, T) fp32; sc (B*H, NC+1, F, Dv) in q's dtype, zc (B*H, NC+1, F) fp32; ds_in
     (B*H*nseg, F, Dv), dz_in (B*H*nseg, F) fp32 or None: the state gradient leaving each segment of
     ``seg_chunks`` chunks (the last may be shorter). With ``side_dot`` ((B*H, T) fp32) and ``alpha``
-    ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``prof`` (B*H*nseg, 16) int64, zeroed: a
-    profiling build adds each program's cycles per phase into it (scripts/gla_fused_bwd_probe.py)."""
+    ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``prof``
+    (B*H*nseg, 16) int64, zeroed: a profiling build adds each program's cycles per phase into it
+    (scripts/gla_fused_bwd_probe.py)."""
     B, H, T, F = q.shape
     DV = v.shape[-1]
     NC = T // BT

@@ -244,8 +244,8 @@ def _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o, LSE, DYO, row0, c0, m, 
 
 
 @gluon.jit
-def _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DYO, row0, c0, m, nc, alpha,
-                    qk_scale, W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr):
+def _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DYO, row0, c0, m, alpha, qk_scale,
+                    W: gl.constexpr, C: gl.constexpr, mma_s: gl.constexpr):
     """For query tile m of the segment (chunk c0 + m, slot m % 3): dy . o as sum_s p_ts (dy_t . v_s)
     over its three key tiles (m - 2..m, slots (m' + 2) % 3), p from the scores and lse, so that o is
     not read (nor stored by the forward), shared (``_share_rows``); returns (lse, D) for the caller."""
@@ -311,7 +311,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             delta = gl.load(DELTA + tok + rows)
         if D_SCORES:
             lse, delta = _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0,
-                                         c0, j, nc, alpha, qk_scale, W, C, mma_s)
+                                         c0, j, alpha, qk_scale, W, C, mma_s)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 6)
         mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
@@ -356,7 +356,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
                           DELTA, row0, c0, n + 1, alpha, C, blk)
     if D_SCORES:  # the two query tiles after the segment, which its last key chunks see
         if c0 + n < nc:  # (its key tile n came in the walk)
-            _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n, nc,
+            _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n,
                             alpha, qk_scale, W, C, mma_s)
         if c0 + n + 1 < nc:  # key tile n + 1 into key tile n - 2's slot, once both partitions are done with it
             sk = n % 3
@@ -366,7 +366,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             ck = c0 + n + 1
             _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
             _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n + 1,
-                            nc, alpha, qk_scale, W, C, mma_s)
+                            alpha, qk_scale, W, C, mma_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 6)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
