@@ -52,7 +52,7 @@ def triton_fwd(x, window=128):
                             window=window, sink_logits=x["sinks"])
 
 
-def fused_fwd(x, nseg=1, window=128, prof=None, store=False):
+def fused_fwd(x, nseg=1, window=128, prof=None, store=False, store_og=False):
     from linearize.kernels import lizard_gluon as L
     nseg, seg_len = L.segment_plan(x["v"].shape[2], nseg)
     s_in = z_in = None
@@ -60,7 +60,7 @@ def fused_fwd(x, nseg=1, window=128, prof=None, store=False):
         s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
     return L.lizard_fwd_fused(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
                               x["sinks"], window=window, scale=x["q_w"].shape[-1] ** -0.5, eps=1e-6, nseg=nseg,
-                              S_in=s_in, z_in=z_in, prof=prof, store=store)
+                              S_in=s_in, z_in=z_in, prof=prof, store=store, store_og=store_og)
 
 
 def reference(x, window=128):
@@ -183,7 +183,7 @@ PHASES = {"output": ["wait q_w, k/v", "window scores", "softmax, P V issued", "w
 def profile(rows, B=16, T=2048, store=False):
     """Cycles per chunk in each phase of both partitions' loops (clock64 between marks; program
     means), and the kernel's time without counters; ``store``: the training kernel (TRAIN, storing
-    what the backward reads)."""
+    what the backward reads, without o_g as the default ``LizardKernelConfig.og_from_y`` has it)."""
     from triton.testing import do_bench
 
     x = inputs(B, T)
