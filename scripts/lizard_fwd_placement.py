@@ -1,0 +1,56 @@
+"""Does Lizard's inference forward depend on where its inputs lie in GPU memory? The bench's
+inputs are made again after a padding allocation of each size, and the whole call
+(``lizard_attention`` under no_grad) is timed at each; also the five inputs' base addresses
+modulo 2 MiB and their distances, to correlate.
+
+    python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] [--pads 0,1,2,3,...] (MiB)
+
+Writes OUT/lizard-fwd-placement.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+from linearize.bench.kernels import _shape_inputs
+from linearize.kernels.lizard import lizard_attention
+from probe_common import write_rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", default="16x2048")
+    p.add_argument("--pads", default="0,1,2,3,5,8,13,21,34,55,89,144")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    B, T = (int(v) for v in a.shape.split("x"))
+    rows = []
+    for pad_mib in (int(v) for v in a.pads.split(",")):
+        torch.cuda.empty_cache()
+        pad = torch.empty(pad_mib * 2 ** 20 + 1, dtype=torch.uint8, device="cuda")
+        x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+
+        def call():
+            with torch.no_grad():
+                lizard_attention(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], window=128,
+                                 sink_logits=x["sinks"])
+
+        ms = [do_bench(call, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+        names = ("q", "k", "v", "lq", "lk")
+        base = {n: x[n].data_ptr() for n in names}
+        rows.append({"B": B, "T": T, "pad_mib": pad_mib, "median_ms": statistics.median(ms), "ms": ms,
+                     "base_mod_2mib": {n: base[n] % 2 ** 21 for n in names},
+                     "offsets_from_q_mib": {n: (base[n] - base["q"]) / 2 ** 20 for n in names}})
+        print(json.dumps(rows[-1]), flush=True)
+        del x, pad
+    write_rows(a.out, "lizard-fwd-placement.json", "scripts/lizard_fwd_placement.py", rows)
+
+
+if __name__ == "__main__":
+    main()
