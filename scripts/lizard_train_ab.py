@@ -109,7 +109,8 @@ def main() -> None:
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
             for k in ("fwd+bwd", "training fwd"):
-                rows.append({"op": a.op, "B": B, "T": T, "variant": n, "pass": k, "median_ms": statistics.median(ms[(n, k)]),
+                rows.append({"op": a.op, "B": B, "T": T, "variant": n, "pass": k,
+                             "median_ms": statistics.median(ms[(n, k)]),
                              "ms": ms[(n, k)], **({"peak_extra_mib": peak} if k == "fwd+bwd" else {})})
                 print(json.dumps(rows[-1]), flush=True)
         del x, leaves

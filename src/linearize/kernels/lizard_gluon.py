@@ -460,8 +460,9 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     sc_d = og_d = ow_d = descs[-1]  # (unused without ``store``)
     if store:
         f32 = dict(dtype=torch.float32, device=v.device)
-        inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y) if store_ow else None, lse=torch.empty(B * H, T, **f32),
-                     den=torch.empty(B * H, T, **f32), sc=torch.empty(B * H, NC + 1, F, DV, dtype=v.dtype, device=v.device),
+        inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y) if store_ow else None,
+                     lse=torch.empty(B * H, T, **f32), den=torch.empty(B * H, T, **f32),
+                     sc=torch.empty(B * H, NC + 1, F, DV, dtype=v.dtype, device=v.device),
                      zc=torch.empty(B * H, NC + 1, F, **f32))
         sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
                                             gl.NVMMASharedLayout.get_default_for([F, DV], el))

@@ -420,17 +420,18 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     if gluon is not None:
         walk = cfg.gluon_bwd_walk
         # the walking kernel forms D itself (from o, or from the scores where there is no o)
-        own = forms_dyo(cfg, q, k, v, window, kmin) and (o is None or o.is_contiguous())
+        own = _walk_forms_d(cfg, gluon) and (o is None or o.is_contiguous())
         sums = dict(DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
-        sums_args = (o if o is not None else dy, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
-                     dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
+        sums_args = (o if o is not None else dy, dy, lse, sinks if nsink else dummy,
+                     alpha if alpha is not None else dummy, delta, dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
         if not own:
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=True, **sums)
         gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
                   sms=device_sms(q), o=o if own else None, scores_delta=own and o is None)
         if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
-        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), delta if own else None
+        dyo = delta if own else None
+        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), dyo
     _win_bwd_dq_kernel[(nmb, B * H)](
         q, k, v, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, dy, lse,
         alpha if alpha is not None else dummy, dq, delta, dsink if nsink else dummy,
@@ -462,7 +463,12 @@ def forms_dyo(cfg: WindowKernelConfig, q, k, v, window: int, kmin) -> bool:
     """Whether ``_bwd`` runs the walking Gluon kernel that forms D itself (from a contiguous o, or
     from the scores where o is None: a forward need not keep o), and so leaves the rows' dy . o for
     a caller (Lizard's gated backward takes dy . o_g from it and y)."""
-    return cfg.gluon_bwd_walk and cfg.gluon_walk_delta and _gluon_bwd(cfg, q, k, v, window, kmin) is not None
+    return _walk_forms_d(cfg, _gluon_bwd(cfg, q, k, v, window, kmin))
+
+
+def _walk_forms_d(cfg: WindowKernelConfig, gluon) -> bool:
+    """``forms_dyo`` once ``_gluon_bwd`` has given the module (or None)."""
+    return gluon is not None and cfg.gluon_bwd_walk and cfg.gluon_walk_delta
 
 
 class _WindowFunction(torch.autograd.Function):
