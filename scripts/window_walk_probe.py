@@ -1,6 +1,8 @@
 """The walking window backward (``window_gluon._win_bwd_walk_kernel``): its time with D from the
-delta pre-pass against D formed in the kernel (``WindowKernelConfig.gluon_walk_delta``), and
-where each partition's cycles go (a profiling build's clock64 counters), in one run.
+delta pre-pass against D formed in the kernel (``WindowKernelConfig.gluon_walk_delta``), each
+also as the kernel forming every score tile once (``gluon_walk_share``), and where each partition's
+cycles go (a profiling build's clock64 counters; the walking kernel of two score tiles only), in
+one run.
 
     python scripts/window_walk_probe.py --out OUT [--shape 16x2048 ...] [--rounds 3] [--alt NAME=FILE ...]
 
@@ -26,7 +28,9 @@ from probe_common import alt_modules, probe_args, write_rows
 
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",
           "D (dq partition)", "other"]
-VERSIONS = {"D from the pre-pass": dict(gluon_walk_delta=False), "D in the kernel": dict(gluon_walk_delta=True)}
+VERSIONS = {"D from the pre-pass": dict(gluon_walk_delta=False), "D in the kernel": dict(gluon_walk_delta=True),
+            "scores once, D from the pre-pass": dict(gluon_walk_delta=False, gluon_walk_share=True),
+            "scores once, D in the kernel": dict(gluon_walk_delta=True, gluon_walk_share=True)}
 
 
 def inputs(B: int, T: int, H: int = 32, D: int = 128, W: int = 128) -> dict:
@@ -84,8 +88,9 @@ def main() -> None:
             for name, (mod, cfg) in cfgs.items():
                 ms[name].append(do_bench(lambda: run(x, cfg, mod), warmup=5, rep=50, return_mode="median"))
         for name, (mod, cfg) in cfgs.items():
-            row = {"B": B, "T": T, "version": name, "median_ms": statistics.median(ms[name]), "ms": ms[name],
-                   "cycles_per_chunk": phases(x, cfg.gluon_walk_delta, mod)}
+            row = {"B": B, "T": T, "version": name, "median_ms": statistics.median(ms[name]), "ms": ms[name]}
+            if not cfg.gluon_walk_share:
+                row["cycles_per_chunk"] = phases(x, cfg.gluon_walk_delta, mod)
             rows.append(row)
             print(json.dumps(row), flush=True)
     write_rows(a.out, "window-walk-probe.json", "scripts/window_walk_probe.py", rows)
