@@ -961,7 +961,8 @@ def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
 def test_gluon_window_share_backward_launch_host_side(D_from, monkeypatch):
     """window_gluon.bwd with share=True up to its launch, on CPU: the kernel forming each score
     tile once, on the walking kernel's grid (two segments of 10 and 9 chunks at T=1216) with o or
-    the pre-pass's D (OWN_DELTA); share refused without walk, with scores_delta and with prof."""
+    the pre-pass's D (OWN_DELTA), counters for a profiling build (NPROF); share refused without
+    walk and with scores_delta, counters of another size refused."""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import window_gluon
 
@@ -977,13 +978,19 @@ def test_gluon_window_share_backward_launch_host_side(D_from, monkeypatch):
     window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, o=o if D_from == "o" else None, share=True)
     (grid, args, kw), = rec.calls
     assert walk.calls == []
-    assert grid == (2, B * H) and args[13] == 10 and args[10] is (o if D_from == "o" else dy)
-    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from == "o", num_warps=4)
+    assert grid == (2, B * H) and args[14] == 10 and args[10] is (o if D_from == "o" else dy)
+    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from == "o", NPROF=0,
+                      num_warps=4)
     assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
-    for bad in (dict(walk=False), dict(scores_delta=True), dict(prof=torch.zeros(8, 16, dtype=torch.int64))):
+    prof = torch.zeros(2 * B * H * 2, 16, dtype=torch.int64)  # a profiling build's counters
+    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, prof=prof, share=True)
+    assert rec.calls[1][1][11] is prof and rec.calls[1][2]["NPROF"] == 8
+    for bad in (dict(walk=False), dict(scores_delta=True)):
         with pytest.raises(ValueError, match="share is a form of the walking kernel"):
             window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **{**call, **bad}, share=True)
-    assert len(rec.calls) == 1 and walk.calls == []
+    with pytest.raises(ValueError, match=r"prof must be \(8, 16\), got \(3, 16\)"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, prof=prof[:3], share=True)
+    assert len(rec.calls) == 2 and walk.calls == []
 
 
 def test_window_walk_segment_rule():
