@@ -28,8 +28,8 @@ from probe_common import alt_modules, probe_args, write_rows
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",
           "D (dq partition)", "other"]
 SHARE_PHASES = {"dq": ["wait key tile", "wait ds", "MMAs", "free and load slots", "D", "store dq", "other", "-"],
-                "dk dv": ["wait tiles", "wait D", "score MMAs", "elementwise", "wait ds slot", "ds handoff",
-                          "accumulate MMAs", "store dk dv, load"]}
+                "dk dv": ["wait query tiles", "wait D", "score MMAs", "elementwise", "wait key tile",
+                          "wait ds slot, handoff", "accumulate MMAs", "store dk dv"]}
 VERSIONS = {"D from the pre-pass": dict(gluon_walk_delta=False), "D in the kernel": dict(gluon_walk_delta=True),
             "scores once, D from the pre-pass": dict(gluon_walk_delta=False, gluon_walk_share=True),
             "scores once, D in the kernel": dict(gluon_walk_delta=True, gluon_walk_share=True)}

@@ -526,8 +526,9 @@ def _share_dkdv_partition(q_s, dy_s, k_s, v_s, ds_s, dl_s, ls_s, out_s, bar_qdy,
     into ``ds_s`` (one slot per query tile of the chunk) for the dq partition. dk and dv leave by
     TMA for t >= wu (the warm-up chunks before the segment form only the dq partition's ds). Once
     it is done with query tile t, brings tile t + 3 into its slot. Profiling builds (NPROF):
-    cycles waiting for tiles, for D, in the score MMAs, the elementwise work, waiting for a ds
-    slot, handing ds over, the accumulating MMAs, and storing dk, dv (phases 0..7)."""
+    cycles waiting for query tiles, for D, in the score MMAs, the elementwise work, waiting for
+    the key tile, waiting for a ds slot and handing ds over, the accumulating MMAs, and storing
+    dk, dv (phases 0..7)."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
@@ -541,6 +542,8 @@ def _share_dkdv_partition(q_s, dy_s, k_s, v_s, ds_s, dl_s, ls_s, out_s, bar_qdy,
         c = ca + t
         sk = t % 2
         mbarrier.wait(bar_kv.index(sk), (t // 2) & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 4)
         dk = gl.zeros([C, D], gl.float32, layout=mma_o)
         dv = gl.zeros([C, DV], gl.float32, layout=mma_o)
         for d in gl.static_range(3):  # query tiles c, c + 1, c + 2
@@ -570,8 +573,6 @@ def _share_dkdv_partition(q_s, dy_s, k_s, v_s, ds_s, dl_s, ls_s, out_s, bar_qdy,
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 3)
             mbarrier.wait(ds_free.index(d), t & 1)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 4)
             ds_s.index(d).store(dst)
             fence_async_shared()
             gl.thread_barrier()
