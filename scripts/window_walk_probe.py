@@ -1,15 +1,14 @@
 """The walking window backward (``window_gluon._win_bwd_walk_kernel``): its time with D from the
-delta pre-pass against D formed in the kernel (``WindowKernelConfig.gluon_walk_delta``), each
-also as the kernel forming every score tile once (``gluon_walk_share``), and where each partition's
-cycles go (a profiling build's clock64 counters, each kernel's own phases), in one run.
+delta pre-pass against D formed in the kernel (``WindowKernelConfig.gluon_walk_delta``), and
+where each partition's cycles go (a profiling build's clock64 counters), in one run.
 
     python scripts/window_walk_probe.py --out OUT [--shape 16x2048 ...] [--rounds 3] [--alt NAME=FILE ...]
 
 On one Hopper GPU, bf16, 32 heads, widths 128, window 128, 4 sinks, alpha per head; q, k, v, dy
 random, o and lse from the window's forward. Times ``window._bwd`` whole (pre-pass, kernel, sums),
 median of do_bench's per-round medians, the versions alternating round by round. ``--alt`` adds
-other versions of kernels/window_gluon.py (a copy of the file, edited; D in the kernel; the
-scores-once kernel where NAME holds "share") timed in the same run. Writes OUT/window-walk-probe.json.
+other versions of kernels/window_gluon.py (a copy of the file, edited; D in the kernel) timed in
+the same run. Writes OUT/window-walk-probe.json.
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ from probe_common import alt_modules, probe_args, write_rows
 
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",
           "D (dq partition)", "other"]
-SHARE_PHASES = {"dq": ["wait key tile", "wait ds", "MMAs", "free and load slots", "D", "store dq", "other", "-"],
-                "dk dv": ["wait query tiles", "wait D", "score MMAs", "elementwise", "wait key tile",
-                          "wait ds slot, handoff", "accumulate MMAs", "store dk dv"]}
-VERSIONS = {"D from the pre-pass": dict(gluon_walk_delta=False), "D in the kernel": dict(gluon_walk_delta=True),
-            "scores once, D from the pre-pass": dict(gluon_walk_delta=False, gluon_walk_share=True),
-            "scores once, D in the kernel": dict(gluon_walk_delta=True, gluon_walk_share=True)}
+VERSIONS = {"D from the pre-pass": dict(gluon_walk_delta=False), "D in the kernel": dict(gluon_walk_delta=True)}
 
 
 def inputs(B: int, T: int, H: int = 32, D: int = 128, W: int = 128) -> dict:
@@ -55,7 +49,7 @@ def run(x: dict, cfg, mod=window_gluon) -> None:
         kwin._gluon_bwd = old
 
 
-def phases(x: dict, own: bool, mod=window_gluon, share: bool = False) -> dict:
+def phases(x: dict, own: bool, mod=window_gluon) -> dict:
     """Cycles per chunk in each phase of each partition (mean over programs)."""
     B, H, T, D = x["q"].shape
     nc = T // 64
@@ -69,20 +63,17 @@ def phases(x: dict, own: bool, mod=window_gluon, share: bool = False) -> dict:
     dq, dk, dv = (torch.empty_like(x["q"]) for _ in range(3))
     mod.bwd(x["q"], x["k"], x["v"], x["dy"], x["lse"], delta, x["alpha"], dq, dk, dv, window=x["W"],
                      scale=x["scale"], walk=True, sms=torch.cuda.get_device_properties(0).multi_processor_count,
-                     o=x["o"] if own else None, prof=prof, **({"share": True} if share else {}))
+                     o=x["o"] if own else None, prof=prof)
     torch.cuda.synchronize()
     per = (prof.double().view(programs, 2, 16)[..., :8].mean(0) / seg).tolist()
-    names = SHARE_PHASES if share else {"dq": PHASES, "dk dv": PHASES}
-    return {part: {k: round(v) for k, v in zip(names[part], per[i])} for i, part in enumerate(("dq", "dk dv"))}
+    return {part: {k: round(v) for k, v in zip(PHASES, per[i])} for i, part in enumerate(("dq", "dk dv"))}
 
 
 def main() -> None:
     a = probe_args("window_gluon.py", ["16x2048", "4x8192", "1x32768"], 3)
     versions = {name: (window_gluon, kw) for name, kw in VERSIONS.items()}
     alts = alt_modules(window_gluon, a.alt)
-    # (the other versions run as the kernel forming each score tile once where their name says "share")
-    versions.update({name: (mod, dict(gluon_walk_delta=True, gluon_walk_share="share" in name))
-                     for name, mod in alts.items() if name != "current"})
+    versions.update({name: (mod, dict(gluon_walk_delta=True)) for name, mod in alts.items() if name != "current"})
     rows = []
     for B, T in a.shapes:
         x = inputs(B, T)
@@ -93,12 +84,8 @@ def main() -> None:
             for name, (mod, cfg) in cfgs.items():
                 ms[name].append(do_bench(lambda: run(x, cfg, mod), warmup=5, rep=50, return_mode="median"))
         for name, (mod, cfg) in cfgs.items():
-            row = {"B": B, "T": T, "version": name, "median_ms": statistics.median(ms[name]), "ms": ms[name]}
-            if "prof" in mod.bwd.__code__.co_varnames:  # (an older copy of the file may take no counters)
-                try:
-                    row["cycles_per_chunk"] = phases(x, cfg.gluon_walk_delta, mod, cfg.gluon_walk_share)
-                except ValueError as e:
-                    row["cycles_per_chunk"] = str(e)
+            row = {"B": B, "T": T, "version": name, "median_ms": statistics.median(ms[name]), "ms": ms[name],
+                   "cycles_per_chunk": phases(x, cfg.gluon_walk_delta, mod)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     write_rows(a.out, "window-walk-probe.json", "scripts/window_walk_probe.py", rows)

@@ -125,13 +125,12 @@ class _emulated_fused_bwd:
 
 
 def window_walk_emulated(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool,
-                         sms: int, o=None, scores_delta: bool = False, share: bool = False) -> None:
+                         sms: int, o=None, scores_delta: bool = False) -> None:
     """What ``window_gluon.bwd``'s walking kernel computes, in torch (fp32, every query against
     every key, masked): with ``o`` it forms D = alpha (dy . o) itself and leaves dy . o in
     ``delta``; with ``scores_delta`` the same, dy . o as sum_s p_ts (dy_t . v_s); else it reads D
-    from ``delta``; lse is the forward's (base 2). ``share`` (each score tile formed once) computes
-    the same."""
-    assert walk and not (o is not None and scores_delta) and not (share and scores_delta)
+    from ``delta``; lse is the forward's (base 2)."""
+    assert walk and not (o is not None and scores_delta)
     f = lambda x: x.float()
     a = alpha.float()[None, :, None] if alpha is not None else torch.ones(1, 1, 1)
     B, H, T, _ = q.shape

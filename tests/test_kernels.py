@@ -430,8 +430,7 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
 @needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments",
                                      "walk one segment", "walk one segment state fp16", "walk one segment og kept",
-                                     "walk one segment ow from scores", "walk segments ow from scores",
-                                     "walk one segment share", "walk segments share"])
+                                     "walk one segment ow from scores", "walk segments ow from scores"])
 def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls,
                                                                   monkeypatch):
     """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
@@ -462,8 +461,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     if variant.endswith("ow from scores"):
         kw["lizard_cfg"] = dict(ow_from_scores=True)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
-    share = variant.endswith("share")
-    old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"), gluon_walk_share=share)
+    old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
     try:
         err = lizard_case("cuda", dtype, **kw)
     finally:
@@ -471,7 +469,6 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
-    assert [k["share"] for k in walk_kw] == [share] * len(walk_kw), walk_kw
     walk_o = [k["o"] is not None for k in walk_kw]
     assert walk_o == ([not variant.endswith("ow from scores")] if variant.startswith("walk") else []), (variant, walk_o)
     if variant == "segments":
@@ -546,11 +543,7 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
                                      "pre-pass sinks fused", "pre-pass T=1216 sinks", "pre-pass T=128",
                                      "scores sinks fused", "scores T=64", "scores T=128", "scores T=192",
                                      "scores T=1216 sinks", "scores T=4096 fp16 sinks", "scores window 1 sinks",
-                                     "scores window 100", "scores model layout sinks fused",
-                                     "share sinks fused", "share T=64", "share T=128", "share T=192",
-                                     "share T=1216 sinks", "share T=4096 fp16 sinks", "share window 1 sinks",
-                                     "share window 100", "share model layout sinks fused", "share pre-pass T=1216 sinks",
-                                     "share pre-pass T=192"])
+                                     "scores window 100", "scores model layout sinks fused"])
 def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     """The window's backward as the walking Gluon kernel (WindowKernelConfig.gluon_bwd_walk: one
     program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
@@ -558,11 +551,8 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
     model's layout. D formed in the kernel (the default), "scores": in the kernel from its scores
     (o not given: what Lizard's op runs, LizardKernelConfig.ow_from_scores), or, "pre-pass", by the
-    delta pass. "share": the walk forming each score tile once (WindowKernelConfig.gluon_walk_share;
-    T=1216 and T=4096 walk in segments, each after the first starting with two warm-up key chunks)."""
+    delta pass."""
     calls = _gluon_spy(monkeypatch, "window_gluon", "bwd", "walk")
-    share = variant.startswith("share")
-    variant = variant.removeprefix("share ")
     own = not variant.startswith("pre-pass")
     scores = variant.startswith("scores")
     variant = variant.removeprefix("pre-pass ").removeprefix("scores ")
@@ -571,14 +561,13 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024
     kw = dict(T=T, D=128, DV=128, W=W, nsink=4 if "sinks" in variant or variant.startswith("window 1 ") else 0,
               fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
-              kv=dict(gluon_bwd_walk=True, gluon_walk_delta=own, gluon_walk_share=share))
+              kv=dict(gluon_bwd_walk=True, gluon_walk_delta=own))
     from linearize.kernels import window_gluon
 
     bwd, seen = window_gluon.bwd, []
 
     def spy(*a, **k):
         seen.append(k.get("o") is not None)
-        assert k["share"] == share, k
         if scores:  # the window op keeps o: the kernel is told to form D from its scores instead
             k = {**k, "o": None, "scores_delta": k.get("o") is not None}
         return bwd(*a, **k)
@@ -955,42 +944,6 @@ def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
     with pytest.raises(ValueError, match=r"prof must be \(%d, 16\), got \(3, 16\)" % (nseg * B * H * 2)):
         window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
                          prof=torch.zeros(3, 16, dtype=torch.int64))
-
-
-@pytest.mark.parametrize("D_from", ["pre-pass", "o"])
-def test_gluon_window_share_backward_launch_host_side(D_from, monkeypatch):
-    """window_gluon.bwd with share=True up to its launch, on CPU: the kernel forming each score
-    tile once, on the walking kernel's grid (two segments of 10 and 9 chunks at T=1216) with o or
-    the pre-pass's D (OWN_DELTA), counters for a profiling build (NPROF); share refused without
-    walk and with scores_delta, counters of another size refused."""
-    pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import window_gluon
-
-    rec, walk = _LaunchRecorder(), _LaunchRecorder()
-    monkeypatch.setattr(window_gluon, "_win_bwd_share_kernel", rec)
-    monkeypatch.setattr(window_gluon, "_win_bwd_walk_kernel", walk)
-    B, H, T, D = 1, 2, 1216, 128
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dy, o = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(5))
-    lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
-    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
-    call = dict(window=128, scale=0.125, walk=True, sms=132)
-    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, o=o if D_from == "o" else None, share=True)
-    (grid, args, kw), = rec.calls
-    assert walk.calls == []
-    assert grid == (2, B * H) and args[14] == 10 and args[10] is (o if D_from == "o" else dy)
-    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from == "o", NPROF=0,
-                      num_warps=4)
-    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
-    prof = torch.zeros(2 * B * H * 2, 16, dtype=torch.int64)  # a profiling build's counters
-    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, prof=prof, share=True)
-    assert rec.calls[1][1][11] is prof and rec.calls[1][2]["NPROF"] == 8
-    for bad in (dict(walk=False), dict(scores_delta=True)):
-        with pytest.raises(ValueError, match="share is a form of the walking kernel"):
-            window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **{**call, **bad}, share=True)
-    with pytest.raises(ValueError, match=r"prof must be \(8, 16\), got \(3, 16\)"):
-        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, **call, prof=prof[:3], share=True)
-    assert len(rec.calls) == 2 and walk.calls == []
 
 
 def test_window_walk_segment_rule():

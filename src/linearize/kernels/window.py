@@ -310,10 +310,7 @@ class WindowKernelConfig:
     each query tile comes, shared with the dk/dv partition through shared memory) instead of the
     delta pre-pass reading dy and o once more; a small pass after it sums d alpha and the sinks'
     gradient from the dy . o it leaves (H100, the window's backward at B16 T2048: 0.956 ms against
-    1.067 with the pre-pass, same run; docs/results/window-walk-h100.md).
-    ``gluon_walk_share``: the walking kernel forms each score tile once (``_win_bwd_share_kernel``:
-    its dk/dv partition hands ds^T to the dq partition through shared memory), where D comes from
-    o or the pre-pass (with D from the scores the walking kernel of two score tiles runs)."""
+    1.067 with the pre-pass, same run; docs/results/window-walk-h100.md)."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
@@ -330,7 +327,6 @@ class WindowKernelConfig:
     gluon_bwd: bool = True
     gluon_bwd_walk: bool = True
     gluon_walk_delta: bool = True
-    gluon_walk_share: bool = False
 
 
 CONFIG = WindowKernelConfig()
@@ -430,10 +426,8 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
                      alpha if alpha is not None else dummy, delta, dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
         if not own:
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=True, **sums)
-        scores = own and o is None
         gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
-                  sms=device_sms(q), o=o if own else None, scores_delta=scores,
-                  share=walk and cfg.gluon_walk_share and not scores)
+                  sms=device_sms(q), o=o if own else None, scores_delta=own and o is None)
         if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
             _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
         dyo = delta if own else None

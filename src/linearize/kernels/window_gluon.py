@@ -513,300 +513,6 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
         mbarrier.invalidate(d_ready.index(i))
 
 
-# ----------------------------------------------------------------------------- the shared-scores kernel
-
-
-@gluon.jit
-def _share_dkdv_partition(q_s, dy_s, k_s, v_s, ds_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, kv_free, ds_ready, ds_free,
-                          d_ready, q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row, row0, r_q, c_q, ca, wu, N, nc,
-                          alpha, qk_scale, sm_scale, W: gl.constexpr, C: gl.constexpr, D: gl.constexpr,
-                          DV: gl.constexpr, OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
-    """Key chunk ca + t for t < N, each against the query tiles t, t + 1, t + 2 (slots u % 3), in
-    the transposed form: dv += p^T dy and dk += ds^T q from registers, and ds^T (bf16, rows = keys)
-    into ``ds_s`` (one slot per query tile of the chunk) for the dq partition. dk and dv leave by
-    TMA for t >= wu (the warm-up chunks before the segment form only the dq partition's ds). Once
-    it is done with query tile t, brings tile t + 3 into its slot. Profiling builds (NPROF):
-    cycles waiting for query tiles, for D, in the score MMAs, the elementwise work, waiting for
-    the key tile, waiting for a ds slot and handing ds over, the accumulating MMAs, and storing
-    dk, dv (phases 0..7)."""
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    dot_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    keys = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
-    qry = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
-    pacc = 0
-    pt = 0
-    if NPROF > 0:
-        pacc, pt = _prof_init()
-    for t in range(N):
-        c = ca + t
-        sk = t % 2
-        mbarrier.wait(bar_kv.index(sk), (t // 2) & 1)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 4)
-        dk = gl.zeros([C, D], gl.float32, layout=mma_o)
-        dv = gl.zeros([C, DV], gl.float32, layout=mma_o)
-        for d in gl.static_range(3):  # query tiles c, c + 1, c + 2
-            u = t + d
-            sq = u % 3
-            mbarrier.wait(bar_qdy.index(sq), (u // 3) & 1)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 0)
-            real = c + d < nc
-            if OWN_DELTA:
-                if real:
-                    mbarrier.wait(d_ready.index(sq), (u // 3) & 1)
-                lse = ls_s.index(sq).load(gl.SliceLayout(0, mma_s))
-                delta = gl.where(real, dl_s.index(sq).load(gl.SliceLayout(0, mma_s)), 0.0)  # (never NaN * 0)
-            else:
-                i_tok = row0 + gl.minimum(c + d, nc - 1) * C  # (clamped like its tiles; masked below)
-                lse = gl.load(LSE + i_tok + qry)
-                delta = gl.load(DELTA + i_tok + qry)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 1)
-            st, dpt = _score_pair(k_s.index(sk), q_s.index(sq), v_s.index(sk), dy_s.index(sq), C, mma_s)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 2)
-            vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & real
-            pt_ = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
-            dst = (pt_ * (dpt * alpha - delta[None, :])).to(q_s.dtype)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 3)
-            mbarrier.wait(ds_free.index(d), t & 1)
-            ds_s.index(d).store(dst)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(d))
-            dst = gl.convert_layout(dst, dot_o)
-            pt_ = gl.convert_layout(pt_.to(q_s.dtype), dot_o)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 5)
-            dv = warpgroup_mma(pt_, dy_s.index(sq), dv, is_async=True)
-            dk = warpgroup_mma(dst, q_s.index(sq), dk, is_async=True)
-            dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt_, dst, dy_s.index(sq), q_s.index(sq)))
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 6)
-            if d == 0:
-                if t + 3 < N + 2:  # query tile t is done with: tile t + 3 into its slot
-                    gl.thread_barrier()
-                    cq = gl.minimum(c + 3, nc - 1)
-                    _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
-                               dy_s.index(sq))
-        gl.thread_barrier()
-        mbarrier.arrive(kv_free.index(sk))
-        if t >= wu:
-            tok = row0 + c * C
-            _store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 1)
-            _store_tile(dv_d, tok, dv * alpha, out_s.index(1), 1)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
-    tma.store_wait(0)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 7)
-        gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
-
-
-@gluon.jit
-def _publish_rows_narrow(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DYO, row0, c0, m, alpha, C: gl.constexpr,
-                         DV: gl.constexpr):
-    """``_publish_rows`` for a partition with few registers to spare (three accumulators): o read
-    from global memory and dy from its slot 32 columns at a time."""
-    sq = m % 3
-    tok = row0 + (c0 + m) * C
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # (C, 32) pieces
-    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, blk))
-    lse = gl.load(LSE + tok + r)
-    mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
-    dyo = gl.zeros([C], gl.float32, layout=gl.SliceLayout(1, blk))
-    for h in gl.static_range(DV // 32):
-        o = gl.load(O + tok.to(gl.int64) * DV + (r[:, None] * DV + (h * 32 + cols[None, :])))
-        dy = dy_s.index(sq).slice(h * 32, 32, dim=1).load(blk)
-        dyo += gl.sum(dy.to(gl.float32) * o.to(gl.float32), axis=1)
-    _share_rows(dl_s, ls_s, d_ready, sq, dyo, lse, DYO, tok, r, alpha)
-
-
-@gluon.jit
-def _share_dq_step(acc_f, acc_m, acc_n, dy_s, k_s, v_s, ds_s, dl_s, ls_s, bar_qdy, bar_kv, kv_free, ds_ready, ds_free,
-                   d_ready, k_d, v_d, LSE, DELTA, DQ, O, row0, r_k, c_k, r_v, c_v, ca, wu, t, N, nc, alpha, sm_scale,
-                   pacc, pt, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
-                   NPROF: gl.constexpr, mma_o: gl.constexpr):
-    """Key chunk ca + t of ``_share_dq_partition``: dq of query chunk ca + t (acc_f, finished here),
-    ca + t + 1 (acc_m) and ca + t + 2 (acc_n, started here) from the three ds^T tiles, each slot
-    freed as its product is done; D of query tile t + 3 between them (the dk/dv partition has
-    brought its dy once done with tile 1's scores). Profiling builds: cycles waiting for the key
-    tile, for ds, in the MMAs, freeing and loading slots, forming D, storing dq (phases 0..5)."""
-    c = ca + t
-    sk = t % 2
-    ks = k_s.index(sk)
-    mbarrier.wait(bar_kv.index(sk), (t // 2) & 1)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 0)
-    mbarrier.wait(ds_ready.index(0), t & 1)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 1)
-    acc_f = warpgroup_mma(ds_s.index(0).permute((1, 0)), ks, acc_f, is_async=True)
-    mbarrier.wait(ds_ready.index(1), t & 1)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 1)
-    acc_m = warpgroup_mma(ds_s.index(1).permute((1, 0)), ks, acc_m, is_async=True)
-    acc_f, _ = warpgroup_mma_wait(1, deps=(acc_f, ks))
-    mbarrier.arrive(ds_free.index(0))
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 2)
-    if OWN_DELTA:
-        if c + 3 < nc:
-            if t + 3 < N + 2:
-                _publish_rows_narrow(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, ca, t + 3, alpha, C,
-                                     DV)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 4)
-    mbarrier.wait(ds_ready.index(2), t & 1)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 1)
-    acc_n = warpgroup_mma(ds_s.index(2).permute((1, 0)), ks, acc_n, use_acc=False, is_async=True)
-    acc_m, _ = warpgroup_mma_wait(1, deps=(acc_m, ks))
-    mbarrier.arrive(ds_free.index(1))
-    acc_n, _ = warpgroup_mma_wait(0, deps=(acc_n, ks))
-    mbarrier.arrive(ds_free.index(2))
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 2)
-    gl.thread_barrier()
-    mbarrier.arrive(kv_free.index(sk))
-    if t + 2 < N:  # key tile t + 2 into this one's slot once the dk/dv partition is done with it too
-        mbarrier.wait(kv_free.index(sk), (t // 2) & 1)
-        ck = c + 2
-        _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 3)
-    if t >= wu:
-        _store_rows(DQ, row0 + c * C, acc_f * sm_scale, C, D, mma_o)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 5)
-    return acc_f, acc_m, acc_n, pacc, pt
-
-
-@gluon.jit
-def _share_dq_partition(dy_s, k_s, v_s, ds_s, dl_s, ls_s, bar_qdy, bar_kv, kv_free, ds_ready, ds_free, d_ready, k_d,
-                        v_d, LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, ca, wu, N, nc, alpha,
-                        sm_scale, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
-                        NPROF: gl.constexpr):
-    """dq of query chunks ca + t from the dk/dv partition's ds^T tiles: at key chunk ca + t, three
-    accumulators hold dq of query chunks ca + t (finished by it: stored for t >= wu), ca + t + 1
-    and ca + t + 2 (started by it), their roles turning with t (the loop unrolled by three, so
-    that no accumulator is copied while a product is in flight). Brings key tile t + 2 into key
-    tile t's slot once both partitions are done with it. With OWN_DELTA, forms D of query tile
-    t + 3 (``_publish_rows_narrow``) as it comes (the dk/dv partition needs it a chunk later),
-    the first three before the walk."""
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    pacc = 0
-    pt = 0
-    if NPROF > 0:
-        pacc, pt = _prof_init()
-    if OWN_DELTA:
-        for u in gl.static_range(3):
-            if ca + u < nc:
-                _publish_rows_narrow(dy_s, bar_qdy, dl_s, ls_s, d_ready, O, LSE, DELTA, row0, ca, u, alpha, C, DV)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 4)
-    a0 = gl.zeros([C, D], gl.float32, layout=mma_o)
-    a1 = gl.zeros([C, D], gl.float32, layout=mma_o)
-    a2 = gl.zeros([C, D], gl.float32, layout=mma_o)
-    args = (dy_s, k_s, v_s, ds_s, dl_s, ls_s, bar_qdy, bar_kv, kv_free, ds_ready, ds_free, d_ready, k_d, v_d, LSE,
-            DELTA, DQ, O, row0, r_k, c_k, r_v, c_v, ca, wu)
-    for t3 in range(0, N, 3):
-        a0, a1, a2, pacc, pt = _share_dq_step(a0, a1, a2, *args, t3, N, nc, alpha, sm_scale, pacc, pt, C, D, DV,
-                                              OWN_DELTA, NPROF, mma_o)
-        if t3 + 1 < N:
-            a1, a2, a0, pacc, pt = _share_dq_step(a1, a2, a0, *args, t3 + 1, N, nc, alpha, sm_scale, pacc, pt, C, D,
-                                                  DV, OWN_DELTA, NPROF, mma_o)
-        if t3 + 2 < N:
-            a2, a0, a1, pacc, pt = _share_dq_step(a2, a0, a1, *args, t3 + 2, N, nc, alpha, sm_scale, pacc, pt, C, D,
-                                                  DV, OWN_DELTA, NPROF, mma_o)
-    if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 6)
-        gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
-
-
-@gluon.jit
-def _win_bwd_share_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d, O, PROF, T, H, SEG_CHUNKS,
-                          qk_scale, sm_scale, MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr,
-                          C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
-                          NPROF: gl.constexpr):
-    """Grid (segments, B*H), arguments as ``_win_bwd_walk_kernel``'s: the walking backward with each
-    score tile formed once. The dk/dv partition forms p^T and ds^T of its key chunk against the
-    three query tiles that see it, as the walking kernel's does, and hands ds^T to the dq
-    partition through shared memory, which forms dq with one MMA per tile instead of the scores
-    again (21 -> 15 products of 64 x 64 x 128 a chunk). The walk is over key chunks; query tile
-    c gets its dq from key chunks c - 2..c, so a segment starting at c0 > 0 first walks key
-    chunks c0 - 2 and c0 - 1 for its first query tiles' dq alone (warm-up, ``wu``). NPROF > 0
-    (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
-    i_s = gl.program_id(0)
-    i_bh = gl.program_id(1)
-    i_h = i_bh % H
-    nc = T // C
-    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
-    c0 = i_s * SEG_CHUNKS
-    n = gl.minimum(SEG_CHUNKS, nc - c0)
-    wu = gl.minimum(c0, 2)
-    ca = c0 - wu  # the walk's first key chunk (and first query tile)
-    N = n + wu  # key chunks walked
-    dt: gl.constexpr = q_d.dtype
-    q_s = gl.allocate_shared_memory(dt, [3, C, D], q_d.layout)
-    dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
-    k_s = gl.allocate_shared_memory(dt, [2, C, D], k_d.layout)
-    v_s = gl.allocate_shared_memory(dt, [2, C, DV], v_d.layout)
-    ds_s = gl.allocate_shared_memory(dt, [3, C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
-    out_s = gl.allocate_shared_memory(dt, [2, C, D], dk_d.layout)  # dk's and dv's staging tiles
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    dl_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # D of the query tiles (OWN_DELTA)
-    ls_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # their lse
-    bar_qdy = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    bar_kv = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    d_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(3):
-        mbarrier.init(bar_qdy.index(i), count=1)
-        mbarrier.init(ds_ready.index(i), count=1)
-        mbarrier.init(ds_free.index(i), count=1)
-        mbarrier.init(d_ready.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(bar_kv.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)
-    fence_async_shared()
-    for i in gl.static_range(3):
-        mbarrier.arrive(ds_free.index(i))  # the ds slots start free
-    for m in gl.static_range(2):  # key tiles 0, 1 of the walk (clamped)
-        ck = gl.minimum(ca + m, nc - 1)
-        _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(m), k_s.index(m), v_s.index(m))
-    for m in gl.static_range(3):  # query tiles 0, 1, 2 (clamped)
-        cq = gl.minimum(ca + m, nc - 1)
-        _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(m), q_s.index(m), dy_s.index(m))
-    if HAS_ALPHA:
-        alpha = gl.load(ALPHA + i_h)
-    else:
-        alpha = 1.0
-    prof_row = (i_bh * gl.num_programs(0) + i_s) * 2
-    gl.warp_specialize([
-        (_share_dq_partition, (dy_s, k_s, v_s, ds_s, dl_s, ls_s, bar_qdy, bar_kv, kv_free, ds_ready, ds_free, d_ready,
-                               k_d, v_d, LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, ca, wu, N, nc,
-                               alpha, sm_scale, C, D, DV, OWN_DELTA, NPROF)),
-        (_share_dkdv_partition, (q_s, dy_s, k_s, v_s, ds_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, kv_free, ds_ready,
-                                 ds_free, d_ready, q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q,
-                                 c_q, ca, wu, N, nc, alpha, qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
-    ], [4], [248])
-    for i in gl.static_range(3):
-        mbarrier.invalidate(bar_qdy.index(i))
-        mbarrier.invalidate(ds_ready.index(i))
-        mbarrier.invalidate(ds_free.index(i))
-        mbarrier.invalidate(d_ready.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(bar_kv.index(i))
-        mbarrier.invalidate(kv_free.index(i))
-
-
 def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, kmin) -> bool:
     """Whether ``bwd`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -829,7 +535,7 @@ def walk_segments(programs: int, n_chunks: int, sms: int) -> int:
 
 def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool = False,
         sms: int = 132, o: Optional[torch.Tensor] = None, scores_delta: bool = False,
-        prof: Optional[torch.Tensor] = None, share: bool = False) -> None:
+        prof: Optional[torch.Tensor] = None) -> None:
     """dq, dk, dv ((B, H, T, .) contiguous) from dy ((B, H, T, Dv) contiguous), lse ((B*H, T) fp32,
     from the forward) and alpha (H,) fp32 or None. ``delta`` (B*H, T) fp32: D from ``window``'s
     delta pre-pass; or, with ``o`` (the window's output, (B, H, T, Dv) contiguous; walking kernel
@@ -838,9 +544,7 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
     scores: dy . o_t = sum_s p_ts (dy_t . v_s), so that o need not exist.
     ``walk``: the walking kernel (``_win_bwd_walk_kernel``), in ``walk_segments`` segments for
     ``sms`` multiprocessors. ``prof`` (walking kernel only): an int64 tensor of (programs * 2, 16)
-    for a profiling build's cycle counters (each partition's 8 phases). ``share`` (walking kernel,
-    D from o or the pre-pass, no prof): the walk with each score tile formed once
-    (``_win_bwd_share_kernel``)."""
+    for a profiling build's cycle counters (each partition's 8 phases)."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     tiles = tma_tiles([q, k, v, dy], [BT, WIDTH])
@@ -848,9 +552,6 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         raise ValueError("window_gluon.bwd: inputs outside its scope (supports_bwd)")
     if (o is not None or prof is not None or scores_delta) and not walk:
         raise ValueError("window_gluon.bwd: o, scores_delta and prof are arguments of the walking kernel (walk=True)")
-    if share and (scores_delta or not walk):
-        raise ValueError("window_gluon.bwd: share is a form of the walking kernel (walk=True) that forms D from o "
-                         "or takes it from the pre-pass: not with scores_delta")
     if o is not None and scores_delta:
         raise ValueError("window_gluon.bwd: D comes from o or from the scores (scores_delta), not both")
     if o is not None and not (o.is_contiguous() and o.shape == dy.shape and o.dtype == dy.dtype):
@@ -870,11 +571,6 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         outs = tma_tiles([dk, dv], [BT, WIDTH])
         if outs is None or not (dk.is_contiguous() and dv.is_contiguous()):
             raise ValueError("window_gluon.bwd: dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
-        if share:
-            _win_bwd_share_kernel[grid](*descs, *common, *outs[0], o if o is not None else dy,
-                                        prof if prof is not None else lse, T, H, seg_chunks, *scales,
-                                        OWN_DELTA=o is not None, NPROF=8 if prof is not None else 0, **consts)
-            return
         _win_bwd_walk_kernel[grid](*descs, *common, *outs[0], o if o is not None else dy,
                                    prof if prof is not None else lse, T, H, seg_chunks, *scales,
                                    OWN_DELTA=o is not None or scores_delta, D_SCORES=scores_delta,
@@ -884,23 +580,20 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
 
 
 def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: int = 0, walk: bool = False,
-                       own_delta: bool = True, nprof: int = 0, scores_delta: bool = False, share: bool = False):
+                       own_delta: bool = True, nprof: int = 0, scores_delta: bool = False):
     """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, from the
-    scores with ``scores_delta``, with cycle counters with ``nprof``; ``share``: the walk forming
-    each score tile once) for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
+    scores with ``scores_delta``, with cycle counters with ``nprof``) for sm_90a without a GPU (CI,
+    probes); returns Triton's compiled kernel."""
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, T=256, H=4, qk_scale=0.1,
                 sm_scale=0.1)
-    consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
-    if share:
-        args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64), SEG_CHUNKS=3)
-        return _compile(_win_bwd_share_kernel, args, {**consts, "OWN_DELTA": own_delta, "NPROF": nprof}, num_warps=4)
     if walk:
         args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64), SEG_CHUNKS=3)
     else:
         args.update(DK=bf, DV_=bf)
+    consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
     if walk:
         consts.update(OWN_DELTA=own_delta or scores_delta, NPROF=nprof, D_SCORES=scores_delta)
     return _compile(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)
