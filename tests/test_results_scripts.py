@@ -120,3 +120,29 @@ def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
     assert seen == [(False, 0.25, False)] and (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta) == before
     with pytest.raises(SystemExit, match="NAME=FIELD=VALUE"):
         ab._variant("og_from_y")
+
+
+def test_roofline_traffic_counts_the_tensors_the_passes_move():
+    """scripts/lizard_roofline.traffic: a forward reads exactly the bench's inputs (their bytes
+    summed); the training forward writes y, o_w and the states the fused kernel allocates
+    (NC + 1 per batch x head); the backward reads what the forward kept plus dy, and writes one
+    gradient per input it reads; every count is linear in B and affine in T."""
+    import torch
+
+    from linearize.bench.kernels import _shape_inputs
+
+    rl = _load_probe("lizard_roofline")
+    B, H, T = 2, 3, 128
+    x = _shape_inputs(B, H=H, T=T, D=128, Fd=128, sinks=4, dt=torch.bfloat16, dev=torch.device("cpu"), seed=0)
+    t = rl.traffic(B, H, T)
+    inputs = sum(x[n].nbytes for n in ("q", "k", "v", "lq", "lk", "log_g"))
+    assert sum(t["inference fwd"]["read"].values()) == sum(t["training fwd"]["read"].values()) == inputs
+    w = t["training fwd"]["write"]
+    assert w["S states"] == B * H * (T // 64 + 1) * 128 * 128 * 2 and w["o_w"] == w["y"] == x["v"].nbytes
+    assert t["gated bwd"]["read"]["S states"] == w["S states"]
+    assert t["window bwd"]["read"]["dy"] == x["dy"].nbytes
+    assert set(t["gated bwd"]["write"]) == {"dphi_q", "dphi_k", "dv", "d log_g"}
+    for k in t:
+        assert rl.total(rl.traffic(2 * B, H, T)[k]) == 2 * rl.total(t[k])
+        f = [rl.total(rl.traffic(B, H, n * T)[k]) for n in (1, 2, 3)]
+        assert f[1] - f[0] == f[2] - f[1] > 0  # affine in T (the last state and the outputs' once per pair)
