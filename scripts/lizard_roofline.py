@@ -26,6 +26,7 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
+from linearize.kernels import gla as kgla
 from linearize.kernels.lizard import lizard_attention
 from probe_common import write_rows
 
@@ -33,18 +34,21 @@ NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
 CHUNK = 64
 
 
-def traffic(B: int, H: int, T: int, D: int = 128, F: int = 128, DV: int = 128, elem: int = 2) -> dict:
+def traffic(B: int, H: int, T: int, D: int = 128, F: int = 128, DV: int = 128, elem: int = 2,
+            og_kept: bool = False) -> dict:
     """Bytes each pass reads and writes (each tensor once), by tensor: {pass: {"read": {name: bytes},
     "write": {...}}}. Per-token fp32 rows (log_g, lse, den, dy . o_w, d log_g) count 4 bytes a
     token; the gated states (S and z entering every chunk and leaving the last) as stored, and the
-    op's final state outputs (fp32)."""
+    op's final state outputs (fp32). ``og_kept``: the forward keeps o_g and the gated backward
+    reads it instead of y and dy . o_w (where that backward walks in segments; the pre-pass of
+    each segment after the first is not counted)."""
     tok = B * H * T
     row = lambda w: tok * w * elem  # a (B, H, T, w) tensor of the compute dtype
     f32 = tok * 4
     nst = B * H * (T // CHUNK + 1)
     states = {"S states": nst * F * DV * elem, "z states": nst * F * 4}
     final = {"final S, z (fp32)": B * H * (F * DV + F) * 4}  # the op's state outputs
-    return {
+    out = {
         "inference fwd": {"read": {"q_w": row(D), "k_w": row(D), "v": row(DV), "phi_q": row(F), "phi_k": row(F),
                                    "log_g": f32},
                           "write": {"y": row(DV), **final}},
@@ -54,10 +58,14 @@ def traffic(B: int, H: int, T: int, D: int = 128, F: int = 128, DV: int = 128, e
         "window bwd": {"read": {"q_w": row(D), "k_w": row(D), "v": row(DV), "dy": row(DV), "o_w": row(DV),
                                 "lse": f32, "dy . o_w (sums)": f32, "lse (sums)": f32},
                        "write": {"dq_w": row(D), "dk_w": row(D), "dv_w": row(DV), "dy . o_w": f32}},
-        "gated bwd": {"read": {"phi_q": row(F), "phi_k": row(F), "v": row(DV), "dy": row(DV), "y": row(DV),
-                               "dv_w": row(DV), **states, "log_g": f32, "den": f32, "dy . o_w": f32},
+        "gated bwd": {"read": {"phi_q": row(F), "phi_k": row(F), "v": row(DV), "dy": row(DV),
+                               **({"o_g": row(DV)} if og_kept else {"y": row(DV), "dy . o_w": f32}),
+                               "dv_w": row(DV), **states, "log_g": f32, "den": f32},
                       "write": {"dphi_q": row(F), "dphi_k": row(F), "dv": row(DV), "d log_g": f32}},
     }
+    if og_kept:
+        out["training fwd"]["write"]["o_g"] = row(DV)
+    return out
 
 
 def total(t: dict) -> int:
@@ -112,14 +120,16 @@ def main() -> None:
             ms["training fwd"].append(do_bench(op, warmup=10, rep=100, return_mode="median"))
             ms["fwd+bwd"].append(do_bench(step, warmup=10, rep=100, grad_to_none=leaves, return_mode="median"))
         med = {k: statistics.median(v) for k, v in ms.items()}
-        t = traffic(B, H, T)
+        og_kept = kgla.fused_bwd_segments(leaves[0], leaves[1], leaves[2], False, kgla.CONFIG) != 1
+        t = traffic(B, H, T, og_kept=og_kept)
         passes = {"inference fwd": (med["inference fwd"], total(t["inference fwd"])),
                   "training fwd": (med["training fwd"], total(t["training fwd"])),
                   "bwd (step - training fwd)": (med["fwd+bwd"] - med["training fwd"],
                                                 total(t["window bwd"]) + total(t["gated bwd"])),
                   "fwd+bwd": (med["fwd+bwd"], total(t["training fwd"]) + total(t["window bwd"]) + total(t["gated bwd"]))}
         counted = sum(v for k, v in t["training fwd"]["write"].items() if not k.startswith("final"))
-        rows.append({"B": B, "T": T, "what": "training forward's kept bytes", "allocated": kept, "counted": counted})
+        rows.append({"B": B, "T": T, "what": "training forward's kept bytes", "allocated": kept, "counted": counted,
+                     "og_kept": og_kept})
         print(json.dumps(rows[-1]), flush=True)
         for name, (m, nbytes) in passes.items():
             rows.append({"B": B, "T": T, "pass": name, "median_ms": m, "gbytes": nbytes / 1e9,

@@ -126,7 +126,8 @@ def test_roofline_traffic_counts_the_tensors_the_passes_move():
     """scripts/lizard_roofline.traffic: a forward reads exactly the bench's inputs (their bytes
     summed); the training forward writes y, o_w and the states the fused kernel allocates
     (NC + 1 per batch x head); the backward reads what the forward kept plus dy, and writes one
-    gradient per input it reads; every count is linear in B and affine in T."""
+    gradient per input it reads; with o_g kept, it is written once more and read instead of y;
+    every count is linear in B and affine in T."""
     import torch
 
     from linearize.bench.kernels import _shape_inputs
@@ -142,6 +143,9 @@ def test_roofline_traffic_counts_the_tensors_the_passes_move():
     assert t["gated bwd"]["read"]["S states"] == w["S states"]
     assert t["window bwd"]["read"]["dy"] == x["dy"].nbytes
     assert set(t["gated bwd"]["write"]) == {"dphi_q", "dphi_k", "dv", "d log_g"}
+    kept = rl.traffic(B, H, T, og_kept=True)  # o_g kept: written once more, read instead of y
+    assert rl.total(kept["training fwd"]) - rl.total(t["training fwd"]) == x["v"].nbytes
+    assert "o_g" in kept["gated bwd"]["read"] and "y" not in kept["gated bwd"]["read"]
     for k in t:
         assert rl.total(rl.traffic(2 * B, H, T)[k]) == 2 * rl.total(t[k])
         f = [rl.total(rl.traffic(B, H, n * T)[k]) for n in (1, 2, 3)]
