@@ -315,9 +315,9 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                          q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
-                         dva_bar, ds_ready, ds_free, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
+                         dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
                          DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
@@ -346,7 +346,6 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DO
     # 7 the rest (dn, dd)
     if NPROF > 0:
         pacc, pt = _prof_init()
-    z_row = gl.zeros([F], gl.float32, layout=lin)
     for i in range(n):
         c = c_hi - i
         sl = i % 2
@@ -372,7 +371,6 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DO
             else:
                 side0 = 0.0
                 side1 = 0.0
-            z_prev = z_row  # (z entering the chunk after this one: its part of the gate gradient)
             z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + gl.arange(0, F, layout=lin))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
@@ -413,17 +411,6 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DO
                 _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
                             in_bar.index(1 - sl), q_s.index(1 - sl), k_s.index(1 - sl), v_s.index(1 - sl),
                             dn_s.index(1 - sl))
-            # the gate gradient's part after the chunk, <dS, S_out> + <dz, z_out>: dS's copy and dz
-            # leave the chunk, st_s still holds the state entering the chunk after it (S_out), and
-            # z_prev is its z; then the state entering this chunk comes into st_s
-            y_c = _shared_state_dot(ds_s, st_s)
-            if NORM:
-                y_c += gl.sum(dz_s.load(lin) * z_prev, axis=0)
-            gl.thread_barrier()
-            fence_async_shared()
-            _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
-        else:
-            y_c = gl.max(sdot_s.load(lin), axis=0)  # the segment's last chunk: the state partition's
 
         # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p
         tk = warpgroup_mma(vs, ds_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
@@ -467,6 +454,8 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DO
         tq = warpgroup_mma(dns, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
         tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dns, st_s))
+        gl.thread_barrier()
+        mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
         tq = tq * e_t[:, None]
         if NORM:
             tq = tq + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
@@ -476,6 +465,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DO
         gl.store(_rows_ptr(DQ + out0, rows_t, cols_t, DV), dq.to(DQ.dtype.element_ty))
 
         # ---- d log_g: the cumulative sum over the chunk's later tokens, plus the part after the chunk
+        y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
         dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
         if NPROF > 0:
@@ -513,17 +503,11 @@ def _dn_half(dns, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.const
 
 
 @gluon.jit
-def _shared_state_dot(ds_s, st_s):
-    """<dS, S> from the two (F, DV) bf16 tiles in shared memory (dS's copy and S), fp32 sums,
-    a quarter of the rows at a time (few registers)."""
-    F: gl.constexpr = ds_s.shape[0]
-    DV: gl.constexpr = ds_s.shape[1]
-    FQ: gl.constexpr = F // 4
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    acc = gl.zeros([FQ, DV], gl.float32, layout=blk)
-    for r in gl.static_range(4):
-        acc += (ds_s.slice(r * FQ, FQ).load(blk).to(gl.float32) * st_s.slice(r * FQ, FQ).load(blk).to(gl.float32))
-    return gl.sum(gl.sum(acc, axis=1), axis=0)
+def _state_dot(st_s, dS0, dS1):
+    """<dS, S>: S from st_s (bf16, two halves of feature rows against dS0, dS1)."""
+    FH: gl.constexpr = dS0.shape[0]
+    return (gl.sum(gl.sum(st_s.slice(0, FH).load(dS0.type.layout).to(gl.float32) * dS0, axis=1), axis=0)
+            + gl.sum(gl.sum(st_s.slice(FH, FH).load(dS1.type.layout).to(gl.float32) * dS1, axis=1), axis=0))
 
 
 @gluon.jit
@@ -533,8 +517,8 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, ds_s,
-                         dz_s, w_s, sdot_s, b_s, in_bar, dva_bar, ds_ready, ds_free, dn0_ready, dv_done,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
+                         dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
                          row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
@@ -604,9 +588,10 @@ def _bwd_state_partition(dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
         # then kept in shared memory for the layouts they are read in
         b_lin = gl.load(bl + gl.arange(0, C, layout=lin))
         b_end = gl.load(bl + C - 1)
-        # ---- dS (dz) leaving the chunk for the chunk partition (once it has read the chunk before's),
-        # and for the segment's last chunk <dS, S_out> + <dz, z_out> (the chunk partition forms it
-        # for the others, from these copies)
+        if NORM:
+            z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_Z)
+        # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition (once it
+        # has read the chunk before's)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
         if i >= 1:
@@ -617,8 +602,7 @@ def _bwd_state_partition(dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
             dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
         ds_s.slice(FH, FH).store(dS1.to(dt))
-        if i == 0:
-            sdot_s.store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
+        sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
         b_s.store(b_lin)  # (its last reader, the chunk before's, is behind a barrier of this partition)
         fence_async_shared()
         gl.thread_barrier()
@@ -686,6 +670,23 @@ def _bwd_state_partition(dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s
             dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, ws))
         else:
             dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dns))
+        if i + 1 < n:
+            # its product with S entering this chunk (the next one's S_out), then the next chunk's S
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
+            mbarrier.wait(s_bar, i & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 1)
+            s_dot = _state_dot(st_s, dS0, dS1)
+            if NORM:
+                s_dot += gl.sum(_z_col(dz, zc) * z_row, axis=0)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
+            mbarrier.wait(tq_done, i & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 2)
+            gl.thread_barrier()
+            _load_tile(sc_d, (i_bh * (NC + 1) + c - 1) * F, 0, s_bar, st_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -734,14 +735,14 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     dd_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # e^{b_t} dd
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     w_s = gl.allocate_shared_memory(dt, [2, C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
-    sdot_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # <dS, S_out> + <dz, z_out> of the last chunk
+    sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
     b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t, for the state partition
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # S, o, the dv to add; the handshakes: ds_ready, ds_free, dn0_ready, dv_done
-    bar = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dn0_ready, dv_done
+    bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(in_bar.index(i), count=1)
-    for i in gl.static_range(7):
+    for i in gl.static_range(8):
         mbarrier.init(bar.index(i), count=1)
     fence_async_shared()
     for j in gl.static_range(2):
@@ -752,26 +753,26 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
-    ds_ready, ds_free, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6)
+    ds_ready, ds_free, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
     prof_row = i_bh * NSEG + i_seg
     if SIDE:
         alpha = gl.load(ALPHA + i_bh % H)
     else:
         alpha = 0.0
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                                 q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
                                 o_bar,
-                                dva_bar, ds_ready, ds_free, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
+                                dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
-        (_bwd_state_partition, (dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, ds_s,
-                                dz_s, w_s, sdot_s, b_s, in_bar, dva_bar, ds_ready, ds_free, dn0_ready,
+        (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
+                                dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
                                 dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
     for i in gl.static_range(2):
         mbarrier.invalidate(in_bar.index(i))
-    for i in gl.static_range(7):
+    for i in gl.static_range(8):
         mbarrier.invalidate(bar.index(i))
 
 
