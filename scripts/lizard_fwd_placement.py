@@ -1,9 +1,12 @@
 """Does Lizard's inference forward depend on where its inputs lie in GPU memory? The bench's
 inputs are made again after a padding allocation of each size, and the whole call
 (``lizard_attention`` under no_grad) is timed at each; also the five inputs' base addresses
-modulo 2 MiB and their distances, to correlate.
+modulo 2 MiB and their distances, to correlate. With ``--y-offsets``, instead: the inputs made
+once, the fused kernel (``lizard_gluon.lizard_fwd_fused``) timed writing y into one buffer at each
+offset (KiB; y stays contiguous), with y's distance from each input.
 
     python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] [--pads 0,1,2,3,...] (MiB)
+    python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] --y-offsets 0,64,128,... (KiB)
 
 Writes OUT/lizard-fwd-placement.json.
 """
@@ -28,8 +31,12 @@ def main() -> None:
     p.add_argument("--shape", default="16x2048")
     p.add_argument("--pads", default="0,1,2,3,5,8,13,21,34,55,89,144")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--y-offsets", default=None)
     a = p.parse_args()
     B, T = (int(v) for v in a.shape.split("x"))
+    if a.y_offsets is not None:
+        y_offsets(a, B, T)
+        return
     rows = []
     for pad_mib in (int(v) for v in a.pads.split(",")):
         torch.cuda.empty_cache()
@@ -50,6 +57,30 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         del x, pad
     write_rows(a.out, "lizard-fwd-placement.json", "scripts/lizard_fwd_placement.py", rows)
+
+
+def y_offsets(a, B: int, T: int) -> None:
+    from linearize.kernels import lizard_gluon
+
+    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+    offs = [int(v) for v in a.y_offsets.split(",")]
+    n = x["v"].numel()
+    buf = torch.empty(n + (max(offs) * 1024) // 2 + 1, dtype=torch.bfloat16, device="cuda")
+    names = ("q", "k", "v", "lq", "lk")
+    rows = []
+    for off in offs:
+        y = buf[off * 512: off * 512 + n].view(x["v"].shape)  # (512 bf16 = 1 KiB)
+
+        def call():
+            lizard_gluon.lizard_fwd_fused(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"],
+                                          x["sinks"], window=128, scale=128 ** -0.5, eps=1e-6, out=y)
+
+        ms = [do_bench(call, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+        rows.append({"B": B, "T": T, "y_offset_kib": off, "median_ms": statistics.median(ms), "ms": ms,
+                     "y_mod_2mib_kib": (y.data_ptr() % 2 ** 21) / 1024,
+                     "y_minus_input_mib": {k: (y.data_ptr() - x[k].data_ptr()) / 2 ** 20 for k in names}})
+        print(json.dumps(rows[-1]), flush=True)
+    write_rows(a.out, "lizard-fwd-y-offsets.json", "scripts/lizard_fwd_placement.py", rows)
 
 
 if __name__ == "__main__":

@@ -753,7 +753,8 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("bthd", [False, True])
 def test_fused_forward_launch_host_side(bthd, monkeypatch):
     """lizard_gluon.lizard_fwd_fused up to its launch, on CPU: the grid, b (the gates' cumulative
-    sum within each chunk), the layout bits and the descriptors' views. (A name the launcher lost
+    sum within each chunk), the layout bits, the descriptors' views, and y into a caller's buffer
+    (``out``; one of another shape refused). (A name the launcher lost
     in a cleanup, 1bac744, went unnoticed until a GPU ran it: this runs every line of it in CI.)"""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import lizard_gluon
@@ -787,6 +788,14 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
     assert y.shape == v.shape and y.is_contiguous() and S_T.shape == (B, H, D, D) and z_T.shape == (B, H, D)
     for desc, x in zip(args[:5], xs):
         assert desc.base.data_ptr() == x.data_ptr() and list(desc.block_shape) == [64, 128]
+    # y into a caller's buffer (a contiguous view at an offset of a larger one), or refused by name
+    buf = torch.empty(y.numel() + 64, dtype=torch.bfloat16)
+    out = buf[64:].view(y.shape)
+    call = dict(window=128, scale=0.1, eps=1e-6)
+    y2 = lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), None, **call, out=out)[0]
+    assert y2 is out and rec.calls[-1][1][5].base.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match=r"out must be contiguous \(2, 3, 256, 128\) torch.bfloat16"):
+        lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), None, **call, out=out.transpose(2, 3))
 
 
 def test_gluon_chunk_pass_launch_host_side(monkeypatch):

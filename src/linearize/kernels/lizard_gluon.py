@@ -429,7 +429,7 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False,
-                     store_og: bool = True, store_ow: bool = True):
+                     store_og: bool = True, store_ow: bool = True, out: Optional[torch.Tensor] = None):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
@@ -438,6 +438,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     ``store_og`` False: o_g is not stored (None in the dict): a backward that takes dy . o_g as
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
     ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
+    ``out``: y's buffer ((B, H, T, Dv) contiguous in v's dtype), else a new one.
 
     ``nseg`` > 1: the sequence in about that many segments (``segment_plan``), one program each; S_in
     (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) the states entering each (fp32), from the
@@ -449,7 +450,12 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     el = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     nseg, seg_len = segment_plan(T, nseg)
     lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
-    y = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, Dv) contiguous, whatever v's layout
+    if out is not None and not (out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous()
+                                and out.device == v.device):
+        raise ValueError(f"lizard_fwd_fused: out must be contiguous {tuple(v.shape)} {v.dtype} on {v.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()})")
+    # (B, H, T, Dv) contiguous, whatever v's layout
+    y = out if out is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     views = [view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
