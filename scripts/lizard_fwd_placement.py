@@ -7,6 +7,12 @@ offset (KiB; y stays contiguous), with y's distance from each input.
 
     python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] [--pads 0,1,2,3,...] (MiB)
     python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] --y-offsets 0,64,128,... (KiB)
+    python scripts/lizard_fwd_placement.py --out OUT [--shape 16x2048] --modes [--rounds 8]
+
+``--modes``: the inputs made once, rounds alternating four calls: the whole op (``lizard_attention``
+under no_grad) as it runs, the op without its side streams (``LizardKernelConfig(overlap_fwd=False)``:
+the window's state copied on the op's own stream), and the fused kernel alone with y new at each
+call or in one buffer kept across calls; each round's median is kept, to see which call varies.
 
 Writes OUT/lizard-fwd-placement.json.
 """
@@ -32,10 +38,14 @@ def main() -> None:
     p.add_argument("--pads", default="0,1,2,3,5,8,13,21,34,55,89,144")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--y-offsets", default=None)
+    p.add_argument("--modes", action="store_true")
     a = p.parse_args()
     B, T = (int(v) for v in a.shape.split("x"))
     if a.y_offsets is not None:
         y_offsets(a, B, T)
+        return
+    if a.modes:
+        modes(a, B, T)
         return
     rows = []
     for pad_mib in (int(v) for v in a.pads.split(",")):
@@ -57,6 +67,34 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         del x, pad
     write_rows(a.out, "lizard-fwd-placement.json", "scripts/lizard_fwd_placement.py", rows)
+
+
+def modes(a, B: int, T: int) -> None:
+    from linearize.kernels import lizard_gluon
+    from linearize.kernels.lizard import LizardKernelConfig
+
+    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+    kept = torch.empty_like(x["v"])
+
+    def op(config=None):
+        with torch.no_grad():
+            lizard_attention(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], window=128,
+                             sink_logits=x["sinks"], config=config)
+
+    def kernel(out=None):
+        lizard_gluon.lizard_fwd_fused(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], x["sinks"],
+                                      window=128, scale=128 ** -0.5, eps=1e-6, out=out)
+
+    calls = {"op": op, "op, one stream": lambda: op(LizardKernelConfig(overlap_fwd=False)),
+             "kernel, y new": kernel, "kernel, y kept": lambda: kernel(kept)}
+    ms = {k: [] for k in calls}
+    for _ in range(a.rounds):
+        for k, f in calls.items():
+            ms[k].append(do_bench(f, warmup=10, rep=100, return_mode="median"))
+    rows = [{"B": B, "T": T, "call": k, "median_ms": statistics.median(v), "ms": v} for k, v in ms.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    write_rows(a.out, "lizard-fwd-modes.json", "scripts/lizard_fwd_placement.py", rows)
 
 
 def y_offsets(a, B: int, T: int) -> None:

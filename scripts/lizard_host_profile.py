@@ -1,0 +1,69 @@
+"""Where Lizard's attention spends its CPU time (Python profile of the host code), per call.
+
+    python scripts/lizard_host_profile.py --out OUT [--shape 16x2048] [--calls 20] [--top 40]
+
+The GPU is held busy (``torch.cuda._sleep``) while ``--calls`` calls are queued under cProfile,
+so the profile holds host work only, not waits. Calls: the op in inference (no_grad) and its
+training step (forward with autograd and backward), bench inputs. Writes OUT/lizard-host-profile.txt
+(the functions by own time and by cumulative time, per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+
+import torch
+
+from linearize.bench.kernels import _shape_inputs
+from linearize.kernels.lizard import lizard_attention
+
+NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", default="16x2048")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--top", type=int, default=40)
+    a = p.parse_args()
+    os.environ["LINEARIZE_KERNELS"] = "1"
+    B, T = (int(v) for v in a.shape.split("x"))
+    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+    leaves = [x[n].detach().requires_grad_() for n in NAMES]
+
+    def infer():
+        with torch.no_grad():
+            lizard_attention(*[x[n] for n in NAMES[:7]], window=128, sink_logits=x["sinks"])
+
+    def train():
+        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
+        for t in leaves:
+            t.grad = None
+
+    report = io.StringIO()
+    for name, fn in (("op, inference", infer), ("op, training step", train)):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        for key in ("tottime", "cumulative"):
+            report.write(f"==== {name}, B{B} T{T}, {a.calls} calls, by {key} (seconds for all calls)\n")
+            pstats.Stats(prof, stream=report).sort_stats(key).print_stats(a.top)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "lizard-host-profile.txt"), "w") as f:
+        f.write(f"{torch.cuda.get_device_name()}\n" + report.getvalue())
+    print(report.getvalue()[-20000:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""How long Lizard's attention keeps the CPU busy per call, beside how long it keeps the GPU busy.
+
+    python scripts/lizard_launch_overhead.py --out OUT [--shape 16x2048 ...] [--calls 20] [--rounds 5]
+
+A benchmark that starts each call on an idle GPU (do_bench: the cache flush before each call
+gives the CPU a head start of about its length) counts every microsecond of Python the call
+spends before its main kernel is queued. Here the GPU is first held busy (``torch.cuda._sleep``)
+so that ``--calls`` calls are only queued, and the CPU time per call is the wall time of queueing
+them; the GPU time is do_bench's median, and again for the call captured once as a CUDA graph
+and replayed (the same GPU work with no host code between its kernels). Calls: the whole op in
+inference (no_grad), the op's training step (forward with autograd and backward), and the fused
+forward kernel alone (``lizard_gluon.lizard_fwd_fused``). Bench inputs
+(``bench.kernels._shape_inputs``).
+Writes OUT/lizard-launch-overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from triton.testing import do_bench
+
+from linearize.bench.kernels import _shape_inputs
+from linearize.kernels import lizard_gluon
+from linearize.kernels.lizard import lizard_attention
+from probe_common import write_rows
+
+NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
+
+
+def cpu_us(fn, calls: int) -> float:
+    """Microseconds of CPU per call of fn, queued behind a GPU kept busy (so none of them waits)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second at the H100's clock: longer than the queueing
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e6
+
+
+def graphed(fn):
+    """fn captured once as a CUDA graph (after warm-up calls on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192)")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    os.environ["LINEARIZE_KERNELS"] = "1"
+    rows = []
+    for B, T in [tuple(int(v) for v in s.split("x")) for s in a.shape or ["16x2048", "4x8192"]]:
+        x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+        leaves = [x[n].detach().requires_grad_() for n in NAMES]
+
+        def infer():
+            with torch.no_grad():
+                lizard_attention(*[x[n] for n in NAMES[:7]], window=128, sink_logits=x["sinks"])
+
+        def train():
+            lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
+            for t in leaves:
+                t.grad = None
+
+        def kernel():
+            lizard_gluon.lizard_fwd_fused(*[x[n] for n in NAMES[:7]], x["sinks"], window=128, scale=128 ** -0.5,
+                                          eps=1e-6)
+
+        for name, fn in (("op, inference", infer), ("op, training step", train), ("fused forward kernel", kernel)):
+            cpu = [cpu_us(fn, a.calls) for _ in range(a.rounds)]
+            gpu = [do_bench(fn, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+            row = {"B": B, "T": T, "call": name, "cpu_us_per_call": statistics.median(cpu), "cpu_us": cpu,
+                   "do_bench_ms": statistics.median(gpu), "do_bench": gpu}
+            try:  # the same GPU work without the host: replayed as one CUDA graph
+                replay = graphed(fn)
+                g = [do_bench(replay, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+                row.update(graph_ms=statistics.median(g), graph=g)
+            except Exception as e:  # (a capture refused: say why, keep the rest)
+                row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+                torch.cuda.synchronize()
+            rows.append(row)
+            print(json.dumps(rows[-1]), flush=True)
+        del x, leaves
+        torch.cuda.empty_cache()
+    write_rows(a.out, "lizard-launch-overhead.json", "scripts/lizard_launch_overhead.py", rows)
+
+
+if __name__ == "__main__":
+    main()
