@@ -136,14 +136,12 @@ def patch_interpreter() -> None:
 
 
 @contextlib.contextmanager
-def fork_stream(side: Optional["torch.cuda.Stream"], wait: bool = True):
-    """Run the block on ``side`` (after the work queued so far on the current stream; with
-    ``wait=False``, after what the caller made ``side`` wait for), or inline."""
+def fork_stream(side: Optional["torch.cuda.Stream"]):
+    """Run the block on ``side`` (after the work queued so far on the current stream), or inline."""
     if side is None:
         yield
         return
-    if wait:
-        side.wait_stream(torch.cuda.current_stream(side.device))
+    side.wait_stream(torch.cuda.current_stream(side.device))
     with torch.cuda.stream(side):
         yield
 

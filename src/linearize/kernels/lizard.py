@@ -331,21 +331,14 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     # that stream and every backward would sync to it (torch warns of the mismatch)
     differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
-    if copier is not None:  # the copy may start once the inputs are made
-        copier.wait_stream(torch.cuda.current_stream(copier.device))
-    fused = None
+    with fork_stream(copier):
+        w_state = kwin._new_state(window_state, k_w, v, L, dt)
     if config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0):
-        # queued before the copy: the fused kernel's programs (one a multiprocessor) take the GPU
-        # first, and the copy runs where its last wave leaves multiprocessors idle, instead of
-        # holding some as that kernel starts (H100, B16 T2048: the op took 0.705 ms against 0.661
-        # for the kernel alone; docs/results/lizard-launch-overhead-h100.md)
         fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
                                log_space_features, window, scale, eps, config)
-    with fork_stream(copier, wait=False):
-        w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if fused is not None:
-        join_stream(copier, *w_state)
-        return fused[0], GLAState(fused[1], fused[2]), w_state
+        if fused is not None:
+            join_stream(copier, *w_state)
+            return fused[0], GLAState(fused[1], fused[2]), w_state
     y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
                                     bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
                                     config, torch.is_grad_enabled())
