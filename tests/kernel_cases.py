@@ -489,7 +489,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
 def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 4, state: bool = False,
                       segments: int | None = None, bthd: bool = False, B: int = 2, H: int = 3,
                       seed: int = 0) -> dict[str, float]:
-    """lizard_attention in inference on CUDA, where it runs the fused Gluon forward (asserted), vs
+    """lizard_attention in inference on CUDA, where it runs the fused Gluon forward, which writes
+    the window's state too (both asserted), vs
     gla_parallel + alpha * window_attn_parallel in fp64: y and both states. Lizard's widths (128);
     ``segments`` forces LizardKernelConfig.fused_segments; ``bthd``: q_w, k_w and v come as a model
     gives them, (B, T, H, D) projections transposed to (B, H, T, D)."""
@@ -520,7 +521,9 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
     dev = torch.device("cuda")
     calls = []
     fused = lizard_gluon.lizard_fwd_fused
-    lizard_gluon.lizard_fwd_fused = lambda *a, **k: calls.append(k.get("nseg")) or fused(*a, **k)
+    wrote_state = []
+    lizard_gluon.lizard_fwd_fused = lambda *a, **k: (calls.append(k.get("nseg")), wrote_state.append(
+        k.get("window_state") is not None))[0] or fused(*a, **k)
     try:
         with torch.no_grad():
             def put(x):
@@ -537,6 +540,7 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
     finally:
         lizard_gluon.lizard_fwd_fused = fused
     assert calls, "lizard_attention did not run the fused forward"
+    assert wrote_state == [True], "the fused forward did not write the window's state"
     assert segments is None or state or calls[0] == segments, calls
     return {"y": rel_rms(y2.cpu(), y), "S": rel_rms(sg2.S.cpu(), s_g.S), "z": rel_rms(sg2.z.cpu(), s_g.z),
             "window.k": rel_rms(sw2.k.cpu(), s_w.k), "window.v": rel_rms(sw2.v.cpu(), s_w.v)}

@@ -753,8 +753,9 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("bthd", [False, True])
 def test_fused_forward_launch_host_side(bthd, monkeypatch):
     """lizard_gluon.lizard_fwd_fused up to its launch, on CPU: the grid, b (the gates' cumulative
-    sum within each chunk), the layout bits, the descriptors' views, and y into a caller's buffer
-    (``out``; one of another shape refused). (A name the launcher lost
+    sum within each chunk), the layout bits, the descriptors' views, y into a caller's buffer
+    (``out``; one of another shape refused), and the window's state into the caller's buffers
+    (WSTATE; a buffer of another dtype refused). (A name the launcher lost
     in a cleanup, 1bac744, went unnoticed until a GPU ran it: this runs every line of it in CI.)"""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import lizard_gluon
@@ -796,6 +797,15 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
     assert y2 is out and rec.calls[-1][1][5].base.data_ptr() == out.data_ptr()
     with pytest.raises(ValueError, match=r"out must be contiguous \(2, 3, 256, 128\) torch.bfloat16"):
         lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), None, **call, out=out.transpose(2, 3))
+    # the window's decode state into the caller's fp32 buffers (the last window - 1 keys, values)
+    ws = (torch.empty(B, H, 127, D), torch.empty(B, H, 127, D))
+    lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), None, **call, window_state=ws)
+    grid_, args_, kw_ = rec.calls[-1]
+    assert kw_["WSTATE"] is True and args_[20] is ws[0] and args_[21] is ws[1]
+    assert rec.calls[-2][2]["WSTATE"] is False
+    with pytest.raises(ValueError, match=r"window_state's v must be contiguous \(2, 3, 127, 128\) float32"):
+        lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), None, **call,
+                                      window_state=(ws[0], ws[1].bfloat16()))
 
 
 def test_gluon_chunk_pass_launch_host_side(monkeypatch):

@@ -244,20 +244,21 @@ def _spill_bytes(r) -> int:
     return max(spills)
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow", [
-    (False, 4, 0, False, True, True), (True, 0, 7, False, True, True), (False, 4, 7, True, True, True),
-    (False, 4, 0, True, False, False)])
+@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow, window_state", [
+    (False, 4, 0, False, True, True, True), (True, 0, 7, False, True, True, False), (False, 4, 7, True, True, True, False),
+    (False, 4, 0, True, False, False, False)])
 def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, store_ow,
-                                                  tmp_path):
+                                                  window_state, tmp_path):
     """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference
-    and (train) in training, with or without o_g and o_w among what it stores, compiles for sm_90a within
+    (writing the window's decode state, or not) and (train) in training, with or without o_g and
+    o_w among what it stores, compiles for sm_90a within
     one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
     partitions, their register limits included). What it computes is checked on a GPU
     (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
     from linearize.kernels import lizard_gluon
 
     k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
-                                        store_og=store_og, store_ow=store_ow)
+                                        store_og=store_og, store_ow=store_ow, window_state=window_state)
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx

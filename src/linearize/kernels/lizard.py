@@ -329,11 +329,22 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     # computes: on a stream of its own it costs no time beside the op's register-bound passes.
     # Not where autograd records the copy: the leaves' gradient accumulators would be made on
     # that stream and every backward would sync to it (torch warns of the mismatch)
+    inference = config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)
+    if inference and window_state is None and dt == torch.float32 and v.is_cuda:
+        # the fused kernel writes the window's state from its ring (no copy of the inputs' last keys
+        # and values: H100, B16 T2048, that copy cost the op 0.04 ms of its 0.705;
+        # docs/results/lizard-launch-overhead-h100.md)
+        w_out = tuple(torch.empty(B, H, L, x.shape[-1], dtype=dt, device=v.device) for x in (k_w, v))
+        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
+                               log_space_features, window, scale, eps, config, window_state=w_out)
+        if fused is not None:
+            pos = torch.full((B,), q_w.shape[2], dtype=torch.int64, device=v.device)
+            return fused[0], GLAState(fused[1], fused[2]), WindowState(*w_out, pos)
     differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0):
+    if inference:
         fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
                                log_space_features, window, scale, eps, config)
         if fused is not None:
@@ -370,10 +381,12 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
 
 
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
-                   window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True):
+                   window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True,
+                   window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
     from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
-    unnormalised or log-space features, or outside ``lizard_gluon.supports``)."""
+    unnormalised or log-space features, or outside ``lizard_gluon.supports``). ``window_state``:
+    buffers the kernel fills with the window's decode state (``lizard_fwd_fused``)."""
     if kmin is not None or not normalize or log_space:
         return None
     lizard_gluon = gluon_kernels("lizard_gluon")
@@ -392,5 +405,5 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
         s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
-                                        store_ow=store_ow)
+                                        store_ow=store_ow, window_state=window_state)
     return (*out, (nseg, seg_len))

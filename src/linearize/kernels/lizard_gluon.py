@@ -52,11 +52,12 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
                       y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
-                      eps,
+                      eps, T,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                      NPROF: gl.constexpr, TRAIN: gl.constexpr, STORE_OG: gl.constexpr, STORE_OW: gl.constexpr):
+                      NPROF: gl.constexpr, TRAIN: gl.constexpr, STORE_OG: gl.constexpr, STORE_OW: gl.constexpr,
+                      WSTATE: gl.constexpr):
     """One warpgroup: per chunk the window (scores, softmax with sinks, P V), then the gated output
     e^{b_t} phi_q S + A V from the state partition's copies of S (st_s) and A (a_s) over its den
     (den_s), the combine, and y out by TMA. It issues every load but phi_k's (the state partition
@@ -189,10 +190,33 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
             _store_tile(y_d, row0 + c * C, y, y_s.index(k % 2), 1)
+    if WSTATE:
+        if i_s == nseg - 1:
+            _window_state_out(WK, WV, k_s, v_s, i_bh, nc, T, W - 1, C)
     tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     return (alpha,)
+
+
+@gluon.jit
+def _window_state_out(WK, WV, k_s, v_s, i_bh, nc, T, L, C: gl.constexpr):
+    """The window's decode state, the last L (<= 2 C) keys and values in fp32 ((B*H, L, D) rows
+    each), from the ring's last two chunks (slots nc % 3 and (nc + 1) % 3 of a walk of nc chunks);
+    rows before the sequence's start (T < L) are zeros, as ``window._new_state`` leaves them."""
+    D: gl.constexpr = k_s.shape[2]
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    for d in gl.static_range(2):  # the chunk before the last, then the last
+        tok = (T // C - 2 + d) * C + r
+        row = tok - (T - L)
+        keep = (row >= 0)[:, None]
+        real = (tok >= 0)[:, None]
+        off = (i_bh.to(gl.int64) * L + row)[:, None] * D + cols[None, :]
+        slot = (nc + d) % 3
+        gl.store(WK + off, gl.where(real, k_s.index(slot).load(blk).to(gl.float32), 0.0), mask=keep)
+        gl.store(WV + off, gl.where(real, v_s.index(slot).load(blk).to(gl.float32), 0.0), mask=keep)
 
 
 @gluon.jit
@@ -330,11 +354,11 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
 
 @gluon.jit
 def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, SINK, ALPHA, S_IN, Z_IN, S_OUT,
-                       Z_OUT, PROF, LSE, DEN, ZC,
+                       Z_OUT, PROF, LSE, DEN, ZC, WK, WV,
                        T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr,
-                       STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True):
+                       STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True, WSTATE: gl.constexpr = False):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -390,9 +414,9 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     st_free = hs.index(1)
     a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, k_s, v_s, q_s, fq_s, st_s, a_s,
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s, fq_s, st_s, a_s,
                              den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
-                             nseg, qk_scale, eps, PROF, W, NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW)),
+                             nseg, qk_scale, eps, T, PROF, W, NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW, WSTATE)),
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
@@ -429,7 +453,8 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[torch.Tensor], *, window: int,
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False,
-                     store_og: bool = True, store_ow: bool = True, out: Optional[torch.Tensor] = None):
+                     store_og: bool = True, store_ow: bool = True, out: Optional[torch.Tensor] = None,
+                     window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
@@ -439,6 +464,9 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
     ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
     ``out``: y's buffer ((B, H, T, Dv) contiguous in v's dtype), else a new one.
+    ``window_state``: (k, v) buffers ((B, H, window - 1, 128) fp32, contiguous) that receive the
+    window's decode state, the last window - 1 keys and values (zeros first where T is shorter),
+    written from the kernel's ring (no copy of its own: ``window._new_state``'s result).
 
     ``nseg`` > 1: the sequence in about that many segments (``segment_plan``), one program each; S_in
     (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) the states entering each (fp32), from the
@@ -456,6 +484,12 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                          f"{tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()})")
     # (B, H, T, Dv) contiguous, whatever v's layout
     y = out if out is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if window_state is not None:
+        want = (B, H, window - 1, 128)
+        for name, t in zip(("k", "v"), window_state):
+            if not (tuple(t.shape) == want and t.dtype == torch.float32 and t.is_contiguous() and t.device == v.device):
+                raise ValueError(f"lizard_fwd_fused: window_state's {name} must be contiguous {want} float32 on "
+                                 f"{v.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
     views = [view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
     S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
@@ -478,10 +512,11 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         *descs, sc_d, og_d, ow_d, b, sinks if sinks is not None else b, alpha.float().contiguous(),
         S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
         *((inter[n] for n in ("lse", "den", "zc")) if store else (b, b, b)),
+        *(window_state if window_state is not None else (b, b)),
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
-        D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow,
+        D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state is not None,
         num_warps=4)
     if store:  # the state leaving the last chunk, as the Triton forward keeps it
         inter["sc"][:, NC] = S_T.view(B * H, F, DV)
@@ -517,15 +552,16 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
 
 
 def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
-                       model_layout: int = 0, train: bool = False, store_og: bool = True, store_ow: bool = True):
+                       model_layout: int = 0, train: bool = False, store_og: bool = True, store_ow: bool = True,
+                       window_state: bool = False):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from .gla_gluon import _compile, _compile_args
 
     d, sc_d, f32, _ = _compile_args()
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, og_d=d, ow_d=d, BL=f32, SINK=f32, ALPHA=f32,
-                S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32,
+                S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32, WK=f32, WV=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
-                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow)
+                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state)
     return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)
