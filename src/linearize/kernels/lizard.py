@@ -62,7 +62,7 @@ class LizardKernelConfig:
     1.329 at B16 T2048 and 2.333 against 2.538 at B16 T4096; level at B8 T4096.
     ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream; in
     either order, when no gradient is recorded, the window's state for decoding is copied on a
-    third.
+    third (unless the fused forward runs: it writes that state itself).
     ``overlap_bwd``: the gated reverse state passes run on that stream beside the window's
     backward (forward + backward, gated first, one stream against two: 5.401 -> 5.330 ms at
     B16 T2048, 5.896 -> 5.489 at B4 T8192).
@@ -331,9 +331,9 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     # that stream and every backward would sync to it (torch warns of the mismatch)
     inference = config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)
     if inference and window_state is None and dt == torch.float32 and v.is_cuda:
-        # the fused kernel writes the window's state from its ring (no copy of the inputs' last keys
-        # and values: H100, B16 T2048, that copy cost the op 0.04 ms of its 0.705;
-        # docs/results/lizard-launch-overhead-h100.md)
+        # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
+        # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
+        # stream; docs/results/lizard-launch-overhead-h100.md)
         w_out = tuple(torch.empty(B, H, L, x.shape[-1], dtype=dt, device=v.device) for x in (k_w, v))
         fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
                                log_space_features, window, scale, eps, config, window_state=w_out)
