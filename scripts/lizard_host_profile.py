@@ -18,10 +18,7 @@ import pstats
 
 import torch
 
-from linearize.bench.kernels import _shape_inputs
-from linearize.kernels.lizard import lizard_attention
-
-NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
+from lizard_launch_overhead import lizard_calls
 
 
 def main() -> None:
@@ -33,20 +30,10 @@ def main() -> None:
     a = p.parse_args()
     os.environ["LINEARIZE_KERNELS"] = "1"
     B, T = (int(v) for v in a.shape.split("x"))
-    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
-    leaves = [x[n].detach().requires_grad_() for n in NAMES]
-
-    def infer():
-        with torch.no_grad():
-            lizard_attention(*[x[n] for n in NAMES[:7]], window=128, sink_logits=x["sinks"])
-
-    def train():
-        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
-        for t in leaves:
-            t.grad = None
-
+    calls = lizard_calls(B, T)
     report = io.StringIO()
-    for name, fn in (("op, inference", infer), ("op, training step", train)):
+    for name in ("op, inference", "op, training step"):
+        fn = calls[name]
         fn()
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)

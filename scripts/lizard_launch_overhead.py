@@ -46,6 +46,28 @@ def cpu_us(fn, calls: int) -> float:
     return t / calls * 1e6
 
 
+def lizard_calls(B: int, T: int) -> dict:
+    """name -> a call of Lizard's attention on the bench's inputs at (B, T): the op in inference,
+    its training step (grads cleared after), the fused forward kernel alone."""
+    x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
+    leaves = [x[n].detach().requires_grad_() for n in NAMES]
+
+    def infer():
+        with torch.no_grad():
+            lizard_attention(*[x[n] for n in NAMES[:7]], window=128, sink_logits=x["sinks"])
+
+    def train():
+        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
+        for t in leaves:
+            t.grad = None
+
+    def kernel():
+        lizard_gluon.lizard_fwd_fused(*[x[n] for n in NAMES[:7]], x["sinks"], window=128, scale=128 ** -0.5,
+                                      eps=1e-6)
+
+    return {"op, inference": infer, "op, training step": train, "fused forward kernel": kernel}
+
+
 def graphed(fn):
     """fn captured once as a CUDA graph (after warm-up calls on a side stream); returns its replay."""
     side = torch.cuda.Stream()
@@ -70,23 +92,8 @@ def main() -> None:
     os.environ["LINEARIZE_KERNELS"] = "1"
     rows = []
     for B, T in [tuple(int(v) for v in s.split("x")) for s in a.shape or ["16x2048", "4x8192"]]:
-        x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
-        leaves = [x[n].detach().requires_grad_() for n in NAMES]
-
-        def infer():
-            with torch.no_grad():
-                lizard_attention(*[x[n] for n in NAMES[:7]], window=128, sink_logits=x["sinks"])
-
-        def train():
-            lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
-            for t in leaves:
-                t.grad = None
-
-        def kernel():
-            lizard_gluon.lizard_fwd_fused(*[x[n] for n in NAMES[:7]], x["sinks"], window=128, scale=128 ** -0.5,
-                                          eps=1e-6)
-
-        for name, fn in (("op, inference", infer), ("op, training step", train), ("fused forward kernel", kernel)):
+        calls = lizard_calls(B, T)
+        for name, fn in calls.items():
             cpu = [cpu_us(fn, a.calls) for _ in range(a.rounds)]
             gpu = [do_bench(fn, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
             row = {"B": B, "T": T, "call": name, "cpu_us_per_call": statistics.median(cpu), "cpu_us": cpu,
@@ -100,7 +107,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
-        del x, leaves
+        del calls
         torch.cuda.empty_cache()
     write_rows(a.out, "lizard-launch-overhead.json", "scripts/lizard_launch_overhead.py", rows)
 
