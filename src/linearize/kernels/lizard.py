@@ -325,12 +325,9 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     sinks = sink_logits.contiguous() if sink_logits is not None and sink_logits.shape[1] > 0 else None
     phi_q, phi_k, v, q_w, k_w = (unit_last(x) for x in (phi_q, phi_k, v, q_w, k_w))
     dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
-    # the window's state for decoding (a copy of the last keys and values) needs nothing the op
-    # computes: on a stream of its own it costs no time beside the op's register-bound passes.
-    # Not where autograd records the copy: the leaves' gradient accumulators would be made on
-    # that stream and every backward would sync to it (torch warns of the mismatch)
     inference = config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)
-    if inference and window_state is None and dt == torch.float32 and v.is_cuda:
+    kernel_state = inference and window_state is None and dt == torch.float32 and v.is_cuda
+    if kernel_state:
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
         # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
         # stream; docs/results/lizard-launch-overhead-h100.md)
@@ -340,11 +337,15 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
         if fused is not None:
             pos = torch.full((B,), q_w.shape[2], dtype=torch.int64, device=v.device)
             return fused[0], GLAState(fused[1], fused[2]), WindowState(*w_out, pos)
+    # otherwise the window's state for decoding (a copy of the last keys and values) needs nothing
+    # the op computes: on a stream of its own it costs no time beside the op's register-bound
+    # passes. Not where autograd records the copy: the leaves' gradient accumulators would be made
+    # on that stream and every backward would sync to it (torch warns of the mismatch)
     differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
     copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if inference:
+    if inference and not kernel_state:  # (where the kernel did not apply just now, it does not here)
         fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
                                log_space_features, window, scale, eps, config)
         if fused is not None:
