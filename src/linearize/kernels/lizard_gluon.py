@@ -1,7 +1,8 @@
 """The whole Lizard forward in one hand-written Hopper kernel (Gluon): gated branch, window with
-sinks and the combine; for inference, and (``TRAIN``) for training, where it also stores what the
-backward reads (den, lse, the state entering every chunk, and o_g, o_w unless told not to:
-STORE_OG, STORE_OW).
+sinks and the combine; for inference, where it can also write the window's decode state from its
+key/value ring (``WSTATE``), and (``TRAIN``) for training, where it also stores what the backward
+reads (den, lse, the state entering every chunk, and o_g, o_w unless told not to: STORE_OG,
+STORE_OW).
 
     y = gla(phi_q, phi_k, v, log_g) / den + alpha_h * window(q_w, k_w, v; sinks)
 
