@@ -126,7 +126,7 @@ def main() -> None:
                   "training fwd": (med["training fwd"], total(t["training fwd"])),
                   "bwd (step - training fwd)": (med["fwd+bwd"] - med["training fwd"],
                                                 total(t["window bwd"]) + total(t["gated bwd"])),
-                  "fwd+bwd": (med["fwd+bwd"], total(t["training fwd"]) + total(t["window bwd"]) + total(t["gated bwd"]))}
+                  "fwd+bwd": (med["fwd+bwd"], sum(total(t[k]) for k in ("training fwd", "window bwd", "gated bwd")))}
         counted = sum(v for k, v in t["training fwd"]["write"].items() if not k.startswith("final"))
         rows.append({"B": B, "T": T, "what": "training forward's kept bytes", "allocated": kept, "counted": counted,
                      "og_kept": og_kept})

@@ -245,8 +245,8 @@ def _spill_bytes(r) -> int:
 
 
 @pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow, window_state", [
-    (False, 4, 0, False, True, True, True), (True, 0, 7, False, True, True, False), (False, 4, 7, True, True, True, False),
-    (False, 4, 0, True, False, False, False)])
+    (False, 4, 0, False, True, True, True), (True, 0, 7, False, True, True, False),
+    (False, 4, 7, True, True, True, False), (False, 4, 0, True, False, False, False)])
 def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, store_ow,
                                                   window_state, tmp_path):
     """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference

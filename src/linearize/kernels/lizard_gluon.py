@@ -53,9 +53,9 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s, fq_s, st_s, a_s, den_s,
-                      y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale,
-                      eps, T,
+def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s, fq_s,
+                      st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v,
+                      c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, T,
                       PROF, W: gl.constexpr, NSINK: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
                       NPROF: gl.constexpr, TRAIN: gl.constexpr, STORE_OG: gl.constexpr, STORE_OW: gl.constexpr,
                       WSTATE: gl.constexpr):
@@ -415,9 +415,10 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     st_free = hs.index(1)
     a_ready = hs.index(2)
     gl.warp_specialize([
-        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s, fq_s, st_s, a_s,
-                             den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q, r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s,
-                             nseg, qk_scale, eps, T, PROF, W, NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW, WSTATE)),
+        (_output_partition, (qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, LSE, DEN, WK, WV, k_s, v_s, q_s,
+                             fq_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q,
+                             r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, T, PROF, W,
+                             NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW, WSTATE)),
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
