@@ -27,7 +27,7 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels.lizard import lizard_attention
+from lizard_launch_overhead import fused_forward, infer
 from probe_common import write_rows
 
 
@@ -52,13 +52,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         pad = torch.empty(pad_mib * 2 ** 20 + 1, dtype=torch.uint8, device="cuda")
         x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
-
-        def call():
-            with torch.no_grad():
-                lizard_attention(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], window=128,
-                                 sink_logits=x["sinks"])
-
-        ms = [do_bench(call, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+        ms = [do_bench(lambda: infer(x), warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
         names = ("q", "k", "v", "lq", "lk")
         base = {n: x[n].data_ptr() for n in names}
         rows.append({"B": B, "T": T, "pad_mib": pad_mib, "median_ms": statistics.median(ms), "ms": ms,
@@ -70,23 +64,12 @@ def main() -> None:
 
 
 def modes(a, B: int, T: int) -> None:
-    from linearize.kernels import lizard_gluon
     from linearize.kernels.lizard import LizardKernelConfig
 
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     kept = torch.empty_like(x["v"])
-
-    def op(config=None):
-        with torch.no_grad():
-            lizard_attention(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], window=128,
-                             sink_logits=x["sinks"], config=config)
-
-    def kernel(out=None):
-        lizard_gluon.lizard_fwd_fused(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"], x["sinks"],
-                                      window=128, scale=128 ** -0.5, eps=1e-6, out=out)
-
-    calls = {"op": op, "op, one stream": lambda: op(LizardKernelConfig(overlap_fwd=False)),
-             "kernel, y new": kernel, "kernel, y kept": lambda: kernel(kept)}
+    calls = {"op": lambda: infer(x), "op, one stream": lambda: infer(x, LizardKernelConfig(overlap_fwd=False)),
+             "kernel, y new": lambda: fused_forward(x), "kernel, y kept": lambda: fused_forward(x, kept)}
     ms = {k: [] for k in calls}
     for _ in range(a.rounds):
         for k, f in calls.items():
@@ -98,8 +81,6 @@ def modes(a, B: int, T: int) -> None:
 
 
 def y_offsets(a, B: int, T: int) -> None:
-    from linearize.kernels import lizard_gluon
-
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     offs = [int(v) for v in a.y_offsets.split(",")]
     n = x["v"].numel()
@@ -108,12 +89,7 @@ def y_offsets(a, B: int, T: int) -> None:
     rows = []
     for off in offs:
         y = buf[off * 512: off * 512 + n].view(x["v"].shape)  # (512 bf16 = 1 KiB)
-
-        def call():
-            lizard_gluon.lizard_fwd_fused(x["lq"], x["lk"], x["v"], x["log_g"], x["q"], x["k"], x["alpha"],
-                                          x["sinks"], window=128, scale=128 ** -0.5, eps=1e-6, out=y)
-
-        ms = [do_bench(call, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
+        ms = [do_bench(lambda: fused_forward(x, y), warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
         rows.append({"B": B, "T": T, "y_offset_kib": off, "median_ms": statistics.median(ms), "ms": ms,
                      "y_mod_2mib_kib": (y.data_ptr() % 2 ** 21) / 1024,
                      "y_minus_input_mib": {k: (y.data_ptr() - x[k].data_ptr()) / 2 ** 20 for k in names}})
