@@ -326,14 +326,18 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     phi_q, phi_k, v, q_w, k_w = (unit_last(x) for x in (phi_q, phi_k, v, q_w, k_w))
     dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
     inference = config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)
+
+    def fused_forward(w_out=None):
+        return _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
+                              log_space_features, window, scale, eps, config, window_state=w_out)
+
     kernel_state = inference and window_state is None and dt == torch.float32 and v.is_cuda
     if kernel_state:
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
         # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
         # stream; docs/results/lizard-launch-overhead-h100.md)
         w_out = tuple(torch.empty(B, H, L, x.shape[-1], dtype=dt, device=v.device) for x in (k_w, v))
-        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
-                               log_space_features, window, scale, eps, config, window_state=w_out)
+        fused = fused_forward(w_out)
         if fused is not None:
             pos = torch.full((B,), q_w.shape[2], dtype=torch.int64, device=v.device)
             return fused[0], GLAState(fused[1], fused[2]), WindowState(*w_out, pos)
@@ -346,8 +350,7 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     with fork_stream(copier):
         w_state = kwin._new_state(window_state, k_w, v, L, dt)
     if inference and not kernel_state:  # (where the kernel did not apply just now, it does not here)
-        fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
-                               log_space_features, window, scale, eps, config)
+        fused = fused_forward()
         if fused is not None:
             join_stream(copier, *w_state)
             return fused[0], GLAState(fused[1], fused[2]), w_state
