@@ -422,6 +422,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     dy = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64).to(dtype).double()
     dS = torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64)
     dz = torch.randn(B, H, DK, generator=g, dtype=torch.float64)
+    L = cache_len(W, False)
+    dWk, dWv = (torch.randn(B, H, L, n, generator=g, dtype=torch.float64) for n in (D, DV))
     ins = [x.to(dtype) for x in (fq, fk, v)] + [log_g.float()] + [x.to(dtype) for x in (qw, kw)] + [alpha.float()]
     ins += [sinks.float()] if nsink else []
     if state:
@@ -429,7 +431,6 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
                 torch.rand(B, H, DK, generator=g, dtype=torch.float64) * 3]
     names = ["dphi_q", "dphi_k", "dv", "dlog_g", "dq_w", "dk_w", "dalpha"] + (["dsinks"] if nsink else [])
     names += ["dS0", "dz0"] if state else []
-    L = cache_len(W, False)
     w_st = None
     if pad is not None:
         w_st = WindowState(torch.zeros(B, H, L, D, dtype=torch.float64), torch.zeros(B, H, L, DV, dtype=torch.float64),
@@ -451,7 +452,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
 
     ref = [x.double().requires_grad_() for x in ins]
     y, sg, sw = run(ref, False)
-    ((y * dy).sum() + (sg.S * dS).sum() + (sg.z * dz).sum()).backward()
+    # (the window's state too: it holds the last keys and values, so its gradient reaches k_w and v)
+    ((y * dy).sum() + (sg.S * dS).sum() + (sg.z * dz).sum() + (sw.k * dWk).sum() + (sw.v * dWv).sum()).backward()
 
     dev = torch.device(device)
     kin = [x.to(dev).requires_grad_() for x in ins]
@@ -470,7 +472,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
             y2, sg2, sw2 = run(kin, True)
             assert y2.dtype == dtype and calls, "lizard_attention did not run as one op"
             ((y2.double() * dy.to(dev)).sum() + (sg2.S.double() * dS.to(dev)).sum()
-             + (sg2.z.double() * dz.to(dev)).sum()).backward()
+             + (sg2.z.double() * dz.to(dev)).sum() + (sw2.k.double() * dWk.to(dev)).sum()
+             + (sw2.v.double() * dWv.to(dev)).sum()).backward()
         if og_from_y is not None:
             assert emu_fused.sides == [og_from_y], (emu_fused.sides, og_from_y)
         if ow_from_scores is not None:
@@ -628,6 +631,9 @@ INTERPRETER_CASES = {
                                                                  seg_chunks=2, first=True), F32),
     "lizard f32 no sinks v-blocks": (lizard_case, dict(T=37, DK=16, DV=32, D=24, W=5, nsink=0), F32),
     "lizard f32 w=1": (lizard_case, dict(T=37, DK=16, DV=16, D=16, W=1, nsink=2), F32),
+    # shorter than the window's cache: its state zeros first, or the given cache's last slots first
+    "lizard f32 short": (lizard_case, dict(T=12, DK=16, DV=16, D=16, W=20, nsink=2), F32),
+    "lizard f32 short padded": (lizard_case, dict(T=12, DK=16, DV=16, D=16, W=20, nsink=2, pad=3), F32),
 }
 
 

@@ -19,7 +19,8 @@ backward, then the gated chunk pass adding its dv into the window's. The sequent
 their chunks one after another in few programs, and the window's many short programs fill the
 rest of the GPU. On Hopper, where their scope holds, the passes are hand-written Gluon kernels
 instead: the whole forward is one (``lizard_gluon``; ``LizardKernelConfig.fused_fwd`` in inference,
-``fused_train`` in training, where it also stores what the backward reads), and so are the
+``fused_train`` in training, where it also stores what the backward reads; either way it writes
+the window's decode state from its key/value ring), and so are the
 window's backward (``window_gluon``) and the gated chunk pass (``gla_gluon``). Elsewhere
 the torch ops and a torch combine, the same computation ``layers.hybrid.HybridAttention`` runs for
 Lizard.
@@ -35,6 +36,7 @@ import torch
 from ..ops import common
 from ..ops.gla import GLAState
 from ..ops.window_attn import WindowState
+from ..ops.window_attn.naive import keep_last
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
 from .dispatch import fork_stream, gluon_kernels, join_stream, unit_last
@@ -183,7 +185,7 @@ class _LizardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
-                window, scale, cfg, grad_mode):
+                window, scale, cfg, grad_mode, state_len, state_dtype):
         from . import gla as kgla
         from . import window as kwin
 
@@ -194,17 +196,29 @@ class _LizardFunction(torch.autograd.Function):
         og_from_y = (window_dyo and normalize and cfg.og_from_y
                      and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1)
         ow_from_scores = window_dyo and cfg.ow_from_scores
+        B, H, T = v.shape[:3]
+        # the window's fresh state (its last keys and values): written by the fused kernel from its ring,
+        # else copied from the inputs beside the passes
+        w_state = tuple(torch.empty(B, H, state_len, x.shape[-1], dtype=state_dtype, device=v.device)
+                        for x in (k_w, v))
+        kernel_state = state_dtype == torch.float32  # (the kernel writes fp32)
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
                                    window, scale, eps, cfg, store=True, store_og=not og_from_y,
-                                   store_ow=not ow_from_scores)
+                                   store_ow=not ow_from_scores, window_state=w_state if kernel_state else None)
+        if fused is not None and not kernel_state:
+            _fill_window_state(w_state, k_w, v)
         if fused is not None:
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
         else:
+            copier = _side_stream(v, cfg.overlap_fwd, 0, "copy")
+            with fork_stream(copier):
+                _fill_window_state(w_state, k_w, v)
             y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
                 phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window,
                 scale, store, cfg)
+            join_stream(copier)
         if og_from_y:
             o_g = None  # (the Triton passes wrote it: not kept)
         if ow_from_scores:
@@ -215,11 +229,12 @@ class _LizardFunction(torch.autograd.Function):
         ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
         # the backward runs with the kernel configs of its forward (a later set_config changes neither)
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
+        ctx.state_len = state_len
         ctx.set_materialize_grads(False)
-        return y, S_T, z_T
+        return y, S_T, z_T, *w_state
 
     @staticmethod
-    def backward(ctx, dy, dS_T, dz_T):
+    def backward(ctx, dy, dS_T, dz_T, dw_k, dw_v):
         from . import gla as kgla
         from . import window as kwin
 
@@ -252,8 +267,14 @@ class _LizardFunction(torch.autograd.Function):
         dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(
             phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg, dv_into=dv_w,
             side=(dyo_w, alpha.float().contiguous()) if y is not None else None)
+        # the window's state holds the last keys and values: their gradients where it was used
+        T, L = v.shape[2], ctx.state_len
+        take = min(T, L)
+        for grad, d_state in ((dk_w, dw_k), (dv, dw_v)):
+            if d_state is not None:
+                grad[:, :, T - take:] += d_state[:, :, L - take:].to(grad.dtype)
         return (dq, dk, dv, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def one_op_applies(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
@@ -341,24 +362,29 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
         if fused is not None:
             pos = torch.full((B,), q_w.shape[2], dtype=torch.int64, device=v.device)
             return fused[0], GLAState(fused[1], fused[2]), WindowState(*w_out, pos)
-    # otherwise the window's state for decoding (a copy of the last keys and values) needs nothing
-    # the op computes: on a stream of its own it costs no time beside the op's register-bound
-    # passes. Not where autograd records the copy: the leaves' gradient accumulators would be made
-    # on that stream and every backward would sync to it (torch warns of the mismatch)
-    differentiable = torch.is_grad_enabled() and (k_w.requires_grad or v.requires_grad)
-    copier = _side_stream(v, config.overlap_fwd and not differentiable, 0, "copy")
-    with fork_stream(copier):
-        w_state = kwin._new_state(window_state, k_w, v, L, dt)
-    if inference and not kernel_state:  # (where the kernel did not apply just now, it does not here)
-        fused = fused_forward()
-        if fused is not None:
-            join_stream(copier, *w_state)
-            return fused[0], GLAState(fused[1], fused[2]), w_state
-    y, S, z = _LizardFunction.apply(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin,
-                                    bool(normalize), bool(log_space_features), float(eps), int(window), float(scale),
-                                    config, torch.is_grad_enabled())
-    join_stream(copier, *w_state)
-    return y, GLAState(S, z), w_state
+    # otherwise the op returns the window's fresh state too (an output of its own, so that a
+    # gradient through it reaches k_w and v), and a given state continues from it
+    y, S, z, w_k, w_v = _LizardFunction.apply(
+        phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin, bool(normalize),
+        bool(log_space_features), float(eps), int(window), float(scale), config, torch.is_grad_enabled(), L, dt)
+    T = v.shape[2]
+    if window_state is None:
+        return y, GLAState(S, z), WindowState(w_k, w_v, torch.full((B,), T, dtype=torch.int64, device=v.device))
+    take = min(T, L)
+    if take < L:  # a short input: the given cache's last slots first
+        w_k, w_v = (keep_last(torch.cat([old.to(new.dtype), new[:, :, L - take:]], 2), L)
+                    for old, new in ((window_state.k, w_k), (window_state.v, w_v)))
+    return y, GLAState(S, z), WindowState(w_k, w_v, window_state.pos + T)
+
+
+def _fill_window_state(w_state: tuple[torch.Tensor, torch.Tensor], k_w: torch.Tensor, v: torch.Tensor) -> None:
+    """The window's fresh state into its buffers ((B, H, L, .) each): the last L keys and values,
+    zeros first where T is shorter (``window._new_state``'s, in place)."""
+    T, L = v.shape[2], w_state[0].shape[2]
+    take = min(T, L)
+    for buf, x in zip(w_state, (k_w, v)):
+        buf[:, :, L - take:].copy_(x[:, :, T - take:])
+        buf[:, :, :L - take].zero_()
 
 
 def _records_grad(*xs: Optional[torch.Tensor]) -> bool:

@@ -1,8 +1,8 @@
 """The whole Lizard forward in one hand-written Hopper kernel (Gluon): gated branch, window with
-sinks and the combine; for inference, where it can also write the window's decode state from its
-key/value ring (``WSTATE``), and (``TRAIN``) for training, where it also stores what the backward
-reads (den, lse, the state entering every chunk, and o_g, o_w unless told not to: STORE_OG,
-STORE_OW).
+sinks and the combine; it can also write the window's decode state from its key/value ring
+(``WSTATE``), and (``TRAIN``) for training it also stores what the backward reads (den, lse, the
+state entering every chunk and the one leaving the last, and o_g, o_w unless told not to:
+STORE_OG, STORE_OW).
 
     y = gla(phi_q, phi_k, v, log_g) / den + alpha_h * window(q_w, k_w, v; sinks)
 
@@ -345,6 +345,11 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
                 _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c + 1, F)
     if TRAIN:
         tma.store_wait(0)
+        if i_s == nseg - 1:  # and the state leaving the last chunk (the st_s copy of it is read: st_free)
+            gl.thread_barrier()
+            _state_out(S0, S1, z, st_s, zq_s, zc)
+            _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0 + nc, F)
+            tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if i_s == nseg - 1:
@@ -461,7 +466,8 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
-    dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk, and the last one's), else None.
+    dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk and the one leaving the
+    last), else None.
     ``store_og`` False: o_g is not stored (None in the dict): a backward that takes dy . o_g as
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
     ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
@@ -520,9 +526,6 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         MODEL_LAYOUT=model_layout_bits(views[:5]),
         D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state is not None,
         num_warps=4)
-    if store:  # the state leaving the last chunk, as the Triton forward keeps it
-        inter["sc"][:, NC] = S_T.view(B * H, F, DV)
-        inter["zc"][:, NC] = z_T.view(B * H, F)
     return y, S_T, z_T, inter
 
 
