@@ -53,11 +53,12 @@ def triton_fwd(x, window=128):
 
 
 def fused_fwd(x, nseg=1, window=128, prof=None, store=False, store_og=False):
+    from linearize.kernels import gla_gluon as G
     from linearize.kernels import lizard_gluon as L
-    nseg, seg_len = L.segment_plan(x["v"].shape[2], nseg)
+    nseg, seg_len = G.segment_plan(x["v"].shape[2], nseg)
     s_in = z_in = None
     if nseg > 1:
-        s_in, z_in = L.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
+        s_in, z_in = G.segment_states(x["phi_k"], x["v"], x["log_g"], seg_len, nseg)
     return L.lizard_fwd_fused(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
                               x["sinks"], window=window, scale=x["q_w"].shape[-1] ** -0.5, eps=1e-6, nseg=nseg,
                               S_in=s_in, z_in=z_in, prof=prof, store=store, store_og=store_og)

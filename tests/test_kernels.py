@@ -1016,7 +1016,7 @@ def test_window_walk_segment_rule():
 def test_fused_forward_segment_rule():
     """fused_segment_count: no split where batch x heads keep half the SMs busy; else powers of two
     up to two programs per SM, segments at least 16 chunks of 64 long (the H200 sweep's optima)."""
-    from linearize.kernels.lizard import fused_segment_count
+    from linearize.kernels.dispatch import fused_segment_count
 
     assert [fused_segment_count(B, 32, T, 132) for B, T in ((16, 2048), (4, 8192), (2, 16384), (1, 32768))] \
         == [1, 1, 4, 8]

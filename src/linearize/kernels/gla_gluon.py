@@ -54,6 +54,7 @@ features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H,
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -776,6 +777,147 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
         mbarrier.invalidate(bar.index(i))
 
 
+# ----------------------------------------------------------------------------- the fused forward's state partition
+
+
+@gluon.jit
+def _state_out(S0, S1, z, st_s, zq_s, zc):
+    """The state's copies for the output partition: S (its two halves of feature rows) in bf16, z as a
+    bf16 hi + lo pair (columns 0, 1)."""
+    dt: gl.constexpr = st_s.dtype
+    FH: gl.constexpr = S0.shape[0]
+    st_s.slice(0, FH).store(S0.to(dt))
+    st_s.slice(FH, FH).store(S1.to(dt))
+    z_hi = z.to(dt)
+    z_lo = (z - z_hi.to(gl.float32)).to(dt)
+    zq_s.store(gl.where(zc[None, :] == 0, z_hi, gl.where(zc[None, :] == 1, z_lo, 0.0)).to(dt))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _store_state(sc_d, st_s, z, ZC, f_Z, zc, slot, F: gl.constexpr):
+    """Training: the state entering a chunk for the backward, S from its bf16 copy (by TMA) and z
+    (fp32) into row ``slot`` of ZC's (B*H*(NC+1), F) rows."""
+    tma.async_copy_shared_to_global(sc_d, [slot * F, 0], st_s)
+    gl.store(ZC + slot * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+
+
+@gluon.jit
+def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
+                     a_ready, BL,
+                     S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T,
+                     HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
+                     NPROF: gl.constexpr, TRAIN: gl.constexpr):
+    """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
+    (s <= t) and their row sums for the output partition (a_s, den_s); K~ = phi_k e^{b_end - b_s}
+    (factors <= 1) over phi_k's slot; S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1 (z in
+    every column of a (F, 16) product); the next chunk's phi_k; then, once the output partition has
+    read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk."""
+    mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    dt: gl.constexpr = st_s.dtype
+    FH: gl.constexpr = F // 2  # S in two halves of feature rows: each one's bf16 copy is made alone
+    f_S = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_S))
+    dv_S = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_S))
+    f_Z = gl.arange(0, F, layout=gl.SliceLayout(1, mma_Z))
+    zc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_Z))
+    s_off = f_S[:, None] * DV + dv_S[None, :]
+    if HAS_INIT:
+        sp = S_IN + (i_bh * nseg + i_s) * F * DV
+        S0 = gl.load(sp + s_off)
+        S1 = gl.load(sp + FH * DV + s_off)
+        z = gl.load(Z_IN + (i_bh * nseg + i_s) * F + f_Z[:, None] + 0 * zc[None, :])
+    else:
+        S0 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+        S1 = gl.zeros([FH, DV], gl.float32, layout=mma_S)
+        z = gl.zeros([F, 16], gl.float32, layout=mma_Z)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    _state_out(S0, S1, z, st_s, zq_s, zc)
+    mbarrier.arrive(st_ready)
+    if TRAIN:
+        _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0, F)
+    if NPROF > 0:
+        pacc, pt = _prof_init()
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
+    cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
+    causal = cols_s[None, :] <= rows_s[:, None]
+    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    qc = gl.arange(0, 16, layout=gl.SliceLayout(0, mma_q))
+    for ci in range(nc):
+        c = c0 + ci
+        ph = ci & 1
+        j = ci + 2  # ring index of this chunk's values
+        bl = BL + row0 + c * C
+        b_end = gl.load(bl + C - 1)
+        b_r = gl.load(bl + rows_s)
+        b_c = gl.load(bl + cols_s)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 2)
+        mbarrier.wait(q_bar.index(1), ph)
+        mbarrier.wait(q_bar.index(2), ph)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 0)
+        # A for the output partition (its copy of the chunk before was read: st_free below)
+        # and the normaliser's whole den = rowsum(A) + e^{b_t} phi_q . z (z of the chunk before, as
+        # the hi + lo pair in zq_s)
+        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
+                          use_acc=False, is_async=True)
+        qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_q), use_acc=False,
+                           is_async=True)
+        a, qz, _, _, _ = warpgroup_mma_wait(0, deps=(a, qz, fq_s, fk_s, zq_s))
+        a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
+        qz = gl.convert_layout(gl.sum(gl.where(qc[None, :] < 2, qz, 0.0), axis=1), gl.SliceLayout(1, mma_s))
+        den_s.store(gl.sum(a, axis=1) + gl.exp(b_r) * qz)
+        a_s.store(a.to(dt))
+        for h in gl.static_range(2):  # K~ in two halves of rows (fewer registers live beside S)
+            part = fk_s.slice(h * (C // 2), C // 2)
+            b_h = gl.load(bl + h * (C // 2) + rows_b)
+            part.store((part.load(blk).to(gl.float32) * gl.exp(b_end - b_h)[:, None]).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(a_ready)
+        g = gl.exp(b_end)
+        mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+        vj = v_s.index(j % 3)
+        ktT = fk_s.permute((1, 0))
+        S0 = warpgroup_mma(fk_s.slice(0, FH, dim=1).permute((1, 0)), vj, S0 * g, is_async=True)
+        S1 = warpgroup_mma(fk_s.slice(FH, FH, dim=1).permute((1, 0)), vj, S1 * g, is_async=True)
+        z = warpgroup_mma(ktT, ones_s, z * g, is_async=True)
+        S0, S1, z, _, _, _ = warpgroup_mma_wait(0, deps=(S0, S1, z, fk_s, vj, ones_s))
+        gl.thread_barrier()
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 1)
+        if ci + 1 < nc:
+            _load_tile(fk_d, r_fk + (c + 1) * C, c_fk, q_bar.index(2), fk_s)
+        mbarrier.wait(st_free, ph)  # the output partition has read the copies of S and A
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 3)
+        if ci + 1 < nc:
+            if TRAIN:
+                tma.store_wait(0)  # the copy of the chunk before has left st_s
+                gl.thread_barrier()
+            _state_out(S0, S1, z, st_s, zq_s, zc)
+            mbarrier.arrive(st_ready)
+            if TRAIN:
+                _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c + 1, F)
+    if TRAIN:
+        tma.store_wait(0)
+        if i_s == nseg - 1:  # and the state leaving the last chunk (the st_s copy of it is read: st_free)
+            gl.thread_barrier()
+            _state_out(S0, S1, z, st_s, zq_s, zc)
+            _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0 + nc, F)
+            tma.store_wait(0)
+    if NPROF > 0:
+        gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
+    if i_s == nseg - 1:
+        gl.store(S_OUT + i_bh * F * DV + s_off, S0)
+        gl.store(S_OUT + i_bh * F * DV + FH * DV + s_off, S1)
+        gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+
+
 def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, log_space: bool) -> bool:
     """Whether ``bwd_chunks`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -846,6 +988,39 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
         NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
         SIDE=side, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
+
+
+def segment_plan(T: int, nseg: int) -> tuple[int, int]:
+    """(segments, tokens per segment) for about ``nseg`` segments of whole chunks over T tokens."""
+    seg_chunks = math.ceil(T // BT / nseg)
+    return math.ceil(T // BT / seg_chunks), seg_chunks * BT
+
+
+def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
+    """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
+    start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
+    segment's state from zero, the last segment's not needed) and its scan (``kernels.gla``)."""
+    from . import gla as kgla
+
+    B, H, T, F = phi_k.shape
+    DV = v.shape[-1]
+    cfg = kgla.CONFIG
+    f32 = dict(dtype=torch.float32, device=v.device)
+    s_in = torch.empty(B * H, nseg, F, DV, **f32)
+    z_in = torch.zeros(B * H, nseg, F, **f32)
+    g_seg = torch.empty(B * H, nseg, **f32)
+    BV = min(kgla.pow2(cfg.fwd_bv), DV)
+    common_kw = dict(DK=F, BK=kgla.pow2(F), BT=kgla._chunk(cfg, phi_k.dtype), LOG=False)
+    for z_only in (False, True):
+        kgla._gla_fwd_state_kernel[(1 if z_only else math.ceil(DV / BV), nseg - 1, B * H)](
+            phi_k, v, log_g, s_in, z_in, g_seg, *kgla.strides_bht(phi_k), *kgla.strides_bht(v),
+            *kgla.strides_bht(log_g), T, H, seg_len, nseg, DV=DV, BV=BV, PREC="tf32", Z_ONLY=z_only,
+            num_warps=cfg.den_warps if z_only else cfg.fwd_warps, num_stages=cfg.fwd_stages, **common_kw)
+    BVS = min(32, kgla.pow2(DV))
+    kgla._gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
+        s_in, z_in, g_seg, s_in, z_in, nseg, DK=F, DV=DV, BK=kgla.pow2(F), BV=BVS, HAS_INIT=False, REVERSE=False,
+        DO_S=True, DO_Z=True, num_warps=4)
+    return s_in, z_in
 
 
 def _compile(kernel, args: dict, consts: dict, num_warps: int):

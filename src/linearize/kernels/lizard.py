@@ -39,7 +39,7 @@ from ..ops.window_attn import WindowState
 from ..ops.window_attn.naive import keep_last
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
-from .dispatch import fork_stream, gluon_kernels, join_stream, unit_last
+from .dispatch import fork_stream, fused_segment_count, gluon_kernels, join_stream, unit_last
 
 
 @dataclass
@@ -393,23 +393,6 @@ def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
-    """Segments for the fused forward (each one a program; its entering state costs a pre-pass over
-    the sequence before it). One where the (batch x head) programs keep at least half the
-    multiprocessors busy; else the most, in powers of two, that make at most two programs per
-    multiprocessor, at least 16 chunks long each. H200 (132 SMs), 32 heads, median ms
-    (docs/results/lizard-gluon-h200-segments.json, lizard-gluon-h200-v7.json):
-    B1 T32768: 4 segments 1.081, **8** 0.924, 16 0.949, 32 1.096;
-    B2 T16384: 1 1.099, 2 1.052, **4** 0.884, 8 0.906, 16 1.035;
-    B4 T8192: **1** 0.623, 2 0.869."""
-    if 2 * B * H >= sms:
-        return 1
-    n = 1
-    while B * H * n <= sms and T // (64 * 2 * n) >= 16:  # doubling n keeps <= 2 per SM
-        n *= 2
-    return n
-
-
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
                    window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True,
                    window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
@@ -426,13 +409,14 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
 
     B, H, T, _ = v.shape
     nseg = 1 if S0 is not None else (cfg.fused_segments or fused_segment_count(B, H, T, device_sms(v)))
-    nseg, seg_len = lizard_gluon.segment_plan(T, nseg)
+    gla_gluon = gluon_kernels("gla_gluon")
+    nseg, seg_len = gla_gluon.segment_plan(T, nseg)
     s_in = z_in = None
     if S0 is not None:
         s_in = S0.float().reshape(B * H, 1, *S0.shape[2:]).contiguous()
         z_in = z0.float().reshape(B * H, 1, z0.shape[-1]).contiguous()
     elif nseg > 1:
-        s_in, z_in = lizard_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
+        s_in, z_in = gla_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
                                         store_ow=store_ow, window_state=window_state)
