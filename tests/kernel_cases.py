@@ -549,6 +549,51 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
             "window.k": rel_rms(sw2.k.cpu(), s_w.k), "window.v": rel_rms(sw2.v.cpu(), s_w.v)}
 
 
+def gla_fused_case(dtype: torch.dtype, *, T: int, normalize: bool, state: bool = False, bthd: bool = False,
+                   segments: int | None = None, B: int = 2, H: int = 3, seed: int = 0) -> dict[str, float]:
+    """gla_chunk_triton in inference on CUDA, where it runs GLA's fused Gluon forward (asserted, in
+    ``segments``: GLAKernelConfig.gluon_fwd_segments), vs gla_parallel in fp64: o and the final
+    state. Widths 128; ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections transposed."""
+    import dataclasses
+
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import gla_gluon
+    from linearize.kernels.gla import gla_chunk_triton
+    from linearize.ops.gla import GLAState, gla_parallel
+
+    g = _gen(seed)
+    D = 128
+    q, k = (torch.rand(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    log_g = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) * 3 + 2)
+    st = None
+    if state:
+        st = GLAState(torch.randn(B, H, D, D, generator=g, dtype=torch.float64),
+                      torch.rand(B, H, D, generator=g, dtype=torch.float64) * 3)
+    q, k, v = (x.to(dtype).double() for x in (q, k, v))  # the reference sees the kernel's inputs
+    log_g = log_g.float().double()
+    o, s = gla_parallel(q, k, v, log_g, normalize=normalize, state=st)
+
+    dev = torch.device("cuda")
+    calls, fused = [], gla_gluon.fwd_fused
+    gla_gluon.fwd_fused = lambda *a, **kw: calls.append(kw["nseg"]) or fused(*a, **kw)
+    try:
+        def put(x):
+            x = x.to(dev, dtype)
+            return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x
+
+        with torch.no_grad():
+            o2, s2 = gla_chunk_triton(put(q), put(k), put(v), log_g.to(dev, torch.float32), normalize=normalize,
+                                      state=GLAState(st.S.to(dev).float(), st.z.to(dev).float()) if state else None,
+                                      config=dataclasses.replace(kgla.CONFIG, gluon_fwd_segments=segments))
+        torch.cuda.synchronize()
+    finally:
+        gla_gluon.fwd_fused = fused
+    want = 1 if state or segments is None else gla_gluon.segment_plan(T, segments)[0]
+    assert calls == [want], (calls, want)
+    return {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S), "z": rel_rms(s2.z.cpu(), s.z)}
+
+
 # name -> (case function, kwargs, dtype); small shapes for the CPU interpreter (T not a multiple
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16

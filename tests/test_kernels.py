@@ -349,6 +349,41 @@ def test_gpu_lizard_fused_forward_matches_reference(variant):
     assert_errors(err, KTOL[dtype], f"lizard fused {variant}")
 
 
+@needs_cuda
+@pytest.mark.parametrize("variant", ["plain", "norm", "state", "norm segments", "fp16", "model layout", "T=64"])
+def test_gpu_gla_fused_forward_matches_reference(variant):
+    """GLA's fused Gluon forward (gla_gluon.fwd_fused), as gla_chunk_triton runs it in inference on
+    Hopper, against the fp64 reference: o and the final state, unnormalised (fla's inputs) and
+    normalised, from an initial state (the state's z passes through where unnormalised), in four
+    sequence segments (each one's entering state from the pre-pass and scan), fp16, q, k, v in a
+    model's layout, one chunk; and where too few (batch x head) pairs fill the GPU, the Triton
+    passes run instead."""
+    from kernel_cases import gla_fused_case
+
+    _needs_hopper_gluon()
+    kw = dict(T=64 if variant == "T=64" else 1024, normalize=variant.startswith("norm"), state=variant == "state",
+              bthd=variant == "model layout")
+    if "segments" in variant:
+        kw["segments"] = 4
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    err = gla_fused_case(dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"gla fused forward {variant}")
+    if variant == "plain":  # one (batch x head) pair over 4096 tokens: the Triton passes' segments
+        from linearize.kernels import gla_gluon
+        from linearize.kernels.gla import gla_chunk_triton
+
+        x = [torch.rand(1, 1, 4096, 128, device="cuda").bfloat16() for _ in range(3)]
+        calls = []
+        run = gla_gluon.fwd_fused
+        gla_gluon.fwd_fused = lambda *a, **k: calls.append(1) or run(*a, **k)
+        try:
+            with torch.no_grad():
+                gla_chunk_triton(*x, -torch.rand(1, 1, 4096, device="cuda"), normalize=False)
+        finally:
+            gla_gluon.fwd_fused = run
+        assert calls == []
+
+
 def _spy(monkeypatch, module, name: str, key: str) -> list:
     """Calls of ``module.name`` while the test runs (it still runs), each recorded by its keyword ``key``."""
     calls, run = [], getattr(module, name)
@@ -790,6 +825,34 @@ class _LaunchRecorder:
 
     def __getitem__(self, grid):
         return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+@pytest.mark.parametrize("bthd", [False, True])
+def test_gla_fused_forward_launch_host_side(bthd, monkeypatch):
+    """gla_gluon.fwd_fused up to its launch, on CPU: the grid (segments x batch x heads), b (the
+    gates' cumulative sum within each chunk), the layout bits, the descriptors over q, k, v and a
+    new contiguous o, the initial state's pointers where given."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import gla_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(gla_gluon, "_gla_fwd_fused_kernel", rec)
+    B, H, T, D = 2, 3, 256, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(3))
+    if bthd:
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    log_g = -torch.rand(B, H, T, generator=g)
+    S_in, z_in = torch.randn(B * H, 2, D, D), torch.rand(B * H, 2, D)
+    o, S_T, z_T = gla_gluon.fwd_fused(q, k, v, log_g, normalize=bthd, eps=1e-6, nseg=2, S_in=S_in, z_in=z_in)
+    (grid, args, kw), = rec.calls
+    assert grid == (2, B * H) and kw["MODEL_LAYOUT"] == (0b111 if bthd else 0) and kw["NORM"] == bthd
+    assert kw["HAS_INIT"] and args[5] is S_in and args[6] is z_in and args[7] is S_T and args[8] is z_T
+    assert args[9:13] == (T, H, 128, 2)  # T, H, tokens per segment, segments
+    for desc, x in zip(args[:4], (q, k, v, o)):
+        assert desc.base.data_ptr() == x.data_ptr() and list(desc.block_shape) == [64, 128]
+    torch.testing.assert_close(args[4].view(B, H, T // 64, 64), log_g.view(B, H, T // 64, 64).cumsum(-1))
+    assert o.shape == v.shape and o.is_contiguous() and S_T.shape == (B, H, D, D) and z_T.shape == (B, H, D)
 
 
 @pytest.mark.parametrize("bthd", [False, True])

@@ -266,6 +266,21 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     _ptxas(ptx, tmp_path)
 
 
+@pytest.mark.parametrize("normalize, has_init, model_layout", [(False, False, 0), (True, True, 7)])
+def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
+    """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for
+    sm_90a within one block's shared memory, its two warp-specialised partitions (the state one
+    shared with Lizard's fused forward) assembled by ptxas. What it computes is checked on a GPU
+    (test_gpu_gla_fused_forward_matches_reference)."""
+    from linearize.kernels import gla_gluon
+
+    k = gla_gluon.compile_fwd_fused_for_hopper(normalize=normalize, has_init=has_init, model_layout=model_layout)
+    assert k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    _ptxas(ptx, tmp_path)
+
+
 @pytest.mark.parametrize("normalize, dv_add, model_layout", [(False, False, 0), (True, True, 7)])
 def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_add, model_layout, tmp_path):
     """kernels/gla_gluon.py, the backward's chunk pass the dispatch runs on Hopper: compiled for

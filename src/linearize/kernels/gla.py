@@ -65,8 +65,8 @@ import triton.language as tl
 
 from ..ops import common
 from ..ops.gla.naive import GLAState
-from .dispatch import (device_sms, fork_stream, gluon_kernels, join_stream, patch_interpreter, pow2, strides_bht,
-                       unit_last)
+from .dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
+                       pow2, strides_bht, unit_last)
 
 patch_interpreter()
 
@@ -712,7 +712,15 @@ class GLAKernelConfig:
     pre-pass and scan run before it, where the sequence is cut. On by default: on an H100 (B16
     T2048, bf16, 32 heads of 128; docs/results/kernels-h100-final.md) GLA's fwd+bwd took 1.611 ms
     against 2.321 with the two passes (1560 MiB of extra memory against 2072 in
-    kernels-h100-rebalanced.md); off, the two passes above run."""
+    kernels-h100-rebalanced.md); off, the two passes above run.
+    ``gluon_fwd``: on Hopper, in inference (no gradient recorded), in the same scope, the forward
+    is ONE Gluon kernel (``gla_gluon.fwd_fused``: Lizard's fused forward without the window), where
+    the (batch x head) pairs fill the GPU (``dispatch.fused_segment_count`` gives one segment). On
+    an H100 (bf16, 32 heads of 128, docs/results/gla-fused-forward-h100.md) 0.554 -> 0.471 ms at
+    B16 T2048, 0.533 -> 0.467 at B4 T8192; at B1 T32768, in 8 segments after the segment pre-pass
+    and scan, it took 0.82 against the Triton passes' 0.75, so there they run.
+    ``gluon_fwd_segments``: None (that rule), or the fused forward in about that many segments
+    wherever it applies (tests, probes)."""
 
     # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
     # (docs/results/kernels-h200.md)
@@ -734,6 +742,8 @@ class GLAKernelConfig:
     tma: bool = True
     gluon_bwd: bool = True
     gluon_fused_bwd: bool = True
+    gluon_fwd: bool = True
+    gluon_fwd_segments: Optional[int] = None
 
 
 CONFIG = GLAKernelConfig()
@@ -961,6 +971,32 @@ def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: 
     return o, y
 
 
+def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig):
+    """(o, S_T, z_T) from GLA's fused Gluon forward (``GLAKernelConfig.gluon_fwd``; inference only),
+    or None where it does not apply (off Hopper, log-space features, outside its scope)."""
+    if not cfg.gluon_fwd or log_space or not q.is_cuda:
+        return None
+    gla_gluon = gluon_kernels("gla_gluon")
+    if gla_gluon is None or not gla_gluon.supports_fwd_fused(q, k, v, log_g):
+        return None
+    B, H, T, DK = q.shape
+    if cfg.gluon_fwd_segments is None and fused_segment_count(B, H, T, device_sms(q)) > 1:
+        return None  # too few (batch x head) pairs to fill the GPU: the Triton passes' segments were faster
+    s_in = z_in = None
+    nseg = 1
+    if S0 is not None:
+        s_in = S0.float().reshape(B * H, 1, DK, v.shape[-1]).contiguous()
+        z_in = z0.float().reshape(B * H, 1, DK).contiguous()
+    elif cfg.gluon_fwd_segments:
+        nseg, seg_len = gla_gluon.segment_plan(T, cfg.gluon_fwd_segments)
+        if nseg > 1:
+            s_in, z_in = gla_gluon.segment_states(k, v, log_g, seg_len, nseg)
+    o, S_T, z_T = gla_gluon.fwd_fused(q, k, v, log_g, normalize=normalize, eps=eps, nseg=nseg, S_in=s_in, z_in=z_in)
+    if not normalize:  # (the kernel's z is the normaliser's; unnormalised, the state's z passes through)
+        z_T = z0.float().clone() if z0 is not None else torch.zeros_like(z_T)
+    return o, S_T, z_T
+
+
 def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
          store_chunks: bool):
     """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
@@ -1148,6 +1184,11 @@ class _GLAFunction(torch.autograd.Function):
         # needs_input_grad follows requires_grad alone; under torch.no_grad no backward will run,
         # and storing the per-chunk states for it cost 0.06 of 0.59 ms at B16 T2048 on an H200
         training = grad_mode and any(ctx.needs_input_grad[:6])
+        fused = None if training else _fwd_fused(q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg)
+        if fused is not None:
+            o, S_T, z_T = fused
+            ctx.set_materialize_grads(False)
+            return o, S_T, z_T
         o, den, S_T, z_T, segs, sc, zc = _fwd(q, k, v, log_g, S0, z0, normalize, log_space, eps, cfg, training)
         ctx.save_for_backward(q, k, v, log_g, o if normalize else None, den, sc, zc)
         ctx.args = (normalize, log_space, eps, segs, cfg, S0 is not None)

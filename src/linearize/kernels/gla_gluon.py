@@ -918,6 +918,107 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
         gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
 
 
+# ----------------------------------------------------------------------------- GLA's fused forward
+
+
+@gluon.jit
+def _gla_fwd_output_partition(fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready, st_free,
+                              a_ready, row0, r_v, c_v, r_fq, c_fq, c0, nc, eps, DV: gl.constexpr, C: gl.constexpr,
+                              NORM: gl.constexpr):
+    """One warpgroup: per chunk o = e^{b_t} phi_q S + A V from the state partition's copies of S
+    (st_s) and A (a_s), over its den (den_s) where NORM, out by TMA; it issues phi_q's and v's loads
+    (the state partition brings phi_k)."""
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    rows_o = gl.arange(0, C, layout=gl.SliceLayout(1, mma_o))
+    for ci in range(nc):
+        c = c0 + ci
+        ph = ci & 1
+        j = ci + 2  # ring index of this chunk's values (the state partition's: Lizard's window ring)
+        e_t = gl.exp(gl.load(BL + row0 + c * C + rows_o))
+        mbarrier.wait(q_bar.index(1), ph)
+        mbarrier.wait(st_ready, ph)
+        mbarrier.wait(a_ready, ph)
+        o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
+        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fq_s, st_s))
+        mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
+        vj = v_s.index(j % 3)
+        num = warpgroup_mma(a_s, vj, o_i * e_t[:, None], is_async=True)
+        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_s, vj))
+        if NORM:
+            num = num * (1.0 / (den_s.load(gl.SliceLayout(1, mma_o)) + eps))[:, None]
+        gl.thread_barrier()
+        mbarrier.arrive(st_free)  # the copies of S, z and A are read: the state partition may write the next
+        if ci + 1 < nc:  # phi_q, and v into the slot of two chunks back (the state partition is past it)
+            _load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
+            _load_tile(v_d, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3), v_s.index((j + 1) % 3))
+        _store_tile(y_d, row0 + c * C, num, y_s.index(ci % 2), 1)
+    tma.store_wait(0)
+    return (eps,)
+
+
+@gluon.jit
+def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T, H, seg_len, nseg, eps,
+                          MODEL_LAYOUT: gl.constexpr, HAS_INIT: gl.constexpr, NORM: gl.constexpr, F: gl.constexpr,
+                          DV: gl.constexpr, C: gl.constexpr):
+    """GLA's forward in one pass: Lizard's fused forward (``lizard_gluon``) without the window. One
+    program per (segment, batch x head) walks its chunks in order in two warpgroups: the output
+    one above, and the state one (``_state_partition``: A, den, S and z in fp32 registers, their
+    bf16 copies). Each tile is read once, by TMA, while the chunk before is computed."""
+    i_s = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = i_bh * T  # y's and b's (B*H*T, .) rows: this batch x head's first
+    r_fq, c_fq = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
+    r_fk, c_fk = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
+    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    c0 = i_s * (seg_len // C)
+    nc = gl.minimum(seg_len // C, T // C - c0)
+    dt: gl.constexpr = v_d.dtype
+
+    v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
+    fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
+    fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
+    st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
+    zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
+    ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
+    y_s = gl.allocate_shared_memory(dt, [2, C, DV], y_d.layout)  # staging for the stores, used in turn
+    a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
+    den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # (unused), phi_q, phi_k
+    hs = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
+    for i in gl.static_range(3):
+        mbarrier.init(kv_bar.index(i), count=1)
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(hs.index(i), count=1)
+    ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
+    # the ring's first two slots stand for the two chunks before, which only Lizard's window reads:
+    # their first phase completes empty, so the walk's ring index and phases are Lizard's
+    mbarrier.arrive(kv_bar.index(0))
+    mbarrier.arrive(kv_bar.index(1))
+    _load_tile(v_d, r_v + c0 * C, c_v, kv_bar.index(2), v_s.index(2))
+    _load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
+    _load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    st_ready = hs.index(0)
+    st_free = hs.index(1)
+    a_ready = hs.index(2)
+    gl.warp_specialize([
+        (_gla_fwd_output_partition, (fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready,
+                                     st_free, a_ready, row0, r_v, c_v, r_fq, c_fq, c0, nc, eps, DV, C, NORM)),
+        (_state_partition, (fk_d, fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
+                            st_free, a_ready, BL, S_IN, Z_IN, S_OUT, Z_OUT, BL, BL, row0, r_fk, c_fk, c0, nc, i_bh,
+                            i_s, nseg, T, HAS_INIT, F, DV, C, 0, False)),
+    ], [4], [232])
+    for i in gl.static_range(3):
+        mbarrier.invalidate(kv_bar.index(i))
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(hs.index(i))
+
+
 def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, log_space: bool) -> bool:
     """Whether ``bwd_chunks`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -988,6 +1089,40 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
         NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
         SIDE=side, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
+
+
+def supports_fwd_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor) -> bool:
+    """Whether ``fwd_fused`` takes these inputs: Hopper, bf16/fp16 q, k, v of width 128 in one of
+    ``view2d``'s layouts, fp32 gates, T a multiple of the chunk (features plain, not log-space: the
+    caller's part)."""
+    if not (v.is_cuda and torch.cuda.get_device_capability(v.device)[0] == 9):
+        return False
+    T = v.shape[2]
+    return (v.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] == WIDTH and T % BT == 0 and T > 0
+            and log_g.dtype == torch.float32 and tma_readable([q, k, v]))
+
+
+def fwd_fused(q, k, v, log_g, *, normalize: bool, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
+              z_in: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GLA's forward in one kernel (``_gla_fwd_fused_kernel``; inference: nothing kept for a
+    backward): o (B, H, T, Dv) in v's dtype (over den + eps where ``normalize``), S_T (B, H, F, Dv)
+    and z_T (B, H, F) fp32. ``nseg`` > 1: about that many sequence segments (``segment_plan``), a
+    program each, S_in (B*H, nseg, F, Dv) and z_in (B*H, nseg, F) fp32 the states entering them
+    (``segment_states``); else S_in, z_in the initial state ((B*H, 1, .) fp32) or None."""
+    B, H, T, DV = v.shape
+    F = q.shape[-1]
+    nseg, seg_len = segment_plan(T, nseg)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, Dv) contiguous, whatever v's layout
+    descs, views = tma_tiles([q, k, v, o], [BT, WIDTH])
+    S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
+    z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
+    has_init = S_in is not None
+    _gla_fwd_fused_kernel[(nseg, B * H)](
+        *descs, chunk_gates(log_g), S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, T, H, seg_len,
+        nseg, eps, MODEL_LAYOUT=model_layout_bits(views[:3]), HAS_INIT=has_init, NORM=normalize, F=F, DV=DV, C=BT,
+        num_warps=4)
+    return o, S_T, z_T
 
 
 def segment_plan(T: int, nseg: int) -> tuple[int, int]:
@@ -1070,3 +1205,12 @@ def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_d
     if nprof:
         args["PROF"] = torch.empty(16, dtype=torch.int64)
     return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)
+
+
+def compile_fwd_fused_for_hopper(normalize: bool = False, has_init: bool = False, model_layout: int = 0):
+    """Compile GLA's fused forward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
+    d, _, f32, _ = _compile_args()
+    args = dict(fq_d=d, fk_d=d, v_d=d, y_d=d, BL=f32, S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, T=256, H=4,
+                seg_len=256, nseg=1, eps=1e-6)
+    consts = dict(MODEL_LAYOUT=model_layout, HAS_INIT=has_init, NORM=normalize, F=WIDTH, DV=WIDTH, C=BT)
+    return _compile(_gla_fwd_fused_kernel, args, consts, num_warps=4)
