@@ -613,6 +613,15 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant} (D {'own' if own else 'pre-pass'})")
 
 
+def _lizard_gpu_inputs(B: int, H: int, T: int, D: int):
+    """Lizard's inputs on CUDA in bf16 (softmax features, gates near 1), and the generator that made them."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
+    v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
+    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
+    return fq, fk, v, qw, kw, lg, g
+
+
 @needs_cuda
 def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
     """On Hopper the fused kernel runs the forward in inference (store=False) and, within the one
@@ -622,11 +631,8 @@ def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
     from linearize.kernels import lizard_gluon
 
     _needs_hopper_gluon()
-    g = torch.Generator(device="cuda").manual_seed(0)
     B, H, T, D = 1, 2, 512, 128
-    fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
-    v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
-    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
+    fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, D)
     alpha = torch.ones(H, device="cuda")
     calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "store")
     with torch.no_grad():
@@ -656,11 +662,8 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     from linearize.kernels import lizard_gluon
 
     _needs_hopper_gluon()
-    g = torch.Generator(device="cuda").manual_seed(0)
     B, H, T, D = 2, 3, 1024, 128
-    fq, fk = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
-    v, qw, kw = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(3))
-    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 4)
+    fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, D)
     alpha, sinks = torch.ones(H, device="cuda"), torch.randn(H, 4, generator=g, device="cuda")
     cfg = kliz.LizardKernelConfig(fused_segments=nseg)
     torch.cuda.synchronize()

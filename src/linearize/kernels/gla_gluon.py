@@ -922,6 +922,30 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
 
 
 @gluon.jit
+def _gated_smem(fq_d, fk_d, y_d, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+    """The fused forwards' shared memory for the gated branch and the output: phi_q's and phi_k's
+    tiles, the state's copies (S; z as a bf16 hi + lo pair), the ones the normaliser's product
+    takes, y's two staging slots, A and den; the barriers of the tiles (q_bar: the window's q_w
+    (Lizard's), phi_q, phi_k) and of the partitions' handshakes (hs), initialised."""
+    dt: gl.constexpr = fq_d.dtype
+    fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
+    fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
+    st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
+    zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
+    ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
+    y_s = gl.allocate_shared_memory(dt, [2, C, DV], y_d.layout)  # staging for the stores, used in turn
+    a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
+    den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    hs = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(hs.index(i), count=1)
+    ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
+    return fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs
+
+
+@gluon.jit
 def _gla_fwd_output_partition(fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready, st_free,
                               a_ready, row0, r_v, c_v, r_fq, c_fq, c0, nc, eps, DV: gl.constexpr, C: gl.constexpr,
                               NORM: gl.constexpr):
@@ -977,22 +1001,10 @@ def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T,
     dt: gl.constexpr = v_d.dtype
 
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
-    fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
-    fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
-    st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
-    zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
-    ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
-    y_s = gl.allocate_shared_memory(dt, [2, C, DV], y_d.layout)  # staging for the stores, used in turn
-    a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
-    den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # (unused), phi_q, phi_k
-    hs = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(hs.index(i), count=1)
-    ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
+    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = _gated_smem(fq_d, fk_d, y_d, F, DV, C)
     # the ring's first two slots stand for the two chunks before, which only Lizard's window reads:
     # their first phase completes empty, so the walk's ring index and phases are Lizard's
     mbarrier.arrive(kv_bar.index(0))

@@ -44,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import (_load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile, _tick,
-                        chunk_gates, model_layout_bits, segment_plan, tma_readable, view2d)
+from .gla_gluon import (_gated_smem, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
+                        _tick, chunk_gates, model_layout_bits, segment_plan, tma_readable, view2d)
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -242,27 +242,14 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     nc = gl.minimum(seg_len // C, T // C - c0)
     dt: gl.constexpr = qw_d.dtype
 
-    # ---- shared memory: the window's key/value ring, one slot per other tile, the state's copies
+    # ---- shared memory: the window's key/value ring and q_w's tile, then the gated branch's and the output's
     k_s = gl.allocate_shared_memory(dt, [3, C, D], kw_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
     q_s = gl.allocate_shared_memory(dt, [C, D], qw_d.layout)
-    fq_s = gl.allocate_shared_memory(dt, [C, F], fq_d.layout)
-    fk_s = gl.allocate_shared_memory(dt, [C, F], fk_d.layout)
-    st_s = gl.allocate_shared_memory(dt, [F, DV], gl.NVMMASharedLayout.get_default_for([F, DV], dt))
-    zq_s = gl.allocate_shared_memory(dt, [F, 16], gl.NVMMASharedLayout.get_default_for([F, 16], dt))
-    ones_s = gl.allocate_shared_memory(dt, [C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))
-    y_s = gl.allocate_shared_memory(dt, [2, C, DV], y_d.layout)  # staging for the stores, used in turn
-    a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
-    den_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # q_w, phi_q, phi_k
-    hs = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # the partitions' handshakes
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
-        mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(3):
-        mbarrier.init(hs.index(i), count=1)
-    ones_s.store(gl.full([C, 16], 1.0, dt, layout=gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])))
+    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = _gated_smem(fq_d, fk_d, y_d, F, DV, C)
 
     # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
