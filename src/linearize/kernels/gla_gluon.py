@@ -1,5 +1,7 @@
-"""The backward of gated linear attention as hand-written Hopper kernels (Gluon): its chunk pass,
-and (``bwd_fused``, below) the whole backward in one kernel.
+"""Gated linear attention as hand-written Hopper kernels (Gluon): the backward's chunk pass, the
+whole backward in one kernel (``bwd_fused``, below), and the whole inference forward in one
+(``fwd_fused``, at the end: Lizard's fused forward without the window, whose state partition,
+``_state_partition``, both kernels run).
 
 Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``kernels.gla``'s docstring):
 one program per (chunk, batch x head), no loop, from the state S (z) entering the chunk and the

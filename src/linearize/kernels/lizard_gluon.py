@@ -10,7 +10,8 @@ One program per (segment, batch x head) walks its chunks of 64 tokens in order, 
 warpgroups (``gl.warp_specialize``) that hand over through shared memory and mbarriers: the
 *output* warpgroup (the window, the gated output from the state's copy, the combine, y out by
 TMA; it issues every load but phi_k's) and the *state* warpgroup (A and the normaliser, K~, S and
-z in fp32 registers, S's bf16 copy, the next phi_k). Each warpgroup owns whole rows of its tiles,
+z in fp32 registers, S's bf16 copy, the next phi_k: ``gla_gluon._state_partition``, which GLA's
+own fused forward runs too). Each warpgroup owns whole rows of its tiles,
 so no reduction or layout change crosses warpgroups. Every tile is read from HBM once: the
 window's keys and values of the two chunks before stay in a ring of three shared-memory slots,
 and each chunk's tiles come by TMA while the chunk before is computed.
