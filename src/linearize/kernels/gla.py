@@ -716,8 +716,8 @@ class GLAKernelConfig:
     ``gluon_fwd``: on Hopper, in inference (no gradient recorded), in the same scope, the forward
     is ONE Gluon kernel (``gla_gluon.fwd_fused``: Lizard's fused forward without the window), where
     the (batch x head) pairs fill the GPU (``dispatch.fused_segment_count`` gives one segment). On
-    an H100 (bf16, 32 heads of 128, docs/results/gla-fused-forward-h100.md) 0.554 -> 0.471 ms at
-    B16 T2048, 0.533 -> 0.467 at B4 T8192; at B1 T32768, in 8 segments after the segment pre-pass
+    an H100 (bf16, 32 heads of 128, docs/results/gla-fused-forward-h100.md) 0.554 -> 0.475 ms at
+    B16 T2048, 0.536 -> 0.470 at B4 T8192; at B1 T32768, in 8 segments after the segment pre-pass
     and scan, it took 0.82 against the Triton passes' 0.75, so there they run.
     ``gluon_fwd_segments``: None (that rule), or the fused forward in about that many segments
     wherever it applies (tests, probes)."""

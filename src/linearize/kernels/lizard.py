@@ -201,14 +201,14 @@ class _LizardFunction(torch.autograd.Function):
         # else copied from the inputs beside the passes
         w_state = tuple(torch.empty(B, H, state_len, x.shape[-1], dtype=state_dtype, device=v.device)
                         for x in (k_w, v))
-        kernel_state = state_dtype == torch.float32  # (the kernel writes fp32)
+        kernel_writes_state = state_dtype == torch.float32  # (the kernel writes fp32)
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
                                    window, scale, eps, cfg, store=True, store_og=not og_from_y,
-                                   store_ow=not ow_from_scores, window_state=w_state if kernel_state else None)
-        if fused is not None and not kernel_state:
-            _fill_window_state(w_state, k_w, v)
+                                   store_ow=not ow_from_scores, window_state=w_state if kernel_writes_state else None)
         if fused is not None:
+            if not kernel_writes_state:
+                _fill_window_state(w_state, k_w, v)
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
         else:
