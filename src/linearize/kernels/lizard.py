@@ -36,7 +36,6 @@ import torch
 from ..ops import common
 from ..ops.gla import GLAState
 from ..ops.window_attn import WindowState
-from ..ops.window_attn.naive import keep_last
 from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
 from . import gla_applies, gla_chunk, window_applies, window_attn_sum
 from .dispatch import fork_stream, fused_segment_count, gluon_kernels, join_stream, unit_last
@@ -196,11 +195,9 @@ class _LizardFunction(torch.autograd.Function):
         og_from_y = (window_dyo and normalize and cfg.og_from_y
                      and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1)
         ow_from_scores = window_dyo and cfg.ow_from_scores
-        B, H, T = v.shape[:3]
         # the window's fresh state (its last keys and values): written by the fused kernel from its ring,
         # else copied from the inputs beside the passes
-        w_state = tuple(torch.empty(B, H, state_len, x.shape[-1], dtype=state_dtype, device=v.device)
-                        for x in (k_w, v))
+        w_state = _window_state_buffers(k_w, v, state_len, state_dtype)
         kernel_writes_state = state_dtype == torch.float32  # (the kernel writes fp32)
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
@@ -357,7 +354,7 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
         # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
         # stream; docs/results/lizard-launch-overhead-h100.md)
-        w_out = tuple(torch.empty(B, H, L, x.shape[-1], dtype=dt, device=v.device) for x in (k_w, v))
+        w_out = _window_state_buffers(k_w, v, L, dt)
         fused = fused_forward(w_out)
         if fused is not None:
             pos = torch.full((B,), q_w.shape[2], dtype=torch.int64, device=v.device)
@@ -371,10 +368,12 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     if window_state is None:
         return y, GLAState(S, z), WindowState(w_k, w_v, torch.full((B,), T, dtype=torch.int64, device=v.device))
     take = min(T, L)
-    if take < L:  # a short input: the given cache's last slots first
-        w_k, w_v = (keep_last(torch.cat([old.to(new.dtype), new[:, :, L - take:]], 2), L)
-                    for old, new in ((window_state.k, w_k), (window_state.v, w_v)))
-    return y, GLAState(S, z), WindowState(w_k, w_v, window_state.pos + T)
+    return y, GLAState(S, z), kwin._continue_state(window_state, w_k[:, :, L - take:], w_v[:, :, L - take:], T, L)
+
+
+def _window_state_buffers(k_w: torch.Tensor, v: torch.Tensor, L: int, dt: torch.dtype) -> tuple:
+    """Empty (B, H, L, .) buffers for the window's fresh state: its keys' and its values'."""
+    return tuple(torch.empty(*v.shape[:2], L, x.shape[-1], dtype=dt, device=v.device) for x in (k_w, v))
 
 
 def _fill_window_state(w_state: tuple[torch.Tensor, torch.Tensor], k_w: torch.Tensor, v: torch.Tensor) -> None:

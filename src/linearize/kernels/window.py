@@ -536,14 +536,22 @@ class _WindowFunction(torch.autograd.Function):
 
 def _new_state(state: Optional[WindowState], k: torch.Tensor, v: torch.Tensor, L: int, dt: torch.dtype):
     """The state ``window_attn_chunk`` returns: the last L keys/values of [cache ++ input]."""
-    B, H, T, _ = k.shape
+    T = k.shape[2]
     take = min(T, L)
-    k_tail, v_tail = k[:, :, T - take:].to(dt), v[:, :, T - take:].to(dt)
+    return _continue_state(state, k[:, :, T - take:].to(dt), v[:, :, T - take:].to(dt), T, L)
+
+
+def _continue_state(state: Optional[WindowState], k_tail: torch.Tensor, v_tail: torch.Tensor, T: int, L: int):
+    """The state after an input of T tokens whose last min(T, L) keys and values are k_tail,
+    v_tail (in the state's dtype): with a cache, its last slots first where the input is shorter;
+    without one, empty (zero) slots."""
+    B, H, take, _ = k_tail.shape
+    dt = k_tail.dtype
     if state is None:
-        pos = torch.full((B,), T, dtype=torch.int64, device=k.device)
+        pos = torch.full((B,), T, dtype=torch.int64, device=k_tail.device)
         if take < L:  # an input shorter than the cache: empty (zero) slots first
-            k_tail = torch.cat([k_tail.new_zeros(B, H, L - take, k.shape[-1]), k_tail], 2)
-            v_tail = torch.cat([v_tail.new_zeros(B, H, L - take, v.shape[-1]), v_tail], 2)
+            k_tail = torch.cat([k_tail.new_zeros(B, H, L - take, k_tail.shape[-1]), k_tail], 2)
+            v_tail = torch.cat([v_tail.new_zeros(B, H, L - take, v_tail.shape[-1]), v_tail], 2)
         return WindowState(k_tail, v_tail, pos)
     if take < L:
         k_tail = keep_last(torch.cat([state.k.to(dt), k_tail], 2), L)
