@@ -254,8 +254,11 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     (writing the window's decode state, or not) and (train) in training, with or without o_g and
     o_w among what it stores, compiles for sm_90a within
     one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
-    partitions, their register limits included). What it computes is checked on a GPU
-    (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
+    partitions, their register limits included) without spilling in inference, and at most 4
+    words a thread in training: its MMAs read single tiles through ``gla_gluon._here``, else their
+    hoisted descriptors spilled (up to 47 words a thread in inference, 71 in training, reloaded
+    every chunk). What it computes is checked on a GPU (tests/test_kernels.py,
+    test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
     from linearize.kernels import lizard_gluon
 
     k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
@@ -263,22 +266,25 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
-    _ptxas(ptx, tmp_path)
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) <= (16 if train else 0), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("normalize, has_init, model_layout", [(False, False, 0), (True, True, 7)])
 def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
     """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for
     sm_90a within one block's shared memory, its two warp-specialised partitions (the state one
-    shared with Lizard's fused forward) assembled by ptxas. What it computes is checked on a GPU
-    (test_gpu_gla_fused_forward_matches_reference)."""
+    shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon._here``;
+    10 words a thread before).
+    What it computes is checked on a GPU (test_gpu_gla_fused_forward_matches_reference)."""
     from linearize.kernels import gla_gluon
 
     k = gla_gluon.compile_fwd_fused_for_hopper(normalize=normalize, has_init=has_init, model_layout=model_layout)
     assert k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    _ptxas(ptx, tmp_path)
+    r = _ptxas(ptx, tmp_path)
+    assert _spill_bytes(r) == 0, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("normalize, dv_add, model_layout", [(False, False, 0), (True, True, 7)])

@@ -88,6 +88,15 @@ def _prof_init():
 
 
 @gluon.jit
+def _here(buf, step):
+    """A single shared-memory tile seen at an address that depends on ``step`` (a loop's counter,
+    shifted to 0): the MMAs reading this view form their operand descriptors where they run.
+    Else the compiler hoists the descriptors of a loop-invariant tile out of the loop (2 registers
+    for each 16 of K) and, beside fp32 accumulators, spills them."""
+    return buf._reinterpret(buf.dtype, [1] + buf.shape, buf.layout).index(step >> 30)
+
+
+@gluon.jit
 def _load_tile(desc, row, col, bar, dst):
     mbarrier.expect(bar, dst.numel * 2)  # 16-bit elements
     tma.async_copy_global_to_shared(desc, [row, col], bar, dst)
@@ -865,11 +874,14 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
         # A for the output partition (its copy of the chunk before was read: st_free below)
         # and the normaliser's whole den = rowsum(A) + e^{b_t} phi_q . z (z of the chunk before, as
         # the hi + lo pair in zq_s)
-        a = warpgroup_mma(fq_s, fk_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
+        fqv = _here(fq_s, ci)  # (views through _here: their descriptors formed here, not hoisted and spilled)
+        fkv = _here(fk_s, ci)
+        zqv = _here(zq_s, ci)
+        a = warpgroup_mma(fqv, fkv.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
                           use_acc=False, is_async=True)
-        qz = warpgroup_mma(fq_s, zq_s, gl.zeros([C, 16], gl.float32, layout=mma_q), use_acc=False,
+        qz = warpgroup_mma(fqv, zqv, gl.zeros([C, 16], gl.float32, layout=mma_q), use_acc=False,
                            is_async=True)
-        a, qz, _, _, _ = warpgroup_mma_wait(0, deps=(a, qz, fq_s, fk_s, zq_s))
+        a, qz, _, _, _ = warpgroup_mma_wait(0, deps=(a, qz, fqv, fkv, zqv))
         a = a * gl.exp(gl.where(causal, b_r[:, None] - b_c[None, :], -float("inf")))
         qz = gl.convert_layout(gl.sum(gl.where(qc[None, :] < 2, qz, 0.0), axis=1), gl.SliceLayout(1, mma_s))
         den_s.store(gl.sum(a, axis=1) + gl.exp(b_r) * qz)
@@ -884,11 +896,11 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
         g = gl.exp(b_end)
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         vj = v_s.index(j % 3)
-        ktT = fk_s.permute((1, 0))
-        S0 = warpgroup_mma(fk_s.slice(0, FH, dim=1).permute((1, 0)), vj, S0 * g, is_async=True)
-        S1 = warpgroup_mma(fk_s.slice(FH, FH, dim=1).permute((1, 0)), vj, S1 * g, is_async=True)
-        z = warpgroup_mma(ktT, ones_s, z * g, is_async=True)
-        S0, S1, z, _, _, _ = warpgroup_mma_wait(0, deps=(S0, S1, z, fk_s, vj, ones_s))
+        onesv = _here(ones_s, ci)
+        S0 = warpgroup_mma(fkv.slice(0, FH, dim=1).permute((1, 0)), vj, S0 * g, is_async=True)
+        S1 = warpgroup_mma(fkv.slice(FH, FH, dim=1).permute((1, 0)), vj, S1 * g, is_async=True)
+        z = warpgroup_mma(fkv.permute((1, 0)), onesv, z * g, is_async=True)
+        S0, S1, z, _, _, _ = warpgroup_mma_wait(0, deps=(S0, S1, z, fkv, vj, onesv))
         gl.thread_barrier()
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 1)
@@ -964,12 +976,15 @@ def _gla_fwd_output_partition(fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y
         mbarrier.wait(q_bar.index(1), ph)
         mbarrier.wait(st_ready, ph)
         mbarrier.wait(a_ready, ph)
-        o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
-        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fq_s, st_s))
+        fqv = _here(fq_s, ci)
+        stv = _here(st_s, ci)
+        o_i = warpgroup_mma(fqv, stv, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
+        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fqv, stv))
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         vj = v_s.index(j % 3)
-        num = warpgroup_mma(a_s, vj, o_i * e_t[:, None], is_async=True)
-        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_s, vj))
+        av = _here(a_s, ci)
+        num = warpgroup_mma(av, vj, o_i * e_t[:, None], is_async=True)
+        num, _, _ = warpgroup_mma_wait(0, deps=(num, av, vj))
         if NORM:
             num = num * (1.0 / (den_s.load(gl.SliceLayout(1, mma_o)) + eps))[:, None]
         gl.thread_barrier()

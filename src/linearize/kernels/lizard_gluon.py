@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gla_gluon import (_gated_smem, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
+from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
                         _tick, chunk_gates, model_layout_bits, segment_plan, tma_readable, view2d)
 
 BT = 64  # tokens per chunk
@@ -105,13 +105,14 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         k0 = k_s.index((j - 2) % 3)
         k1 = k_s.index((j - 1) % 3)
         k2 = k_s.index(j % 3)
-        s0 = warpgroup_mma(q_s, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+        qv = _here(q_s, ci)
+        s0 = warpgroup_mma(qv, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
-        s1 = warpgroup_mma(q_s, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+        s1 = warpgroup_mma(qv, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
-        s2 = warpgroup_mma(q_s, k2.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+        s2 = warpgroup_mma(qv, k2.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
-        s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, q_s, k0, k1, k2))
+        s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, qv, k0, k1, k2))
         gl.thread_barrier()
         if more:
             _load_tile(qw_d, r_q + (c + 1) * C, c_q, q_bar.index(0), q_s)
@@ -148,14 +149,16 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         # P V done first: the three P operands' registers are free before the gated products'
         # (queuing these behind P V instead spills: 0.82 against 0.75 ms at B16 T2048, v5's JSON)
         o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
-        o_i = warpgroup_mma(fq_s, st_s, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False,
-                            is_async=True)
-        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fq_s, st_s))
+        fqv = _here(fq_s, ci)
+        stv = _here(st_s, ci)
+        o_i = warpgroup_mma(fqv, stv, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
+        o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fqv, stv))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
-        num = warpgroup_mma(a_s, v2, o_i * e_t[:, None], is_async=True)
+        av = _here(a_s, ci)
+        num = warpgroup_mma(av, v2, o_i * e_t[:, None], is_async=True)
         den = den_s.load(row_o)
-        num, _, _ = warpgroup_mma_wait(0, deps=(num, a_s, v2))
+        num, _, _ = warpgroup_mma_wait(0, deps=(num, av, v2))
         gl.thread_barrier()
         mbarrier.arrive(st_free)  # the copies of S, z and A are read: the state partition may write the next
         if NPROF > 0:
