@@ -28,8 +28,8 @@ pass in one, so the state gradient of every chunk (as many bytes as two (B, H, T
 is never written or read back, nor are phi_q, do and o read twice. Two warp-specialised
 partitions hand over through shared memory: the *state* partition carries dS (fp32, 128 registers
 a thread) and dz, gives the chunk partition dS's bf16 copy and <dS, S_out> + <dz, z_out> (the gate
-gradient's part after the chunk, with S_out the state leaving it: its product with the state
-entering the chunk, taken once dS has moved past it), forms the chunk's dv (A^T in registers,
+gradient's part after the chunk, with S_out the state leaving it: from dS's copy and S, still in
+shared memory from the chunk after, on the tensor cores), forms the chunk's dv (A^T in registers,
 dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled
 phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
 has formed dn and dd; the *chunk* partition forms dn and dd, dk, dq and d log_g as the chunk
@@ -47,7 +47,9 @@ unused): 0.98 ms instead of 1.10 for GLA, 1.36 instead of 1.42 for Lizard (same 
 docs/results/gla-fused-bwd-probe-h100-dvtma.json); the state partition reads each chunk's gates
 once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json); the chunk partition
 forms the dz update's operand (e^{b_t} dd) with dd: Lizard's 1.33 -> 1.30
-(gla-fused-bwd-probe-h100-dz-operand.json). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
+(gla-fused-bwd-probe-h100-dz-operand.json); <dS, S_out> as a product on the tensor cores from
+dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.95;
+docs/results/gla-fused-bwd-state-dot-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
 window's part of do . o comes as a row vector.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
@@ -515,11 +517,22 @@ def _dn_half(dns, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.const
 
 
 @gluon.jit
-def _state_dot(st_s, dS0, dS1):
-    """<dS, S>: S from st_s (bf16, two halves of feature rows against dS0, dS1)."""
-    FH: gl.constexpr = dS0.shape[0]
-    return (gl.sum(gl.sum(st_s.slice(0, FH).load(dS0.type.layout).to(gl.float32) * dS0, axis=1), axis=0)
-            + gl.sum(gl.sum(st_s.slice(FH, FH).load(dS1.type.layout).to(gl.float32) * dS1, axis=1), axis=0))
+def _state_dot(ds_s, st_s, i):
+    """<dS, S> from dS's copy (ds_s) and S (st_s), (F, Dv) tiles in shared memory, on the tensor
+    cores: the trace of dS_0 S_0^T + dS_1 S_1^T (their halves of feature rows), one (F/2, F/2)
+    product. The elementwise product read 128 elements of the swizzled tile into each thread. i:
+    the walk's step (``_here``)."""
+    FH: gl.constexpr = ds_s.shape[0] // 2
+    ds_v = _here(ds_s, i)
+    st_v = _here(st_s, i)
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, FH, 16])
+    acc = warpgroup_mma(ds_v.slice(0, FH), st_v.slice(0, FH).permute((1, 0)),
+                        gl.zeros([FH, FH], gl.float32, layout=mma_d), use_acc=False, is_async=True)
+    acc = warpgroup_mma(ds_v.slice(FH, FH), st_v.slice(FH, FH).permute((1, 0)), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc, ds_v, st_v))
+    r = gl.arange(0, FH, layout=gl.SliceLayout(1, mma_d))
+    c = gl.arange(0, FH, layout=gl.SliceLayout(0, mma_d))
+    return gl.sum(gl.sum(gl.where(r[:, None] == c[None, :], acc, 0.0), axis=1), axis=0)
 
 
 @gluon.jit
@@ -535,19 +548,19 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
     """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
-    Per chunk, from the segment's end: dS's bf16 copy, dz and <dS, S_out> + <dz, z_out> with the
-    state leaving the chunk (the gate gradient's part after it) for the chunk partition
-    (``ds_ready``); the chunk's dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T
+    Per chunk, from the segment's end: dS's bf16 copy and dz for the chunk partition (``ds_ready``);
+    <dS, S_out> + <dz, z_out> with the state leaving the chunk (the gate gradient's part after it:
+    dS's copy against S entering the chunk after, still in st_s, on the tensor cores), read by the
+    chunk partition once dv is formed, then the state entering the chunk into st_s; the chunk's
+    dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T
     in registers, in two halves of columns, adding the window's where ``DV_ADD``) from the chunk
     partition's dn (``dn0_ready``; ``dv_done`` once formed); then the gradient entering the chunk,
     dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled phi_q^T an operand in registers), dz <-
     e^{b_end} dz + phi_q^T (e^{b_t} dd) (an MMA too: dz as an (F, 16)
     product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
     1, the rest zero, written by the chunk partition with dd, a slot per chunk parity; elementwise,
-    its reduction over tokens crossed warps), and its product with the
-    state entering the chunk (the next one's S_out, in st_s, which it then replaces by the state
-    entering the next chunk once the chunk partition has read it). It writes dS's next copy once the
-    chunk partition has read the last (``ds_free``)."""
+    its reduction over tokens crossed warps). It writes dS's next copy once the chunk partition has
+    read the last (``ds_free``), and the next S once it has read the last (``tq_done``)."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
     DH: gl.constexpr = DV // 2
@@ -585,8 +598,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
         s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
-    # cycles per phase: waits 0 dS's copy read, 1 S, 2 S's slot free, 3 tiles and the dv to add, 4 dn;
-    # work 5 dv, 6 dS's copy, 7 the rest
+    # cycles per phase: waits 0 dS's copy read, 2 S read (its slot free), 3 tiles and the dv to add, 4 dn;
+    # work 5 dv, 6 dS's copy, 7 the rest (<dS, S_out> among it); 1 unused
     if NPROF > 0:
         pacc, pt = _prof_init()
     for i in range(n):
@@ -601,9 +614,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         b_lin = gl.load(bl + gl.arange(0, C, layout=lin))
         b_end = gl.load(bl + C - 1)
         if NORM:
-            z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + f_Z)
-        # ---- dS (dz) leaving the chunk and <dS, S_out> + <dz, z_out> for the chunk partition (once it
-        # has read the chunk before's)
+            z_row = gl.load(ZC + (i_bh * (NC + 1) + c + 1) * F + f_Z)  # z leaving the chunk
+        # ---- dS (dz) leaving the chunk for the chunk partition (once it has read the chunk before's)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
         if i >= 1:
@@ -614,13 +626,27 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
             dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
         ds_s.slice(FH, FH).store(dS1.to(dt))
-        sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)
         b_s.store(b_lin)  # (its last reader, the chunk before's, is behind a barrier of this partition)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
+        # ---- <dS, S_out> + <dz, z_out> (the gate gradient's part after the chunk; the segment's last
+        # chunk's came from global memory): dS's copy against S entering the chunk after, still in st_s
+        # once the chunk partition has read it; then the state entering this chunk comes into st_s
+        if i >= 1:
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 7)
+            mbarrier.wait(tq_done, (i - 1) & 1)
+            if NPROF > 0:
+                pacc, pt = _tick(pacc, pt, 2)
+            s_dot = _state_dot(ds_s, st_s, i)
+            if NORM:
+                s_dot += gl.sum(_z_col(dz, zc) * z_row, axis=0)
+            gl.thread_barrier()
+            _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
+        sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
 
         # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t)
         if NPROF > 0:
@@ -682,23 +708,6 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
             dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, ws))
         else:
             dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dns))
-        if i + 1 < n:
-            # its product with S entering this chunk (the next one's S_out), then the next chunk's S
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
-            mbarrier.wait(s_bar, i & 1)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 1)
-            s_dot = _state_dot(st_s, dS0, dS1)
-            if NORM:
-                s_dot += gl.sum(_z_col(dz, zc) * z_row, axis=0)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
-            mbarrier.wait(tq_done, i & 1)
-            if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 2)
-            gl.thread_barrier()
-            _load_tile(sc_d, (i_bh * (NC + 1) + c - 1) * F, 0, s_bar, st_s)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
