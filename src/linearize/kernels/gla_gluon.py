@@ -48,7 +48,7 @@ docs/results/gla-fused-bwd-probe-h100-dvtma.json); the state partition reads eac
 once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json); the chunk partition
 forms the dz update's operand (e^{b_t} dd) with dd: Lizard's 1.33 -> 1.30
 (gla-fused-bwd-probe-h100-dz-operand.json); <dS, S_out> as a product on the tensor cores from
-dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.95;
+dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.96;
 docs/results/gla-fused-bwd-state-dot-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
 window's part of do . o comes as a row vector.
 
