@@ -26,7 +26,8 @@ from probe_common import alt_modules, write_rows
 # the partitions' phases (see the kernel's NPROF counters)
 PHASES = {"chunk": ["wait tiles", "wait o", "wait dS", "wait dv", "wait S", "work dphi_k", "work dphi_q, dlog_g",
                     "work dn, dd"],
-          "state": ["wait dS copy read", "wait S (unused since b2ebf19)", "wait S slot", "wait tiles, dv to add", "wait dn", "work dv",
+          "state": ["wait dS copy read", "wait S (unused since b2ebf19)",
+                    "wait S slot", "wait tiles, dv to add", "wait dn", "work dv",
                     "work dS copy", "work dS update, <dS, S>"]}
 
 
