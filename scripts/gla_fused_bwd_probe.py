@@ -25,9 +25,9 @@ from probe_common import alt_modules, write_rows
 
 # the partitions' phases (see the kernel's NPROF counters)
 PHASES = {"chunk": ["wait tiles", "wait o", "wait dS", "wait dv", "wait S", "work dphi_k", "work dphi_q, dlog_g",
-                    "work dn, dd"],
+                    "work dd (dn, dd before 2026-11-26b)"],
           "state": ["wait dS copy read", "wait S (unused since b2ebf19)",
-                    "wait S slot", "wait tiles, dv to add", "wait dn", "work dv",
+                    "wait S slot", "wait tiles, dv to add", "wait dd", "work dv",
                     "work dS copy", "work dS update, <dS, S>"]}
 
 

@@ -32,8 +32,8 @@ gradient's part after the chunk, with S_out the state leaving it: from dS's copy
 shared memory from the chunk after, on the tensor cores), forms the chunk's dv (A^T in registers,
 dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled
 phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
-has formed dn and dd; the *chunk* partition forms dn and dd, dk, dq and d log_g as the chunk
-pass does (e^{b_t} scaling dn S^T's rows), and issues the loads (each chunk's tiles come into one
+has formed dd; the *chunk* partition forms dd, dk, dq and d log_g as the chunk pass does
+(e^{b_t} scaling dn S^T's rows), and issues the loads (each chunk's tiles come into one
 of two slots while the chunk before is computed). Why this split (cycles a chunk from the
 kernel's NPROF counters, scripts/gla_fused_bwd_probe.py, H100, B16 T2048): with all of the chunk
 pass's products in the chunk partition it worked 17.6K cycles a chunk (GLA) while the state
@@ -49,8 +49,11 @@ once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json); th
 forms the dz update's operand (e^{b_t} dd) with dd: Lizard's 1.33 -> 1.30
 (gla-fused-bwd-probe-h100-dz-operand.json); <dS, S_out> as a product on the tensor cores from
 dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.96;
-docs/results/gla-fused-bwd-state-dot-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
-window's part of do . o comes as a row vector.
+docs/results/gla-fused-bwd-state-dot-h100.md). dn itself is never formed (each product scales
+do's rows or columns by 1 / (den + eps) instead), and both partitions read their row vectors
+(gates, den, z) a chunk ahead, where Nsight Compute found their latency left the warps waiting:
+Lizard's training step 3.13 -> 3.07 ms (docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE``
+(Lizard's ``og_from_y``) o is y and the window's part of do . o comes as a row vector.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -330,20 +333,22 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 @gluon.jit
 def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
-                         q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
-                         dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
+                         q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
+                         dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
                          DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
-    """Four warps forming one chunk's dn (dd), handed over for dv and dS's update (``dn0_ready``),
-    then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed
-    back read: ``ds_free``), dphi_k, dphi_q and d log_g as ``_gla_bwd_chunk_kernel`` does (dv is the
-    state partition's; e^{b_t} scales dn S^T's rows, not dn). They issue every load but S's.
-    Nothing read from global memory waits on the critical path: den and z's row are loaded at the
-    chunk's start, and with ``DV_ADD`` the dv the state partition adds to comes by TMA into o's
-    slot once dd is formed (o's next tile then follows once dv is formed). With ``SIDE`` the tile
-    read as o is y = o + alpha x (alpha: this head's), and SIDE_DOT holds the rows' do . x: dd
-    takes do . o as do . y - alpha (do . x)."""
+    """Four warps forming one chunk's dd (and e^{b_t} dd for dz's update), handed over with
+    ``dd_ready``, then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s;
+    ``ds_ready``; handed back read: ``ds_free``), dphi_k, dphi_q and d log_g as
+    ``_gla_bwd_chunk_kernel`` does (dv is the state partition's). dn = do / (den + eps) is never
+    formed: the products read do as it came, and 1 / (den + eps) scales their rows (M's, dn S^T's,
+    with e^{b_t}) or, in the state partition, columns. They issue every load but S's. What they
+    read from global memory by row (gates, den, z) is read a chunk ahead (``_chunk_rows``): read at
+    the chunk's start it left the warps waiting (ncu, 2026-11-26). With ``DV_ADD`` the dv the state
+    partition adds to comes by TMA into o's slot once dd is formed (o's next tile then follows once
+    dv is formed). With ``SIDE`` the tile read as o is y = o + alpha x (alpha: this head's), and
+    SIDE_DOT holds the rows' do . x: dd takes do . o as do . y - alpha (do . x)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -357,53 +362,46 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
     rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
     # cycles per phase: waits 0 tiles, 1 o, 2 dS, 3 dv formed, 4 S; work 5 dphi_k, 6 dphi_q and d log_g,
-    # 7 the rest (dn, dd)
+    # 7 the rest (dd)
     if NPROF > 0:
         pacc, pt = _prof_init()
+    c_lo = c_hi - n + 1
+    nxt = _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + c_hi * C, i_bh * (NC + 1) + c_hi, rows_t, rows_b, F, C,
+                      NORM, SIDE)
     for i in range(n):
         c = c_hi - i
         sl = i % 2
         qs = q_s.index(sl)
         ks = k_s.index(sl)
         vs = v_s.index(sl)
-        dns = dn_s.index(sl)
+        dos = do_s.index(sl)
         tok = row0 + c * C
         bl = BL + tok
-        b_end = gl.load(bl + C - 1)
-        b_t = gl.load(bl + rows_t)
+        b_end, b_t, den0, den1, side0, side1, z_row, den_t = nxt
         r_end = gl.exp(b_end - b_t)  # e^{b_end - b_s}, by key row
         e_t = gl.exp(b_t)
+        rden_t = 1.0 / (den_t + eps)
         # the outputs' rows: per-row pointers formed at each store (a hoisted offset tile would hold 64
         # registers through the loop)
         out0 = tok.to(gl.int64) * DV
-        if NORM:  # issued now, used later (their latency off the critical path)
-            den0 = gl.load(DEN + tok + rows_b)
-            den1 = gl.load(DEN + tok + C // 2 + rows_b)
-            if SIDE:
-                side0 = alpha * gl.load(SIDE_DOT + tok + rows_b)
-                side1 = alpha * gl.load(SIDE_DOT + tok + C // 2 + rows_b)
-            else:
-                side0 = 0.0
-                side1 = 0.0
-            z_row = gl.load(ZC + (i_bh * (NC + 1) + c) * F + gl.arange(0, F, layout=lin))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 0)
 
-        # ---- dn = do / (den + eps) in place, dd = -(do . o) / (den + eps); then the dv to add to
+        # ---- dd = -(do . o) / (den + eps) and e^{b_t} dd (dz's operand); then the dv to add to
         if NORM:
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 7)
             mbarrier.wait(o_bar, i & 1)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 1)
-            _dn_half(dns, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)  # in two halves of rows (fewer registers
-            _dn_half(dns, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)  # live)
+            _dd_half(dos, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)  # in two halves of rows (fewer registers
+            _dd_half(dos, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)  # live)
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
-            _dz_operand(dd_s.index(sl), bl, w_s.index(sl))
+            _dz_operand(dd_s.index(sl), e_t, w_s.index(sl))
             gl.thread_barrier()
             if not DV_ADD:
                 if i + 1 < n:
@@ -412,7 +410,12 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
             _load_tile(dva_d, tok, 0, dva_bar, o_s)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(dn0_ready)
+        mbarrier.arrive(dd_ready)
+        # the next chunk's rows, read a chunk ahead (at its start their latency would wait; the last
+        # chunk reads its own again)
+        cn = gl.maximum(c - 1, c_lo)
+        nxt = _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + cn * C, i_bh * (NC + 1) + cn, rows_t, rows_b, F, C,
+                          NORM, SIDE)
 
         # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
         if NPROF > 0:
@@ -424,17 +427,19 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
             if i + 1 < n:
                 _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
                             in_bar.index(1 - sl), q_s.index(1 - sl), k_s.index(1 - sl), v_s.index(1 - sl),
-                            dn_s.index(1 - sl))
+                            do_s.index(1 - sl))
 
-        # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p
+        # ---- dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q, M = (dn v^T + dd) * p, dn v^T as
+        # (do v^T) / (den + eps) by row
         tk = warpgroup_mma(vs, ds_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
-        m = warpgroup_mma(dns, vs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+        m = warpgroup_mma(dos, vs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                           is_async=True)
-        tk, m, _, _, _ = warpgroup_mma_wait(0, deps=(tk, m, vs, ds_s, dns))
+        tk, m, _, _, _ = warpgroup_mma_wait(0, deps=(tk, m, vs, ds_s, dos))
         if NORM:
             tk = tk + dz_s.load(col_t)[None, :]
-            m = m + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None]
+            m = (m * gl.convert_layout(rden_t, gl.SliceLayout(1, mma_s))[:, None]
+                 + gl.convert_layout(dd_t, gl.SliceLayout(1, mma_s))[:, None])
         gl.thread_barrier()
         mbarrier.arrive(ds_free)  # dS's copy and dz are read: the state partition may write the next
         am_s.store((m * _intra_decay(bl, rows_s, cols_s)).to(dt))
@@ -447,7 +452,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
 
-        # dv formed: o's slot (the dv added to) is free again; and the next dn0_ready cannot complete a
+        # dv formed: o's slot (the dv added to) is free again; and the next dd_ready cannot complete a
         # phase before the state partition has waited for this one (a parity wait two phases behind
         # would wait for a third)
         if NPROF > 0:
@@ -465,14 +470,15 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         mbarrier.wait(s_bar, i & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
-        tq = warpgroup_mma(dns, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
+        tq = warpgroup_mma(dos, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
-        tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dns, st_s))
+        tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dos, st_s))
         gl.thread_barrier()
         mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
-        tq = tq * e_t[:, None]
         if NORM:
-            tq = tq + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
+            tq = tq * (e_t * rden_t)[:, None] + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
+        else:
+            tq = tq * e_t[:, None]
         dq = warpgroup_mma(am_s, ks, tq, is_async=True)
         dq, _, _ = warpgroup_mma_wait(0, deps=(dq, am_s, ks))
         db += gl.sum(qs.load(mma_t).to(gl.float32) * dq, axis=1)
@@ -490,13 +496,42 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
 
 
 @gluon.jit
-def _dz_operand(dd_sl, bl, w_sl):
-    """e^{b_t} dd of a chunk (dd from dd_sl, b_t from bl) as a bf16 hi + lo pair in w_sl's columns 0
-    and 1, the rest zero: the right operand of the state partition's dz update (an MMA)."""
-    C: gl.constexpr = w_sl.shape[0]
+def _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, rows_t, rows_b, F: gl.constexpr, C: gl.constexpr,
+                NORM: gl.constexpr, SIDE: gl.constexpr):
+    """What the chunk partition reads from global memory for the chunk of tokens tok..tok+C: b_end,
+    b_t (rows_t's layout), den of its two halves of rows (rows_b's), alpha (do . x) of each half
+    (SIDE; else 0), z entering it (row z_slot of ZC) and den by row (rows_t's); zeros for what an
+    unnormalised backward does not read."""
+    b_end = gl.load(BL + tok + C - 1)
+    b_t = gl.load(BL + tok + rows_t)
+    if NORM:
+        den0 = gl.load(DEN + tok + rows_b)
+        den1 = gl.load(DEN + tok + C // 2 + rows_b)
+        if SIDE:
+            side0 = alpha * gl.load(SIDE_DOT + tok + rows_b)
+            side1 = alpha * gl.load(SIDE_DOT + tok + C // 2 + rows_b)
+        else:
+            side0 = gl.zeros_like(den0)
+            side1 = gl.zeros_like(den1)
+        z_row = gl.load(ZC + z_slot * F + gl.arange(0, F, layout=gl.BlockedLayout([1], [32], [4], [0])))
+        den_t = gl.load(DEN + tok + rows_t)
+    else:
+        den0 = gl.zeros_like(rows_b.to(gl.float32))
+        den1 = den0
+        side0 = den0
+        side1 = den0
+        z_row = gl.zeros([F], gl.float32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        den_t = gl.zeros_like(b_t)
+    return b_end, b_t, den0, den1, side0, side1, z_row, den_t
+
+
+@gluon.jit
+def _dz_operand(dd_sl, e_t, w_sl):
+    """e^{b_t} dd of a chunk (dd from dd_sl, e^{b_t} as e_t) as a bf16 hi + lo pair in w_sl's columns
+    0 and 1, the rest zero: the right operand of the state partition's dz update (an MMA)."""
     wblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # (tokens, 16) of w_s
     c_w = gl.arange(0, 16, layout=gl.SliceLayout(0, wblk))
-    w = dd_sl.load(gl.SliceLayout(1, wblk)) * gl.exp(gl.load(bl + gl.arange(0, C, layout=gl.SliceLayout(1, wblk))))
+    w = dd_sl.load(gl.SliceLayout(1, wblk)) * gl.convert_layout(e_t, gl.SliceLayout(1, wblk))
     w_hi = w.to(w_sl.dtype)
     w_lo = (w - w_hi.to(gl.float32)).to(w_sl.dtype)
     w = gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0))
@@ -504,16 +539,30 @@ def _dz_operand(dd_sl, bl, w_sl):
 
 
 @gluon.jit
-def _dn_half(dns, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.constexpr):
-    """Rows [h C/2, (h+1) C/2) of a chunk: dn = do / (den + eps) in place of do, dd = -(do . o - side_h) / (den + eps)
-    into dd_sl (also for dz's update); side_h: what of do . o is the other branch's (or 0)."""
-    HC: gl.constexpr = dns.shape[0] // 2
-    rden = 1.0 / (den_h + eps)
-    do_h = dns.slice(h * HC, HC)
-    do = do_h.load(blk).to(gl.float32)
-    dd_h = (side_h - gl.sum(do * o_s.slice(h * HC, HC).load(blk).to(gl.float32), axis=1)) * rden
-    do_h.store((do * rden[:, None]).to(dns.dtype))
+def _dd_half(do_s, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.constexpr):
+    """Rows [h C/2, (h+1) C/2) of a chunk: dd = -(do . o - side_h) / (den + eps) into dd_sl (also for
+    dz's update); side_h: what of do . o is the other branch's (or 0)."""
+    HC: gl.constexpr = do_s.shape[0] // 2
+    do = do_s.slice(h * HC, HC).load(blk).to(gl.float32)
+    dd_h = (side_h - gl.sum(do * o_s.slice(h * HC, HC).load(blk).to(gl.float32), axis=1)) / (den_h + eps)
     dd_sl.slice(h * HC, HC).store(dd_h)
+
+
+@gluon.jit
+def _state_rows(BL, DEN, ZC, tok, z_slot, f_Z, lin: gl.constexpr, C: gl.constexpr, NORM: gl.constexpr):
+    """What the state partition reads from global memory for the chunk of tokens tok..tok+C: b_t and
+    den (lin's layout), b_end and z leaving the chunk (row z_slot of ZC, f_Z's layout); zeros for
+    what an unnormalised backward does not read."""
+    F: gl.constexpr = f_Z.shape[0]
+    b_lin = gl.load(BL + tok + gl.arange(0, C, layout=lin))
+    b_end = gl.load(BL + tok + C - 1)
+    if NORM:
+        den_lin = gl.load(DEN + tok + gl.arange(0, C, layout=lin))
+        z_row = gl.load(ZC + z_slot * F + f_Z)
+    else:
+        den_lin = gl.zeros_like(b_lin)
+        z_row = gl.zeros_like(f_Z.to(gl.float32))
+    return b_lin, den_lin, b_end, z_row
 
 
 @gluon.jit
@@ -542,9 +591,9 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
-                         dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done,
-                         row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s, o_s, st_s, ds_s,
+                         dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done,
+                         row0, i_bh, i_seg, NSEG, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
     """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
@@ -552,15 +601,17 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
     <dS, S_out> + <dz, z_out> with the state leaving the chunk (the gate gradient's part after it:
     dS's copy against S entering the chunk after, still in st_s, on the tensor cores), read by the
     chunk partition once dv is formed, then the state entering the chunk into st_s; the chunk's
-    dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T
-    in registers, in two halves of columns, adding the window's where ``DV_ADD``) from the chunk
-    partition's dn (``dn0_ready``; ``dv_done`` once formed); then the gradient entering the chunk,
-    dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled phi_q^T an operand in registers), dz <-
+    dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T / (den + eps) by column,
+    then A^T do, in registers, in two halves of columns, adding the window's where ``DV_ADD``, once
+    the chunk partition has formed dd (``dd_ready``; ``dv_done`` once formed); then the gradient
+    entering the chunk, dS <- e^{b_end} dS + (phi_q e^{b_t} / (den + eps))^T do (the scaled phi_q^T
+    an operand in registers; the two scales in b_s's second row as b_t - log(den + eps)), dz <-
     e^{b_end} dz + phi_q^T (e^{b_t} dd) (an MMA too: dz as an (F, 16)
     product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
     1, the rest zero, written by the chunk partition with dd, a slot per chunk parity; elementwise,
     its reduction over tokens crossed warps). It writes dS's next copy once the chunk partition has
-    read the last (``ds_free``), and the next S once it has read the last (``tq_done``)."""
+    read the last (``ds_free``), and the next S once it has read the last (``tq_done``). What it
+    reads from global memory by row comes a chunk ahead (``_state_rows``)."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
     DH: gl.constexpr = DV // 2
@@ -598,23 +649,25 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
         s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
-    # cycles per phase: waits 0 dS's copy read, 2 S read (its slot free), 3 tiles and the dv to add, 4 dn;
+    # cycles per phase: waits 0 dS's copy read, 2 S read (its slot free), 3 tiles and the dv to add, 4 dd;
     # work 5 dv, 6 dS's copy, 7 the rest (<dS, S_out> among it); 1 unused
     if NPROF > 0:
         pacc, pt = _prof_init()
+    c_lo = c_hi - n + 1
+    nxt = _state_rows(BL, DEN, ZC, row0 + c_hi * C, i_bh * (NC + 1) + c_hi + 1, f_Z, lin, C, NORM)
     for i in range(n):
         c = c_hi - i
         sl = i % 2
         qs = q_s.index(sl)
         ks = k_s.index(sl)
-        dns = dn_s.index(sl)
-        bl = BL + row0 + c * C
-        # the chunk's gates and z's row read now (their latency behind the waits below), the gates
-        # then kept in shared memory for the layouts they are read in
-        b_lin = gl.load(bl + gl.arange(0, C, layout=lin))
-        b_end = gl.load(bl + C - 1)
-        if NORM:
-            z_row = gl.load(ZC + (i_bh * (NC + 1) + c + 1) * F + f_Z)  # z leaving the chunk
+        dos = do_s.index(sl)
+        # the chunk's gates, den and z's row, read a chunk ahead; the gates then kept in shared memory
+        # for the layouts they are read in
+        b_lin, den_lin, b_end, z_row = nxt
+        if NORM:  # the queries' columns take 1 / (den + eps) too (dn is never formed: do stays as it came)
+            bq_lin = b_lin - gl.log(den_lin + eps)
+        else:
+            bq_lin = b_lin
         # ---- dS (dz) leaving the chunk for the chunk partition (once it has read the chunk before's)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
@@ -626,7 +679,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
             dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
         ds_s.slice(FH, FH).store(dS1.to(dt))
-        b_s.store(b_lin)  # (its last reader, the chunk before's, is behind a barrier of this partition)
+        b_s.index(0).store(b_lin)
+        b_s.index(1).store(bq_lin)  # (their last reader, the chunk before's, is behind a barrier of this partition)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
@@ -648,7 +702,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
             _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
         sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
 
-        # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t)
+        # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t),
+        # as (A^T / (den_t + eps)) do
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
@@ -657,15 +712,16 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         at = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
         at, _, _ = warpgroup_mma_wait(0, deps=(at, ks, qs))
-        b_cols = b_s.load(gl.SliceLayout(0, mma_s))
+        b_cols = b_s.index(1).load(gl.SliceLayout(0, mma_s))
         at = at * gl.exp(gl.where(cols_s[None, :] >= rows_s[:, None],
-                                  b_cols[None, :] - b_s.load(gl.SliceLayout(1, mma_s))[:, None], -float("inf")))
+                                  b_cols[None, :] - b_s.index(0).load(gl.SliceLayout(1, mma_s))[:, None],
+                                  -float("inf")))
         at = gl.convert_layout(at.to(dt), dot_h)
-        r_end = gl.exp(b_end - b_s.load(gl.SliceLayout(1, mma_h)))
+        r_end = gl.exp(b_end - b_s.index(0).load(gl.SliceLayout(1, mma_h)))
         out = DV_ + (row0 + c * C).to(gl.int64) * DV + rows_h[:, None] * DV
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
-        mbarrier.wait(dn0_ready, i & 1)
+        mbarrier.wait(dd_ready, i & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
         if DV_ADD:
@@ -673,11 +729,11 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
         for h in gl.static_range(2):
-            dv = warpgroup_mma(ks, ds_s.slice(h * DH, DH, dim=1), gl.zeros([C, DH], gl.float32, layout=mma_h),
-                               use_acc=False, is_async=True)
-            dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_s))
-            dv = warpgroup_mma(at, dns.slice(h * DH, DH, dim=1), dv * r_end[:, None], is_async=True)
-            dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dns))
+            ds_h = _here(ds_s, i).slice(h * DH, DH, dim=1)
+            dv = warpgroup_mma(ks, ds_h, gl.zeros([C, DH], gl.float32, layout=mma_h), use_acc=False, is_async=True)
+            dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_h))
+            dv = warpgroup_mma(at, dos.slice(h * DH, DH, dim=1), dv * r_end[:, None], is_async=True)
+            dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dos))
             if DV_ADD:
                 dv += o_s.slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32)
             if DV_ADD or not NORM:  # out by TMA through o's slot (free: o and the window's dv are read)
@@ -693,21 +749,23 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_
         mbarrier.arrive(dv_done)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
+        cn = gl.maximum(c - 1, c_lo)  # the next chunk's rows (the last chunk reads its own again)
+        nxt = _state_rows(BL, DEN, ZC, row0 + cn * C, i_bh * (NC + 1) + cn + 1, f_Z, lin, C, NORM)
 
-        # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t})^T dn, the scaled
-        # phi_q^T an MMA operand in registers (dn stays as it is: the chunk partition reads it too)
+        # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t} / (den + eps))^T do,
+        # the scaled phi_q^T an MMA operand in registers
         g = gl.exp(b_end)
-        e_k = gl.exp(b_s.load(gl.SliceLayout(0, dot_S)))
+        e_k = gl.exp(b_s.index(1).load(gl.SliceLayout(0, dot_S)))
         qt0 = (qs.slice(0, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
         qt1 = (qs.slice(FH, FH, dim=1).permute((1, 0)).load(dot_S).to(gl.float32) * e_k[None, :]).to(dt)
-        dS0 = warpgroup_mma(qt0, dns, dS0 * g, is_async=True)
-        dS1 = warpgroup_mma(qt1, dns, dS1 * g, is_async=True)
+        dS0 = warpgroup_mma(qt0, dos, dS0 * g, is_async=True)
+        dS1 = warpgroup_mma(qt1, dos, dS1 * g, is_async=True)
         if NORM:
-            ws = w_s.index(sl)  # e^{b_t} dd, from the chunk partition (dn0_ready)
+            ws = w_s.index(sl)  # e^{b_t} dd, from the chunk partition (dd_ready)
             dz = warpgroup_mma(qs.permute((1, 0)), ws, dz * g, is_async=True)
-            dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dns, ws))
+            dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dos, ws))
         else:
-            dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dns))
+            dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dos))
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -747,7 +805,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     q_s = gl.allocate_shared_memory(dt, [2, C, F], q_d.layout)
     k_s = gl.allocate_shared_memory(dt, [2, C, F], k_d.layout)
     v_s = gl.allocate_shared_memory(dt, [2, C, DV], v_d.layout)
-    dn_s = gl.allocate_shared_memory(dt, [2, C, DV], do_d.layout)  # do; dn in place
+    do_s = gl.allocate_shared_memory(dt, [2, C, DV], do_d.layout)
     o_s = gl.allocate_shared_memory(dt, [C, DV], o_d.layout)
     st_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # S entering the chunk
     ds_s = gl.allocate_shared_memory(dt, [F, DV], sc_d.layout)  # dS leaving it, for the MMAs
@@ -757,9 +815,9 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     dz_s = gl.allocate_shared_memory(gl.float32, [F], flat)
     w_s = gl.allocate_shared_memory(dt, [2, C, 16], gl.NVMMASharedLayout.get_default_for([C, 16], dt))  # e^{b_t} dd
     sdot_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # <dS, S_out> + <dz, z_out> in every element
-    b_s = gl.allocate_shared_memory(gl.float32, [C], flat)  # the chunk's b_t, for the state partition
+    b_s = gl.allocate_shared_memory(gl.float32, [2, C], flat)  # the chunk's b_t, and b_t - log(den_t + eps)
     in_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dn0_ready, dv_done
+    # S, o, the dv to add; the handshakes: ds_ready, ds_free, tq_done, dd_ready, dv_done
     bar = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(in_bar.index(i), count=1)
@@ -769,12 +827,12 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     for j in gl.static_range(2):
         if j < n:
             _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c_hi - j) * C, in_bar.index(j),
-                        q_s.index(j), k_s.index(j), v_s.index(j), dn_s.index(j))
+                        q_s.index(j), k_s.index(j), v_s.index(j), do_s.index(j))
     _load_tile(sc_d, (i_bh * (NC + 1) + c_hi) * F, 0, bar.index(0), st_s)  # s_bar
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
-    ds_ready, ds_free, tq_done, dn0_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
+    ds_ready, ds_free, tq_done, dd_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
     prof_row = i_bh * NSEG + i_seg
     if SIDE:
         alpha = gl.load(ALPHA + i_bh % H)
@@ -782,13 +840,13 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
         alpha = 0.0
     gl.warp_specialize([
         (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
-                                q_s, k_s, v_s, dn_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
+                                q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
                                 o_bar,
-                                dva_bar, ds_ready, ds_free, tq_done, dn0_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
+                                dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
-        (_bwd_state_partition, (sc_d, dva_d, SC, BL, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, dn_s, o_s, st_s, ds_s,
-                                dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dn0_ready,
-                                dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, PROF, prof_row,
+        (_bwd_state_partition, (sc_d, dva_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s, o_s, st_s,
+                                ds_s, dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done,
+                                dd_ready, dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, eps, PROF, prof_row,
                                 NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
     ], [4], [248])
     for i in gl.static_range(2):
@@ -1206,7 +1264,11 @@ def _compile(kernel, args: dict, consts: dict, num_warps: int):
     sig = {k: mangle_type(v) for k, v in args.items()}
     sig.update({k: "constexpr" for k in consts})
     names = [p.name for p in kernel.params]
-    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    # as a launch specialises: pointers (16-byte aligned) and integers that are multiples of 16 are
+    # known to divide by 16 (without it global stores of pairs compile to 2-byte stores, say)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in args.items()
+             if isinstance(v, torch.Tensor) or (type(v) is int and v % 16 == 0)}
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()}, attrs)
     return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
