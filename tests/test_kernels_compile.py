@@ -330,13 +330,15 @@ def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, ow
     """kernels/window_gluon.py, the walking window backward (WindowKernelConfig.gluon_bwd_walk),
     forming D itself (from o or from its scores) or reading it: compiled for sm_90a within one block's shared memory (two
     rings of six 64 x 128 tiles, two staging tiles for dk and dv, and two rings of row vectors), its two
-    warp-specialised partitions assembled by ptxas (spilling a few scalars: at most 34 words a
-    thread, 29 seen). What it computes is checked on a GPU (test_gpu_window_gluon_walk_backward_*)."""
+    warp-specialised partitions assembled by ptxas (the dk/dv partition, with 256 registers a
+    thread, spills a few values: 44, 100, 20 and 68 bytes in these cases as a launch compiles
+    them; 116, 120, 20 and 124 with the 248 it had before 2026-11-26). What it computes is checked
+    on a GPU (test_gpu_window_gluon_walk_backward_*)."""
     from linearize.kernels import window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True, own_delta=own_delta,
                                         scores_delta=scores)
-    _assemble_warp_specialised(k, tmp_path, 14 * 64 * 128 * 2, max_spill=136)
+    _assemble_warp_specialised(k, tmp_path, 14 * 64 * 128 * 2, max_spill=100)
 
 
 @pytest.mark.parametrize("window, model_layout", [(128, 0), (100, 7)])

@@ -27,7 +27,11 @@ kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md). 
 leave by TMA through two staging tiles (stored from registers they cost the dk/dv partition 4.0K
 cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``; the
 dq partition reads each next tile's o ahead): the window's whole backward at B16 T2048 on an H100,
-1.233 ms with the delta pre-pass and register stores, 0.956 now (docs/results/window-walk-h100.md).
+1.233 ms with the delta pre-pass and register stores, 0.956 then (docs/results/window-walk-h100.md).
+The dk/dv partition takes all 256 registers a thread (the dq partition keeps 256 too: 65536 in
+all): with 248 it spilled 116 bytes a thread, and Nsight Compute found its reloads, missing the
+small L1 beside 231 KB of shared memory, waiting on L2; with 256 it spills 44 and the window's
+backward takes 0.888 ms instead of 0.924 (docs/results/gla-fused-bwd-ncu-h100.md).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
@@ -504,7 +508,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
         (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready,
                                 q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
                                 qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
-    ], [4], [248])
+    ], [4], [256])  # all the registers there are (the dk/dv partition spilled with 248)
     for i in gl.static_range(3):
         mbarrier.invalidate(bar_qdy.index(i))
         mbarrier.invalidate(bar_kv.index(i))
