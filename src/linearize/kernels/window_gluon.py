@@ -31,7 +31,9 @@ dq partition reads each next tile's o ahead): the window's whole backward at B16
 The dk/dv partition takes all 256 registers a thread (the dq partition keeps 256 too: 65536 in
 all): with 248 it spilled 116 bytes a thread, and Nsight Compute found its reloads, missing the
 small L1 beside 231 KB of shared memory, waiting on L2; with 256 it spills 44 and the window's
-backward takes 0.888 ms instead of 0.924 (docs/results/gla-fused-bwd-ncu-h100.md).
+backward takes 0.888 ms instead of 0.924; the dq partition then waited for o, read at each
+chunk's start, so it reads the tile after next's o a chunk ahead: 0.876 ms
+(docs/results/gla-fused-bwd-ncu-h100.md).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
@@ -302,15 +304,14 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
     if FROM_O:
         _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + c0 * C, C, DV, blk), LSE, DELTA, row0, c0,
                       0, alpha, C, blk)
+        o_next = _o_rows(O, row0 + gl.minimum(c0 + 1, nc - 1) * C, C, DV, blk)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
     for j in range(n):
         c = c0 + j
         tok = row0 + c * C
         sq = j % 3
-        if FROM_O:  # the next tile's o, read while this chunk's first scores are formed
-            o_next = _o_rows(O, row0 + gl.minimum(c + 1, nc - 1) * C, C, DV, blk)
-        elif not D_SCORES:
+        if not OWN_DELTA:
             lse = gl.load(LSE + tok + rows)
             delta = gl.load(DELTA + tok + rows)
         if D_SCORES:
@@ -347,6 +348,9 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
                     if c + 1 < nc:
                         _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o_next, LSE, DELTA, row0, c0, j + 1, alpha,
                                       C, blk)
+                    # the o of the tile after, read a chunk ahead: read at the chunk's start, its latency
+                    # was still waited for here (ncu, 2026-11-26)
+                    o_next = _o_rows(O, row0 + gl.minimum(c + 2, nc - 1) * C, C, DV, blk)
                     if NPROF > 0:
                         pacc, pt = _tick(pacc, pt, 6)
         _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
