@@ -150,3 +150,29 @@ def test_roofline_traffic_counts_the_tensors_the_passes_move():
         assert rl.total(rl.traffic(2 * B, H, T)[k]) == 2 * rl.total(t[k])
         f = [rl.total(rl.traffic(B, H, n * T)[k]) for n in (1, 2, 3)]
         assert f[1] - f[0] == f[2] - f[1] > 0  # affine in T (the last state and the outputs' once per pair)
+
+
+def test_ncu_stalls_reads_the_recorded_profile(capsys):
+    """scripts/ncu_stalls.py on the committed Nsight Compute record of the fused gated backward
+    (docs/results/gla-fused-bwd-ncu-h100.md quotes these): the samples add up, the two partitions
+    take half each, and the worker (state) partition's two longest waits are on dd_ready and on the
+    window's dv (barriers 6 and 2 of the 8 at 0x37a00)."""
+    ncu = _load("ncu_stalls")
+    path = str(SCRIPTS.parent / "docs" / "results" / "ncu-lizard-step-h100-331351f-source.csv.gz")
+    kernels = ncu.load(path)
+    assert set(kernels) == {"_lizard_fwd_kernel", "_win_bwd_walk_kernel", "_gla_bwd_fused_kernel"}
+    rows = kernels["_gla_bwd_fused_kernel"]
+    assert sum(int(r[ncu.SAMPLES] or 0) for r in rows) == 133150
+    ncu.report("_gla_bwd_fused_kernel", rows, top=3)
+    out = capsys.readouterr().out
+    assert "worker partition 49.1%, default partition 50.0%" in out
+    assert "mbarrier wait at 0x5c50 (worker partition, barrier [R5+URZ+0x37a30]): 5.8%" in out
+    assert "mbarrier wait at 0x5e20 (worker partition, barrier [R5+URZ+0x37a10]): 7.6%" in out
+    with pytest.raises(SystemExit, match="no kernel 'nope'"):
+        import sys
+
+        argv, sys.argv = sys.argv, ["ncu_stalls.py", path, "--kernel", "nope"]
+        try:
+            ncu.main()
+        finally:
+            sys.argv = argv
