@@ -312,9 +312,10 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
     compiled for sm_90a within one block's shared memory (two slots of the four chunk tiles, S,
     dS's copy, M and o), its two warp-specialised partitions assembled by ptxas. (The state
     partition, which carries dS and forms dv, spills a few values around its products, as a launch
-    compiles it, pointers known 16-byte aligned: 0 bytes a thread unnormalised, 48 with segments,
-    dS0 and a model's layout, 64 in Lizard's case; 12, 104 and 84 before dn was left unformed,
-    ds_s read at each dv product and the rows read a chunk ahead.) ``side``: o
+    compiles it, pointers known 16-byte aligned: 0 bytes a thread unnormalised, 64 with segments,
+    dS0 and a model's layout, 44 in Lizard's case; 12, 104 and 84 before dn was left unformed,
+    ds_s read at each dv product, the rows read a chunk ahead and half of dd formed there.)
+    ``side``: o
     read as y with the other branch's part of do . o subtracted (Lizard, og_from_y). What it
     computes is checked on a GPU (test_gpu_gla_gluon_fused_backward_*, test_gpu_lizard_one_op_*)."""
     from linearize.kernels import gla_gluon

@@ -32,8 +32,9 @@ gradient's part after the chunk, with S_out the state leaving it: from dS's copy
 shared memory from the chunk after, on the tensor cores), forms the chunk's dv (A^T in registers,
 dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled
 phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
-has formed dd; the *chunk* partition forms dd, dk, dq and d log_g as the chunk pass does
-(e^{b_t} scaling dn S^T's rows), and issues the loads (each chunk's tiles come into one
+has formed dd; the *chunk* partition forms dk, dq and d log_g as the chunk pass does (e^{b_t}
+scaling dn S^T's rows), the two partitions half of dd's rows each, and the chunk partition issues
+the loads (each chunk's tiles come into one
 of two slots while the chunk before is computed). Why this split (cycles a chunk from the
 kernel's NPROF counters, scripts/gla_fused_bwd_probe.py, H100, B16 T2048): with all of the chunk
 pass's products in the chunk partition it worked 17.6K cycles a chunk (GLA) while the state
@@ -52,7 +53,8 @@ dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.9
 docs/results/gla-fused-bwd-state-dot-h100.md). dn itself is never formed (each product scales
 do's rows or columns by 1 / (den + eps) instead), and both partitions read their row vectors
 (gates, den, z) a chunk ahead, where Nsight Compute found their latency left the warps waiting:
-Lizard's training step 3.13 -> 3.07 ms (docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE``
+Lizard's training step 3.13 -> 3.07 ms; the state partition forming half of dd: 3.02 -> 2.97
+(docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE``
 (Lizard's ``og_from_y``) o is y and the window's part of do . o comes as a row vector.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
@@ -338,9 +340,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
                          DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
-    """Four warps forming one chunk's dd (and e^{b_t} dd for dz's update), handed over with
-    ``dd_ready``, then, from the state partition's dS (dz) leaving the chunk (ds_s, dz_s;
-    ``ds_ready``; handed back read: ``ds_free``), dphi_k, dphi_q and d log_g as
+    """Four warps forming the first half of one chunk's dd rows (and of e^{b_t} dd for dz's update;
+    the state partition forms the second before ``ds_ready``), handed over with ``dd_ready``, then,
+    from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed back
+    read: ``ds_free``), dphi_k, dphi_q and d log_g as
     ``_gla_bwd_chunk_kernel`` does (dv is the state partition's). dn = do / (den + eps) is never
     formed: the products read do as it came, and 1 / (den + eps) scales their rows (M's, dn S^T's,
     with e^{b_t}) or, in the state partition, columns. They issue every load but S's. What they
@@ -377,7 +380,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         dos = do_s.index(sl)
         tok = row0 + c * C
         bl = BL + tok
-        b_end, b_t, den0, den1, side0, side1, z_row, den_t = nxt
+        b_end, b_t, den0, side0, b_h0, z_row, den_t = nxt
         r_end = gl.exp(b_end - b_t)  # e^{b_end - b_s}, by key row
         e_t = gl.exp(b_t)
         rden_t = 1.0 / (den_t + eps)
@@ -397,17 +400,25 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
             mbarrier.wait(o_bar, i & 1)
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 1)
-            _dd_half(dos, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)  # in two halves of rows (fewer registers
-            _dd_half(dos, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)  # live)
+            # the first half of the rows here, the second in the state partition (before ds_ready)
+            _dd_half(dos, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)
+            _dz_half(dd_s.index(sl), b_h0, w_s.index(sl), 0)
+
+        # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
+        # and has formed its half of dd
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 7)
+        mbarrier.wait(ds_ready, i & 1)
+        if NPROF > 0:
+            pacc, pt = _tick(pacc, pt, 2)
+        if NORM:
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
-            _dz_operand(dd_s.index(sl), e_t, w_s.index(sl))
-            gl.thread_barrier()
             if not DV_ADD:
                 if i + 1 < n:
                     _load_tile(o_d, tok - C, 0, o_bar, o_s)
-        if DV_ADD:  # into o's slot (free: o is read, or not used; the dv of the chunk before is formed)
-            _load_tile(dva_d, tok, 0, dva_bar, o_s)
+        if DV_ADD:  # into o's slot (free: o is read by both partitions, or not used; the dv of the chunk before
+            _load_tile(dva_d, tok, 0, dva_bar, o_s)  # is formed)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dd_ready)
@@ -416,13 +427,6 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         cn = gl.maximum(c - 1, c_lo)
         nxt = _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + cn * C, i_bh * (NC + 1) + cn, rows_t, rows_b, F, C,
                           NORM, SIDE)
-
-        # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
-        mbarrier.wait(ds_ready, i & 1)
-        if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 2)
         if i >= 1:
             if i + 1 < n:
                 _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
@@ -505,37 +509,43 @@ def _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, rows_t, rows_b, F: gl
     b_end = gl.load(BL + tok + C - 1)
     b_t = gl.load(BL + tok + rows_t)
     if NORM:
-        den0 = gl.load(DEN + tok + rows_b)
-        den1 = gl.load(DEN + tok + C // 2 + rows_b)
-        if SIDE:
-            side0 = alpha * gl.load(SIDE_DOT + tok + rows_b)
-            side1 = alpha * gl.load(SIDE_DOT + tok + C // 2 + rows_b)
-        else:
-            side0 = gl.zeros_like(den0)
-            side1 = gl.zeros_like(den1)
+        den0, side0, b_h0 = _half_rows(BL, DEN, SIDE_DOT, alpha, tok, rows_b, SIDE)
         z_row = gl.load(ZC + z_slot * F + gl.arange(0, F, layout=gl.BlockedLayout([1], [32], [4], [0])))
         den_t = gl.load(DEN + tok + rows_t)
     else:
         den0 = gl.zeros_like(rows_b.to(gl.float32))
-        den1 = den0
         side0 = den0
-        side1 = den0
+        b_h0 = den0
         z_row = gl.zeros([F], gl.float32, layout=gl.BlockedLayout([1], [32], [4], [0]))
         den_t = gl.zeros_like(b_t)
-    return b_end, b_t, den0, den1, side0, side1, z_row, den_t
+    return b_end, b_t, den0, side0, b_h0, z_row, den_t
 
 
 @gluon.jit
-def _dz_operand(dd_sl, e_t, w_sl):
-    """e^{b_t} dd of a chunk (dd from dd_sl, e^{b_t} as e_t) as a bf16 hi + lo pair in w_sl's columns
-    0 and 1, the rest zero: the right operand of the state partition's dz update (an MMA)."""
-    wblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # (tokens, 16) of w_s
+def _half_rows(BL, DEN, SIDE_DOT, alpha, tok, rows_b, SIDE: gl.constexpr):
+    """den, alpha (do . x) (SIDE; else 0) and b_t of the half chunk of rows tok + rows_b, for dd's
+    half (``_dd_half``, ``_dz_half``)."""
+    den = gl.load(DEN + tok + rows_b)
+    if SIDE:
+        side = alpha * gl.load(SIDE_DOT + tok + rows_b)
+    else:
+        side = gl.zeros_like(den)
+    return den, side, gl.load(BL + tok + rows_b)
+
+
+@gluon.jit
+def _dz_half(dd_sl, b_h, w_sl, h: gl.constexpr):
+    """Rows [h C/2, (h+1) C/2) of e^{b_t} dd (dd from dd_sl, b_t as b_h) as a bf16 hi + lo pair in
+    w_sl's columns 0 and 1, the rest zero: the right operand of the state partition's dz update (an
+    MMA)."""
+    HC: gl.constexpr = w_sl.shape[0] // 2
+    wblk: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # (tokens, 16) of half of w_s
     c_w = gl.arange(0, 16, layout=gl.SliceLayout(0, wblk))
-    w = dd_sl.load(gl.SliceLayout(1, wblk)) * gl.convert_layout(e_t, gl.SliceLayout(1, wblk))
+    w = dd_sl.slice(h * HC, HC).load(gl.SliceLayout(1, wblk)) * gl.exp(gl.convert_layout(b_h, gl.SliceLayout(1, wblk)))
     w_hi = w.to(w_sl.dtype)
     w_lo = (w - w_hi.to(gl.float32)).to(w_sl.dtype)
     w = gl.where(c_w[None, :] == 0, w_hi[:, None], gl.where(c_w[None, :] == 1, w_lo[:, None], 0.0))
-    w_sl.store(w.to(w_sl.dtype))
+    w_sl.slice(h * HC, HC).store(w.to(w_sl.dtype))
 
 
 @gluon.jit
@@ -549,7 +559,8 @@ def _dd_half(do_s, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.cons
 
 
 @gluon.jit
-def _state_rows(BL, DEN, ZC, tok, z_slot, f_Z, lin: gl.constexpr, C: gl.constexpr, NORM: gl.constexpr):
+def _state_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, f_Z, rows_b, lin: gl.constexpr, C: gl.constexpr,
+                NORM: gl.constexpr, SIDE: gl.constexpr):
     """What the state partition reads from global memory for the chunk of tokens tok..tok+C: b_t and
     den (lin's layout), b_end and z leaving the chunk (row z_slot of ZC, f_Z's layout); zeros for
     what an unnormalised backward does not read."""
@@ -559,10 +570,14 @@ def _state_rows(BL, DEN, ZC, tok, z_slot, f_Z, lin: gl.constexpr, C: gl.constexp
     if NORM:
         den_lin = gl.load(DEN + tok + gl.arange(0, C, layout=lin))
         z_row = gl.load(ZC + z_slot * F + f_Z)
+        den1, side1, b_h1 = _half_rows(BL, DEN, SIDE_DOT, alpha, tok + C // 2, rows_b, SIDE)
     else:
         den_lin = gl.zeros_like(b_lin)
         z_row = gl.zeros_like(f_Z.to(gl.float32))
-    return b_lin, den_lin, b_end, z_row
+        den1 = gl.zeros_like(rows_b.to(gl.float32))
+        side1 = den1
+        b_h1 = den1
+    return b_lin, den_lin, b_end, z_row, den1, side1, b_h1
 
 
 @gluon.jit
@@ -591,11 +606,13 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s, o_s, st_s, ds_s,
-                         dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s,
+                         o_s, st_s, ds_s, dz_s, w_s, dd_s, sdot_s, b_s, in_bar, s_bar, o_bar, dva_bar, ds_ready,
+                         ds_free, tq_done, dd_ready, dv_done,
                          row0, i_bh, i_seg, NSEG, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
-                         F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
+                         F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr,
+                         SIDE: gl.constexpr):
     """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
     Per chunk, from the segment's end: dS's bf16 copy and dz for the chunk partition (``ds_ready``);
     <dS, S_out> + <dz, z_out> with the state leaving the chunk (the gate gradient's part after it:
@@ -610,8 +627,10 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV
     product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
     1, the rest zero, written by the chunk partition with dd, a slot per chunk parity; elementwise,
     its reduction over tokens crossed warps). It writes dS's next copy once the chunk partition has
-    read the last (``ds_free``), and the next S once it has read the last (``tq_done``). What it
-    reads from global memory by row comes a chunk ahead (``_state_rows``)."""
+    read the last (``ds_free``), and the next S once it has read the last (``tq_done``). Before dS's
+    copy it forms the second half of the chunk's dd rows (and of dz's operand) from do and o: the
+    chunk partition is this kernel's bound, and this one waited for it (Nsight Compute: 27% of its
+    samples). What it reads from global memory by row comes a chunk ahead (``_state_rows``)."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
     DH: gl.constexpr = DV // 2
@@ -654,7 +673,10 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV
     if NPROF > 0:
         pacc, pt = _prof_init()
     c_lo = c_hi - n + 1
-    nxt = _state_rows(BL, DEN, ZC, row0 + c_hi * C, i_bh * (NC + 1) + c_hi + 1, f_Z, lin, C, NORM)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
+    rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
+    nxt = _state_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + c_hi * C, i_bh * (NC + 1) + c_hi + 1, f_Z, rows_b, lin, C,
+                      NORM, SIDE)
     for i in range(n):
         c = c_hi - i
         sl = i % 2
@@ -663,9 +685,14 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV
         dos = do_s.index(sl)
         # the chunk's gates, den and z's row, read a chunk ahead; the gates then kept in shared memory
         # for the layouts they are read in
-        b_lin, den_lin, b_end, z_row = nxt
+        b_lin, den_lin, b_end, z_row, den1, side1, b_h1 = nxt
         if NORM:  # the queries' columns take 1 / (den + eps) too (dn is never formed: do stays as it came)
             bq_lin = b_lin - gl.log(den_lin + eps)
+            # ---- the second half of dd's rows (and of dz's operand), written before ds_ready
+            mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
+            mbarrier.wait(o_bar, i & 1)
+            _dd_half(dos, o_s, dd_s.index(sl), den1, side1, 1, eps, blk)
+            _dz_half(dd_s.index(sl), b_h1, w_s.index(sl), 1)
         else:
             bq_lin = b_lin
         # ---- dS (dz) leaving the chunk for the chunk partition (once it has read the chunk before's)
@@ -750,7 +777,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
         cn = gl.maximum(c - 1, c_lo)  # the next chunk's rows (the last chunk reads its own again)
-        nxt = _state_rows(BL, DEN, ZC, row0 + cn * C, i_bh * (NC + 1) + cn + 1, f_Z, lin, C, NORM)
+        nxt = _state_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + cn * C, i_bh * (NC + 1) + cn + 1, f_Z, rows_b, lin, C,
+                          NORM, SIDE)
 
         # ---- the gradient entering the chunk: phi_q^T (e^{b_t} dn) as (phi_q e^{b_t} / (den + eps))^T do,
         # the scaled phi_q^T an MMA operand in registers
@@ -844,10 +872,11 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
                                 o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
                                 row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
-        (_bwd_state_partition, (sc_d, dva_d, SC, BL, DEN, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s, o_s, st_s,
-                                ds_s, dz_s, w_s, sdot_s, b_s, in_bar, s_bar, dva_bar, ds_ready, ds_free, tq_done,
-                                dd_ready, dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC, eps, PROF, prof_row,
-                                NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF)),
+        (_bwd_state_partition, (sc_d, dva_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s,
+                                do_s, o_s, st_s, ds_s, dz_s, w_s, dd_s, sdot_s, b_s, in_bar, s_bar, o_bar, dva_bar,
+                                ds_ready, ds_free, tq_done, dd_ready, dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC,
+                                eps, PROF, prof_row,
+                                NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF, SIDE)),
     ], [4], [248])
     for i in gl.static_range(2):
         mbarrier.invalidate(in_bar.index(i))
