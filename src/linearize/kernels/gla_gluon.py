@@ -503,9 +503,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
 def _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, rows_t, rows_b, F: gl.constexpr, C: gl.constexpr,
                 NORM: gl.constexpr, SIDE: gl.constexpr):
     """What the chunk partition reads from global memory for the chunk of tokens tok..tok+C: b_end,
-    b_t (rows_t's layout), den of its two halves of rows (rows_b's), alpha (do . x) of each half
-    (SIDE; else 0), z entering it (row z_slot of ZC) and den by row (rows_t's); zeros for what an
-    unnormalised backward does not read."""
+    b_t (rows_t's layout), den, alpha (do . x) (SIDE; else 0) and b_t of its first half of rows
+    (rows_b's; ``_half_rows``), z entering it (row z_slot of ZC) and den by row (rows_t's); zeros
+    for what an unnormalised backward does not read."""
     b_end = gl.load(BL + tok + C - 1)
     b_t = gl.load(BL + tok + rows_t)
     if NORM:
@@ -562,8 +562,9 @@ def _dd_half(do_s, o_s, dd_sl, den_h, side_h, h: gl.constexpr, eps, blk: gl.cons
 def _state_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, f_Z, rows_b, lin: gl.constexpr, C: gl.constexpr,
                 NORM: gl.constexpr, SIDE: gl.constexpr):
     """What the state partition reads from global memory for the chunk of tokens tok..tok+C: b_t and
-    den (lin's layout), b_end and z leaving the chunk (row z_slot of ZC, f_Z's layout); zeros for
-    what an unnormalised backward does not read."""
+    den (lin's layout), b_end, z leaving the chunk (row z_slot of ZC, f_Z's layout) and, for its
+    half of dd, den, alpha (do . x) and b_t of the second half of rows (rows_b's); zeros for what an
+    unnormalised backward does not read."""
     F: gl.constexpr = f_Z.shape[0]
     b_lin = gl.load(BL + tok + gl.arange(0, C, layout=lin))
     b_end = gl.load(BL + tok + C - 1)
