@@ -33,9 +33,8 @@ shared memory from the chunk after, on the tensor cores), forms the chunk's dv (
 dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T dn (the scaled
 phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
 has formed dd; the *chunk* partition forms dk, dq and d log_g as the chunk pass does (e^{b_t}
-scaling dn S^T's rows), the two partitions half of dd's rows each, and the chunk partition issues
-the loads (each chunk's tiles come into one
-of two slots while the chunk before is computed). Why this split (cycles a chunk from the
+scaling dn S^T's rows) and issues the loads (each chunk's tiles come into one of two slots while
+the chunk before is computed); each partition forms half of dd's rows. Why this split (cycles a chunk from the
 kernel's NPROF counters, scripts/gla_fused_bwd_probe.py, H100, B16 T2048): with all of the chunk
 pass's products in the chunk partition it worked 17.6K cycles a chunk (GLA) while the state
 partition waited 12.3K of its 17.4K; with A and dv moved and nothing scaled in place, the chunk
@@ -54,8 +53,8 @@ docs/results/gla-fused-bwd-state-dot-h100.md). dn itself is never formed (each p
 do's rows or columns by 1 / (den + eps) instead), and both partitions read their row vectors
 (gates, den, z) a chunk ahead, where Nsight Compute found their latency left the warps waiting:
 Lizard's training step 3.13 -> 3.07 ms; the state partition forming half of dd: 3.02 -> 2.97
-(docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE``
-(Lizard's ``og_from_y``) o is y and the window's part of do . o comes as a row vector.
+(docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
+window's part of do . o comes as a row vector.
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -349,9 +348,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
     with e^{b_t}) or, in the state partition, columns. They issue every load but S's. What they
     read from global memory by row (gates, den, z) is read a chunk ahead (``_chunk_rows``): read at
     the chunk's start it left the warps waiting (ncu, 2026-11-26). With ``DV_ADD`` the dv the state
-    partition adds to comes by TMA into o's slot once dd is formed (o's next tile then follows once
-    dv is formed). With ``SIDE`` the tile read as o is y = o + alpha x (alpha: this head's), and
-    SIDE_DOT holds the rows' do . x: dd takes do . o as do . y - alpha (do . x)."""
+    partition adds to comes by TMA into o's slot once both partitions have read o for dd (after
+    ``ds_ready``; o's next tile then follows once dv is formed). With ``SIDE`` the tile read as o is
+    y = o + alpha x (alpha: this head's), and SIDE_DOT holds the rows' do . x: dd takes do . o as
+    do . y - alpha (do . x)."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -621,12 +621,12 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
     chunk partition once dv is formed, then the state entering the chunk into st_s; the chunk's
     dv = e^{b_end - b_s} (phi_k dS) + A^T dn (A^T = (phi_k phi_q^T) * p^T / (den + eps) by column,
     then A^T do, in registers, in two halves of columns, adding the window's where ``DV_ADD``, once
-    the chunk partition has formed dd (``dd_ready``; ``dv_done`` once formed); then the gradient
+    the chunk partition has formed its half of dd (``dd_ready``; ``dv_done`` once formed); then the gradient
     entering the chunk, dS <- e^{b_end} dS + (phi_q e^{b_t} / (den + eps))^T do (the scaled phi_q^T
     an operand in registers; the two scales in b_s's second row as b_t - log(den + eps)), dz <-
     e^{b_end} dz + phi_q^T (e^{b_t} dd) (an MMA too: dz as an (F, 16)
     product whose columns 0 and 1 sum to it, e^{b_t} dd as a bf16 hi + lo pair in w_s's columns 0 and
-    1, the rest zero, written by the chunk partition with dd, a slot per chunk parity; elementwise,
+    1, the rest zero, each partition writing its half of the rows with dd, a slot per chunk parity; elementwise,
     its reduction over tokens crossed warps). It writes dS's next copy once the chunk partition has
     read the last (``ds_free``), and the next S once it has read the last (``tq_done``). Before dS's
     copy it forms the second half of the chunk's dd rows (and of dz's operand) from do and o: the
@@ -790,7 +790,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
         dS0 = warpgroup_mma(qt0, dos, dS0 * g, is_async=True)
         dS1 = warpgroup_mma(qt1, dos, dS1 * g, is_async=True)
         if NORM:
-            ws = w_s.index(sl)  # e^{b_t} dd, from the chunk partition (dd_ready)
+            ws = w_s.index(sl)  # e^{b_t} dd: this partition's half, and the chunk partition's (dd_ready)
             dz = warpgroup_mma(qs.permute((1, 0)), ws, dz * g, is_async=True)
             dS0, dS1, dz, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, dz, qt0, qt1, qs, dos, ws))
         else:
