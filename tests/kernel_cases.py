@@ -37,14 +37,17 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *,
-                       seg_chunks: int, normalize: bool, eps: float, dv_add: bool, side_dot=None, alpha=None) -> None:
+                       seg_chunks: int, normalize: bool, eps: float, dv_add: bool, side_dot=None, alpha=None,
+                       paired: bool = False) -> None:
     """What ``kernels.gla_gluon.bwd_fused`` computes, in fp32 torch, with its signature: each segment
     of ``seg_chunks`` chunks walked from its end from the state gradient leaving it (ds_in, dz_in),
     chunk by chunk as the kernel does (the gate gradient's part after a chunk from the state leaving
     it, sc[c + 1]). CPU interpreter cases put it in the kernel's place (``_emulated_fused_bwd``) to
     run the host side of the fused path: the plan, the segments' entering gradients, the
     arguments' meaning, dv added into the window's, dS0 and dz0. With side_dot and alpha, o is
-    y = o_g + alpha_h x and side_dot the rows' do . x, as the kernel takes them."""
+    y = o_g + alpha_h x and side_dot the rows' do . x, as the kernel takes them. (``paired`` states
+    come only from the fused Gluon forward, which the interpreter does not run.)"""
+    assert not paired, "paired states come from the Gluon forward alone"
     B, H, T, F_ = q.shape
     NC = sc.shape[1] - 1
     BT = T // NC

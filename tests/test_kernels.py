@@ -463,9 +463,49 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
 
 
 @needs_cuda
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("T", [1024, 960, 64])
+def test_gpu_gla_gluon_fused_backward_paired_states(normalize, T):
+    """The fused backward from the states of even chunks only (``paired``: each odd chunk's state
+    formed from the even one's before it and that chunk's keys and values) gives the gradients it
+    gives from every chunk's state, within bf16 rounding: an even and an odd number of chunks (the
+    walk then starts on an odd chunk or an even one), and one chunk."""
+    from linearize.kernels import gla as kgla
+    from linearize.kernels import gla_gluon
+
+    _needs_hopper_gluon()
+    B, H, D = 2, 3, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k = (torch.softmax(torch.randn(B, H, T, D, generator=g, device="cuda"), -1).bfloat16() for _ in range(2))
+    v, do = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(2))
+    log_g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 3)
+    NC = T // 64
+    cfg = kgla.GLAKernelConfig(gluon_fused_bwd=True, seg_chunks=NC)
+    o, den, _, _, segs, sc, zc = kgla._fwd(q, k, v, log_g, None, None, normalize, False, 1e-6, cfg, True)
+    keep = list(range(0, NC, 2)) + [NC]  # even chunks' states and the last one
+    sc_paired = sc[:, keep].contiguous()
+    assert sc_paired.shape[1] == gla_gluon.state_slots(NC, True)
+    grads = []
+    for paired, sc_x in ((False, sc), (True, sc_paired)):
+        p = kgla.bwd_states(q, k, v, log_g, o, den, sc_x, zc, do, None, None, False, normalize, False, 1e-6, segs,
+                            cfg, paired=paired)
+        assert p.fused and p.paired == paired and p.seg_chunks == NC
+        grads.append(kgla.bwd_chunks(q, k, v, log_g, p, normalize, False, 1e-6, cfg)[:4])
+    for name, a, b in zip(("dq", "dk", "dv", "dlog_g"), *grads):
+        assert torch.isfinite(b).all(), name
+        assert rel_rms(b.float(), a.float()) < 1e-2, (name, rel_rms(b.float(), a.float()))
+    if NC > 1:  # every chunk's states are not what a paired backward takes
+        with pytest.raises(ValueError, match="states"):
+            gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None,
+                                *(torch.empty_like(x) for x in (q, k, v)), torch.empty(B * H, T, device="cuda"), None,
+                                None, seg_chunks=NC, normalize=normalize, eps=1e-6, dv_add=False, paired=True)
+
+
+@needs_cuda
 @pytest.mark.parametrize("variant", ["plain", "state", "segments", "fp16", "walk", "walk segments",
                                      "walk one segment", "walk one segment state fp16", "walk one segment og kept",
-                                     "walk one segment ow from scores", "walk segments ow from scores"])
+                                     "walk one segment ow from scores", "walk segments ow from scores",
+                                     "walk one segment paired states"])
 def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon_fused_calls, gluon_window_calls,
                                                                   monkeypatch):
     """Lizard's one op in training on Hopper with the gated backward as the one fused Gluon kernel
@@ -475,11 +515,14 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     backward as the walking kernel too. With the walking kernel and the gated backward in one
     segment the forward keeps no o_g (the gated backward takes dy . o_g from y and the window's
     dy . o_w: LizardKernelConfig.og_from_y), unless told not to ("og kept"); told to, no o_w
-    either (the walking kernel forms dy . o_w from its scores: ow_from_scores), also in segments."""
+    either (the walking kernel forms dy . o_w from its scores: ow_from_scores), also in segments.
+    Told to ("paired states"), with the gated backward in one segment, the forward keeps the gated
+    state of even chunks only (LizardKernelConfig.paired_states)."""
     from linearize.kernels import gla_gluon
     from linearize.kernels import window as kwin
 
     sides = _spy(monkeypatch, gla_gluon, "bwd_fused", "side_dot")
+    paired = _spy(monkeypatch, gla_gluon, "bwd_fused", "paired")
     from linearize.kernels import window_gluon
 
     walk_kw, wbwd = [], window_gluon.bwd
@@ -495,6 +538,8 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
         kw["lizard_cfg"] = dict(og_from_y=False)
     if variant.endswith("ow from scores"):
         kw["lizard_cfg"] = dict(ow_from_scores=True)
+    if variant.endswith("paired states"):
+        kw["lizard_cfg"] = dict(paired_states=True)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
     old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
     try:
@@ -504,6 +549,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
+    assert paired == [variant.endswith("paired states")], (variant, paired)
     walk_o = [k["o"] is not None for k in walk_kw]
     assert walk_o == ([not variant.endswith("ow from scores")] if variant.startswith("walk") else []), (variant, walk_o)
     if variant == "segments":
@@ -656,8 +702,9 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     """In training the fused forward writes, beside the state entering every chunk, the one leaving
     the last (slot NC of sc and zc: S_T rounded to sc's dtype, z_T), also in segments (the last
     one's program writes it), and the window's decode state (the last window - 1 keys and values
-    in fp32), which lizard_attention hands it buffers for. The allocator's memory is filled with
-    NaN first, so a slot left unwritten shows."""
+    in fp32), which lizard_attention hands it buffers for; with paired_states, the same states of
+    even chunks and the last one only. The allocator's memory is filled with NaN first, so a slot
+    left unwritten shows."""
     from linearize.kernels import lizard as kliz
     from linearize.kernels import lizard_gluon
 
@@ -680,6 +727,12 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     assert torch.equal(inter["sc"][:, NC], S_T.view(B * H, D, D).bfloat16())
     assert torch.equal(inter["zc"][:, NC], z_T.view(B * H, D))
     assert torch.equal(w_state[0], kw[:, :, T - 127:].float()) and torch.equal(w_state[1], v[:, :, T - 127:].float())
+    # paired: the same states, of even chunks and the last only
+    _, _, _, inter2, _ = kliz._fused_forward(fq, fk, v, lg, qw, kw, alpha, sinks, None, None, None, True, False, 128,
+                                             D ** -0.5, 1e-6, cfg, store=True, paired_states=True)
+    torch.cuda.synchronize()
+    assert inter2["sc"].shape[1] == NC // 2 + 1 and not inter2["sc"].isnan().any()
+    assert torch.equal(inter2["sc"], inter["sc"][:, 0::2]) and torch.equal(inter2["zc"], inter["zc"])
     # lizard_attention in training: the kernel writes the window's state it returns
     seen = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "window_state")
     v.requires_grad_()
@@ -888,6 +941,13 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
             zc=(B * H, NC + 1, D))
         # (the state leaving the last chunk, slot NC, is the kernel's to write: test_gpu_lizard_fused_training_forward)
         assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
+        assert kw_["PAIRED"] is False
+        # paired: the states of even chunks and the last one
+        inter = lizard_gluon.lizard_fwd_fused(fq, fk, v, log_g, qw, kw, torch.ones(H), torch.zeros(H, 4), window=128,
+                                              scale=0.1, eps=1e-6, nseg=2, store=True, paired_states=True)[3]
+        assert inter["sc"].shape == (B * H, NC // 2 + 1, D, D) and inter["zc"].shape == (B * H, NC + 1, D)
+        assert rec.calls[-1][2]["PAIRED"] is True and list(rec.calls[-1][1][6].shape) == [B * H * 3 * D, D]
+        rec.calls.pop()
     else:
         assert inter is None
     b = args[9].view(B, H, T // 64, 64)
@@ -951,7 +1011,7 @@ def test_gluon_chunk_pass_launch_host_side(monkeypatch):
 def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     """gla_gluon.bwd_fused up to its launch, on CPU: the grid (segments x batch*heads, the last
     segment shorter), b, the states' 2-D view, which pointers it passes for each configuration,
-    the constexprs, its refusal of layouts TMA cannot read; with side_dot and alpha (y read as o),
+    the constexprs, dq's and dk's tiles (they leave by TMA), its refusal of layouts TMA cannot read; with side_dot and alpha (y read as o),
     their pointers and SIDE, and its refusal where they do not fit."""
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import gla_gluon
@@ -976,15 +1036,16 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     (grid, args, kw), = rec.calls
     assert grid == (3, B * H)  # 5 chunks in segments of 2, 2, 1
     assert kw == dict(MODEL_LAYOUT=0b001, NORM=normalize, DV_ADD=True, HAS_DS=True, STORE_DS0=True, F=D, DV=D,
-                      C=64, SIDE=False, num_warps=4)
+                      C=64, SIDE=False, PAIRED=False, num_warps=4)
     assert args[4].base.data_ptr() == (o if normalize else do).data_ptr()
     assert args[5].base.data_ptr() == dv.data_ptr() and list(args[5].block_shape) == [64, D]  # the dv added to
-    assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
-    assert args[7] is sc and args[13] is ds_in and args[19] is dS0 and args[20] is dz0
-    assert (args[9] is den, args[12] is zc, args[14] is dz_in) == (normalize,) * 3
-    assert args[10] is dlog_g and args[11] is dlog_g  # no side: placeholders
-    assert args[21] is dlog_g and args[22:28] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
-    torch.testing.assert_close(args[8].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
+    assert args[6].base.data_ptr() == dq.data_ptr() and args[7].base.data_ptr() == dk.data_ptr()  # out by TMA
+    assert list(args[8].shape) == [B * H * (NC + 1) * D, D] and list(args[8].block_shape) == [D, D]
+    assert args[9] is sc and args[15] is ds_in and args[21] is dS0 and args[22] is dz0
+    assert (args[11] is den, args[14] is zc, args[16] is dz_in) == (normalize,) * 3
+    assert args[12] is dlog_g and args[13] is dlog_g  # no side: placeholders
+    assert args[23] is dlog_g and args[24:30] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
+    torch.testing.assert_close(args[10].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,
                             None, None, seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)
@@ -1001,10 +1062,25 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
                         normalize=True, **side)
     (grid, args, kw) = rec.calls[-1]
-    assert grid == (1, B * H) and kw["SIDE"] is True and args[10] is side_dot and args[11] is alpha
+    assert grid == (1, B * H) and kw["SIDE"] is True and args[12] is side_dot and args[13] is alpha
     with pytest.raises(ValueError, match="side_dot takes"):  # alpha per head, fp32
         gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
                             normalize=True, **{**side, "alpha": torch.ones(H + 1, **f32)})
+    # paired: the states of chunks 0, 2, 4 and the last (5 chunks), in a view of their own; every
+    # chunk's are refused, as are odd segments
+    assert gla_gluon.state_slots(NC, True) == 4 and gla_gluon.state_slots(NC, False) == NC + 1
+    assert [gla_gluon.state_slots(n, True) for n in (1, 2, 3, 4)] == [2, 2, 3, 3]
+    sc_p = sc[:, [0, 2, 4, 5]].contiguous()
+    gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc_p, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                        normalize=True, paired=True, **side)
+    (grid, args, kw) = rec.calls[-1]
+    assert kw["PAIRED"] is True and args[9] is sc_p and list(args[8].shape) == [B * H * 4 * D, D]
+    with pytest.raises(ValueError, match=r"sc must hold 4 states .*paired=True"):
+        gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, None, None, dq, dk, dv, dlog_g, None, None,
+                            normalize=True, paired=True, **side)
+    with pytest.raises(ValueError, match="seg_chunks=1"):
+        gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc_p, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, None, None,
+                            seg_chunks=1, normalize=True, eps=1e-6, dv_add=True, paired=True)
 
 
 def test_gluon_window_backward_launch_host_side(monkeypatch):

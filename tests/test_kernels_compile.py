@@ -245,11 +245,12 @@ def _spill_bytes(r) -> int:
     return max(spills)
 
 
-@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow, window_state", [
-    (False, 4, 0, False, True, True, True), (True, 0, 7, False, True, True, False),
-    (False, 4, 7, True, True, True, False), (False, 4, 0, True, False, False, False)])
+@pytest.mark.parametrize("has_init, nsink, model_layout, train, store_og, store_ow, window_state, paired", [
+    (False, 4, 0, False, True, True, True, False), (True, 0, 7, False, True, True, False, False),
+    (False, 4, 7, True, True, True, False, False), (False, 4, 0, True, False, False, False, False),
+    (False, 4, 0, True, False, True, False, True)])
 def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout, train, store_og, store_ow,
-                                                  window_state, tmp_path):
+                                                  window_state, paired, tmp_path):
     """kernels/lizard_gluon.py, the fused Lizard forward the dispatch runs on Hopper in inference
     (writing the window's decode state, or not) and (train) in training, with or without o_g and
     o_w among what it stores, compiles for sm_90a within
@@ -257,12 +258,14 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     partitions, their register limits included) without spilling in inference, and at most 4
     words a thread in training: its MMAs read single tiles through ``gla_gluon._here``, else their
     hoisted descriptors spilled (up to 47 words a thread in inference, 71 in training, reloaded
-    every chunk). What it computes is checked on a GPU (tests/test_kernels.py,
-    test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*)."""
+    every chunk), also keeping the gated states of even chunks only (``paired``). What it computes is
+    checked on a GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
+    test_gpu_lizard_fused_training_forward)."""
     from linearize.kernels import lizard_gluon
 
     k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
-                                        store_og=store_og, store_ow=store_ow, window_state=window_state)
+                                        store_og=store_og, store_ow=store_ow, window_state=window_state,
+                                        paired=paired)
     assert 200_000 <= k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
@@ -303,26 +306,28 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
     assert _spill_bytes(r) == 0, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("normalize, dv_add, has_ds, store_ds0, model_layout, side",
-                         [(False, False, False, False, 0, False), (True, True, True, True, 7, False),
-                          (True, True, False, False, 0, True)])
-def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds, store_ds0, model_layout, side,
-                                                      tmp_path):
+@pytest.mark.parametrize("normalize, dv_add, has_ds, store_ds0, model_layout, side, paired, max_spill",
+                         [(False, False, False, False, 0, False, False, 0), (True, True, True, True, 7, False, False, 80),
+                          (True, True, False, False, 0, True, False, 68), (True, True, False, False, 0, True, True, 128),
+                          (False, False, False, False, 0, False, True, 8)])
+def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds, store_ds0, model_layout, side, paired,
+                                                      max_spill, tmp_path):
     """kernels/gla_gluon.py, the whole gated backward as one kernel (GLAKernelConfig.gluon_fused_bwd):
     compiled for sm_90a within one block's shared memory (two slots of the four chunk tiles, S,
-    dS's copy, M and o), its two warp-specialised partitions assembled by ptxas. (The state
-    partition, which carries dS and forms dv, spills a few values around its products, as a launch
-    compiles it, pointers known 16-byte aligned: 0 bytes a thread unnormalised, 64 with segments,
-    dS0 and a model's layout, 44 in Lizard's case; 12, 104 and 84 before dn was left unformed,
-    ds_s read at each dv product, the rows read a chunk ahead and half of dd formed there.)
-    ``side``: o
-    read as y with the other branch's part of do . o subtracted (Lizard, og_from_y). What it
+    dS's copy, M and o), its two warp-specialised partitions assembled by ptxas, spilling at most
+    ``max_spill`` bytes a thread as a launch compiles it (pointers known 16-byte aligned): 0
+    unnormalised, 80 with segments, dS0 and a model's layout, 68 in Lizard's case, 128 with
+    Lizard's paired states. Both partitions spill a few values around their products; since dq
+    and dk leave by TMA through k's and v's slots the chunk partition spills more (Lizard's case:
+    44 -> 68 bytes) and the kernel is 10% faster (docs/results/gla-fused-bwd-tma-out-h100.md).
+    ``side``: o read as y with the other branch's part of do . o subtracted (Lizard, og_from_y);
+    ``paired``: the states of even chunks only (LizardKernelConfig.paired_states). What it
     computes is checked on a GPU (test_gpu_gla_gluon_fused_backward_*, test_gpu_lizard_one_op_*)."""
     from linearize.kernels import gla_gluon
 
     k = gla_gluon.compile_fused_for_hopper(normalize=normalize, dv_add=dv_add, has_ds=has_ds, store_ds0=store_ds0,
-                                           model_layout=model_layout, side=side)
-    _assemble_warp_specialised(k, tmp_path, 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2, max_spill=64)
+                                           model_layout=model_layout, side=side, paired=paired)
+    _assemble_warp_specialised(k, tmp_path, 8 * 64 * 128 * 2 + 2 * 128 * 128 * 2, max_spill=max_spill)
 
 
 @pytest.mark.parametrize("window, model_layout, own_delta, scores", [

@@ -1029,6 +1029,7 @@ class BwdPlan:
     ds_in: Optional[torch.Tensor] = None
     dz_in: Optional[torch.Tensor] = None
     seg_chunks: int = 0
+    paired: bool = False  # sc holds the states entering even chunks only (``gla_gluon.state_slots``)
 
 
 def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: int, eps: float, common_kw: dict,
@@ -1072,16 +1073,18 @@ def _fused_segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConf
 
 
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-               eps: float, segs: tuple[int, int], cfg: GLAKernelConfig) -> BwdPlan:
+               eps: float, segs: tuple[int, int], cfg: GLAKernelConfig, paired: bool = False) -> BwdPlan:
     """The backward up to its chunk pass: with segments, each segment's own state gradient and
     the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd). Where the
     fused Gluon backward runs (``cfg.gluon_fused_bwd``), only the segments' part, over segments of
-    its own: the plan is marked ``fused`` for ``bwd_chunks``."""
+    its own: the plan is marked ``fused`` for ``bwd_chunks``. ``paired``: sc holds the states
+    entering even chunks only (Lizard's fused training forward, ``paired_states``), which only the
+    fused backward in one segment reads."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
     nseg, seg_len = segs
-    NC = sc.shape[1] - 1
+    NC = T // BT if paired else sc.shape[1] - 1
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -1106,10 +1109,16 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is not None:
         # the fused kernel walks segments of its own (one program per multiprocessor each)
         nseg, seg_len = _fused_segments(T, BT, B * H, device_sms(q), cfg)
+        if paired and nseg > 1:
+            raise RuntimeError(f"gla.bwd_states: paired states take the fused backward in one segment, not {nseg} "
+                               f"(fused_bwd_segments)")
         if nseg > 1:
             ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
         return BwdPlan(do, den_, dlog_g, sc, zc if zc is not None else dlog_g, None, None, None, dlog_g, dS0, dz0,
-                       dz_T, T // BT, 0, fused=True, o=o_, ds_in=ds_in, dz_in=dz_in, seg_chunks=seg_len // BT)
+                       dz_T, T // BT, 0, fused=True, o=o_, ds_in=ds_in, dz_in=dz_in, seg_chunks=seg_len // BT,
+                       paired=paired)
+    if paired:
+        raise RuntimeError("gla.bwd_states: paired states take the fused Gluon backward (fused_bwd_segments)")
     if nseg > 1:
         ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
@@ -1154,7 +1163,8 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
         _gluon_fused_bwd(cfg, q, k, v, BT, log_space).bwd_fused(
             q, k, v, log_g, p.o.contiguous(), p.den, p.sc, p.zc, p.do, p.ds_in, p.dz_in, dq, dk, dv, dlog_g, dS0, dz0,
             seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None,
-            side_dot=side[0] if side is not None else None, alpha=side[1] if side is not None else None)
+            side_dot=side[0] if side is not None else None, alpha=side[1] if side is not None else None,
+            paired=p.paired)
     elif side is not None:
         raise RuntimeError("gla.bwd_chunks: side takes a fused plan (fused_bwd_segments)")
     elif gluon is not None and (dv_into is None or dv_into.is_contiguous()):

@@ -53,8 +53,13 @@ docs/results/gla-fused-bwd-state-dot-h100.md). dn itself is never formed (each p
 do's rows or columns by 1 / (den + eps) instead), and both partitions read their row vectors
 (gates, den, z) a chunk ahead, where Nsight Compute found their latency left the warps waiting:
 Lizard's training step 3.13 -> 3.07 ms; the state partition forming half of dd: 3.02 -> 2.97
-(docs/results/gla-fused-bwd-ncu-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and the
-window's part of do . o comes as a row vector.
+(docs/results/gla-fused-bwd-ncu-h100.md). dk and dq leave by TMA too, through v's and k's slots
+once their readers are done (stored from the MMA layout, each 4-byte piece filled half a sector):
+Lizard's 1.217 -> 1.095 ms, GLA's 0.945 -> 0.880, Lizard's training step 2.978 -> 2.891
+(docs/results/gla-fused-bwd-tma-out-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and
+the window's part of do . o comes as a row vector. With ``PAIRED`` (Lizard's ``paired_states``, a
+memory option) the forward kept the states of even chunks only, and each odd chunk's is formed
+from the even one's before it (``_tq_paired``).
 
 Scope: CUDA sm_90, bf16/fp16, Dk = Dv = 128, chunks of 64 with T a multiple of 64, plain
 features (not log-space); q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed.
@@ -333,12 +338,12 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                          q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
                          dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, SIDE: gl.constexpr, F: gl.constexpr,
-                         DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr):
+                         DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr, PAIRED: gl.constexpr):
     """Four warps forming the first half of one chunk's dd rows (and of e^{b_t} dd for dz's update;
     the state partition forms the second before ``ds_ready``), handed over with ``dd_ready``, then,
     from the state partition's dS (dz) leaving the chunk (ds_s, dz_s; ``ds_ready``; handed back
@@ -429,6 +434,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
                           NORM, SIDE)
         if i >= 1:
             if i + 1 < n:
+                tma.store_wait(0)  # dq and dk of the chunk before have left the slot
                 _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c - 1) * C,
                             in_bar.index(1 - sl), q_s.index(1 - sl), k_s.index(1 - sl), v_s.index(1 - sl),
                             do_s.index(1 - sl))
@@ -452,7 +458,17 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         dk = warpgroup_mma(am_s.permute((1, 0)), qs, tk * r_end[:, None], is_async=True)
         dk, _, _ = warpgroup_mma_wait(0, deps=(dk, am_s, qs))
         db = -gl.sum(ks.load(mma_t).to(gl.float32) * dk, axis=1)
-        gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
+        if PAIRED:  # (the state partition reads v's slot)
+            gl.store(_rows_ptr(DK_ + out0, rows_t, cols_t, DV), dk.to(DK_.dtype.element_ty))
+        else:  # out by TMA through v's slot, read only by the products above (stored from the MMA layout, the
+            # rows' 4-byte pieces used half of each sector)
+            _stage_out(dk_d, tok, dk, vs)
+        if PAIRED:  # an odd chunk's state is formed from the chunk after's (the next walked; rows in nxt):
+            # the part of do S^T that needs no S is formed here, while the state partition forms dv
+            tq_kv = gl.zeros([C, F], gl.float32, layout=mma_t)
+            if c % 2 == 1:
+                tq_kv = _tq_paired(dos, k_s.index(1 - sl), v_s.index(1 - sl), in_bar.index(1 - sl),
+                                   ((i + 1) // 2) & 1, nxt[0], nxt[1], mma_t)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
 
@@ -471,7 +487,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 7)
-        mbarrier.wait(s_bar, i & 1)
+        if PAIRED:  # (S comes for even chunks only: an odd one and the even one after it share it)
+            mbarrier.wait(s_bar, (c_hi // 2 - c // 2) & 1)
+        else:
+            mbarrier.wait(s_bar, i & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 4)
         tq = warpgroup_mma(dos, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
@@ -479,6 +498,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dos, st_s))
         gl.thread_barrier()
         mbarrier.arrive(tq_done)  # S's slot is read here: the state partition brings the next S into it
+        if PAIRED:
+            if c % 2 == 1:  # st_s held the state entering chunk c - 1
+                tq = tq * gl.exp(nxt[0]) + tq_kv
         if NORM:
             tq = tq * (e_t * rden_t)[:, None] + (e_t * dd_t)[:, None] * gl.convert_layout(z_row, col_t)[None, :]
         else:
@@ -486,7 +508,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         dq = warpgroup_mma(am_s, ks, tq, is_async=True)
         dq, _, _ = warpgroup_mma_wait(0, deps=(dq, am_s, ks))
         db += gl.sum(qs.load(mma_t).to(gl.float32) * dq, axis=1)
-        gl.store(_rows_ptr(DQ + out0, rows_t, cols_t, DV), dq.to(DQ.dtype.element_ty))
+        _stage_out(dq_d, tok, dq, ks)  # through k's slot, read by now (the state partition's reads came before dv_done)
 
         # ---- d log_g: the cumulative sum over the chunk's later tokens, plus the part after the chunk
         y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
@@ -494,9 +516,20 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alp
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 6)
+    tma.store_wait(0)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
+
+
+@gluon.jit
+def _stage_out(desc, row, x, x_s):
+    """x out by TMA at ``row`` of desc's rows, through the tile x_s (free: its readers are done)."""
+    gl.thread_barrier()
+    x_s.store(x.to(x_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, [row, 0], x_s)
 
 
 @gluon.jit
@@ -519,6 +552,28 @@ def _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, tok, z_slot, rows_t, rows_b, F: gl
         z_row = gl.zeros([F], gl.float32, layout=gl.BlockedLayout([1], [32], [4], [0]))
         den_t = gl.zeros_like(b_t)
     return b_end, b_t, den0, side0, b_h0, z_row, den_t
+
+
+@gluon.jit
+def _tq_paired(dos, kn, vn, bar, phase, b_end, b_t, mma_t: gl.constexpr):
+    """For an odd chunk whose state S the forward did not keep (PAIRED): the part of do S^T that the
+    chunk before's state S' does not give. S = e^{b_end} S' + K~^T V with the chunk before's keys and
+    values (kn (C, F), vn (C, Dv), in shared memory once ``bar`` completes ``phase``) and gates
+    (b_end; b_t by row), K~ = phi_k e^{b_end - b_s}; so do S^T = e^{b_end} do S'^T + P K with
+    P = (do V^T) e^{b_end - b_s} by column, formed in registers as the product's left operand."""
+    C: gl.constexpr = dos.shape[0]
+    F: gl.constexpr = kn.shape[1]
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    mbarrier.wait(bar, phase)
+    p = warpgroup_mma(dos, vn.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
+                      is_async=True)
+    p, _, _ = warpgroup_mma_wait(0, deps=(p, dos, vn))
+    r = gl.exp(b_end - gl.convert_layout(b_t, gl.SliceLayout(0, mma_s)))
+    pa = gl.convert_layout((p * r[None, :]).to(dos.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_t,
+                                                                               k_width=2))
+    t = warpgroup_mma(pa, kn, gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False, is_async=True)
+    t, _, _ = warpgroup_mma_wait(0, deps=(t, pa, kn))
+    return t
 
 
 @gluon.jit
@@ -607,13 +662,13 @@ def _z_col(dz2, zc):
 
 
 @gluon.jit
-def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, do_s,
+def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s, v_s, do_s,
                          o_s, st_s, ds_s, dz_s, w_s, dd_s, sdot_s, b_s, in_bar, s_bar, o_bar, dva_bar, ds_ready,
                          ds_free, tq_done, dd_ready, dv_done,
                          row0, i_bh, i_seg, NSEG, c_hi, n, NC, eps, PROF, prof_row,
                          NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                          F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, NPROF: gl.constexpr,
-                         SIDE: gl.constexpr):
+                         SIDE: gl.constexpr, PAIRED: gl.constexpr):
     """Four warps carrying dS (F, DV) in fp32 registers, in two halves of feature rows, and dz.
     Per chunk, from the segment's end: dS's bf16 copy and dz for the chunk partition (``ds_ready``);
     <dS, S_out> + <dz, z_out> with the state leaving the chunk (the gate gradient's part after it:
@@ -631,7 +686,10 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
     read the last (``ds_free``), and the next S once it has read the last (``tq_done``). Before dS's
     copy it forms the second half of the chunk's dd rows (and of dz's operand) from do and o: the
     chunk partition is this kernel's bound, and this one waited for it (Nsight Compute: 27% of its
-    samples). What it reads from global memory by row comes a chunk ahead (``_state_rows``)."""
+    samples). What it reads from global memory by row comes a chunk ahead (``_state_rows``).
+    PAIRED: st_s holds S for even chunks only, so where the chunk after (c + 1) is odd it holds the
+    state entering this one, S_c, and S_out = e^{b_end} S_c + K~^T V: <dS, S_out> is e^{b_end}
+    <dS, S_c> plus <(K~ dS), V>, whose K~ dS is dv's first product; a new S comes for odd chunks."""
     dt: gl.constexpr = ds_s.dtype
     FH: gl.constexpr = F // 2
     DH: gl.constexpr = DV // 2
@@ -664,7 +722,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
     dz = gl.where(zc[None, :] == 0, dzv[:, None], 0.0)  # (F, 16): dz in column 0
     # the state leaving the segment (from global memory: st_s holds the one entering its last chunk)
     slot = i_bh * (NC + 1) + c_hi + 1
-    sp = SC + slot.to(gl.int64) * F * DV
+    sp = SC + _sc_row(i_bh, c_hi + 1, NC, F, PAIRED).to(gl.int64) * DV
     s_dot = (gl.sum(gl.sum(gl.load(sp + s_off).to(gl.float32) * dS0, axis=1), axis=0)
              + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
     if NORM:
@@ -724,11 +782,19 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
             if NPROF > 0:
                 pacc, pt = _tick(pacc, pt, 2)
             s_dot = _state_dot(ds_s, st_s, i)
+            if PAIRED:
+                if c % 2 == 0:  # st_s holds S_c (c + 1 is odd): dv's product adds the rest below
+                    s_dot = s_dot * gl.exp(b_end)
             if NORM:
                 s_dot += gl.sum(_z_col(dz, zc) * z_row, axis=0)
             gl.thread_barrier()
-            _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
-        sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
+            if PAIRED:
+                if c % 2 == 1:
+                    _load_tile(sc_d, _sc_row(i_bh, c - 1, NC, F, True), 0, s_bar, st_s)
+            else:
+                _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
+        if not PAIRED:
+            sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
 
         # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t),
         # as (A^T / (den_t + eps)) do
@@ -756,11 +822,16 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
             mbarrier.wait(dva_bar, i & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
+        kdv = 0.0  # <(K~ dS), V> (PAIRED)
         for h in gl.static_range(2):
             ds_h = _here(ds_s, i).slice(h * DH, DH, dim=1)
             dv = warpgroup_mma(ks, ds_h, gl.zeros([C, DH], gl.float32, layout=mma_h), use_acc=False, is_async=True)
             dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_h))
-            dv = warpgroup_mma(at, dos.slice(h * DH, DH, dim=1), dv * r_end[:, None], is_async=True)
+            dv = dv * r_end[:, None]
+            if PAIRED:
+                kdv += gl.sum(gl.sum(dv * v_s.index(sl).slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32), axis=1),
+                              axis=0)
+            dv = warpgroup_mma(at, dos.slice(h * DH, DH, dim=1), dv, is_async=True)
             dv, at, _ = warpgroup_mma_wait(0, deps=(dv, at, dos))
             if DV_ADD:
                 dv += o_s.slice(h * DH, DH, dim=1).load(mma_h).to(gl.float32)
@@ -768,6 +839,10 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
                 o_s.slice(h * DH, DH, dim=1).store(dv.to(dt))
             else:
                 gl.store(out + h * DH + cols_h[None, :], dv.to(DV_.dtype.element_ty))
+        if PAIRED:
+            if (c % 2 == 0) & (i >= 1):
+                s_dot += kdv
+            sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
         if DV_ADD or not NORM:
             fence_async_shared()
             gl.thread_barrier()
@@ -807,11 +882,11 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
 
 
 @gluon.jit
-def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SIDE_DOT, ALPHA, ZC, DS_IN, DZ_IN, DQ,
+def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC, BL, DEN, SIDE_DOT, ALPHA, ZC, DS_IN, DZ_IN, DQ,
                           DK_, DV_, DG, DS0, DZ0, PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr,
                           NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                           F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, SIDE: gl.constexpr = False,
-                          NPROF: gl.constexpr = 0):
+                          NPROF: gl.constexpr = 0, PAIRED: gl.constexpr = False):
     """Grid (NSEG, B*H): the whole backward of one segment of chunks, walked from its end, in two
     partitions (``_bwd_chunk_partition``, ``_bwd_state_partition``). BL: b_t (B*H*T,) fp32; DEN
     (B*H*T,) fp32; ZC (B*H, NC+1, F) fp32; DS_IN (B*H*NSEG, F, DV), DZ_IN (B*H*NSEG, F) fp32: the
@@ -820,7 +895,10 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     where the window's dv comes from (DV_ADD) and, through o's slot, where dv leaves (DV_ADD or
     unnormalised; else by DV_'s rows). SIDE (normalised): o_d holds y = o + alpha_h x (ALPHA (H,)
     fp32) and SIDE_DOT (B*H*T,) fp32 the rows' do . x (Lizard: y and the window's dy . o_w, so that
-    the forward need not store the gated output o beside y)."""
+    the forward need not store the gated output o beside y). PAIRED: sc holds the states entering
+    even chunks only (and the last one; ``_sc_row``), and segments are an even number of chunks:
+    each odd chunk's comes from the even one's before it and that chunk's keys and values (the next
+    walked, already in the other slot; ``_tq_paired``, and the dv product's part of <dS, S_out>)."""
     i_seg = gl.program_id(0)
     i_bh = gl.program_id(1)
     row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
@@ -857,7 +935,11 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
         if j < n:
             _load_chunk(q_d, k_d, v_d, do_d, r_q, c_q, r_k, c_k, r_v, c_v, row0, (c_hi - j) * C, in_bar.index(j),
                         q_s.index(j), k_s.index(j), v_s.index(j), do_s.index(j))
-    _load_tile(sc_d, (i_bh * (NC + 1) + c_hi) * F, 0, bar.index(0), st_s)  # s_bar
+    if PAIRED:
+        c_s = c_hi - c_hi % 2  # an odd chunk's state is formed from the even one's before it
+    else:
+        c_s = c_hi
+    _load_tile(sc_d, _sc_row(i_bh, c_s, NC, F, PAIRED), 0, bar.index(0), st_s)  # s_bar
     if NORM:
         _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
@@ -868,16 +950,17 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, sc_d, SC, BL, DEN, SI
     else:
         alpha = 0.0
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
                                 q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
                                 o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
-                                row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF)),
+                                row0, i_bh, c_hi, n, NC, eps, PROF, prof_row, NORM, DV_ADD, SIDE, F, DV, C, NPROF,
+                                PAIRED)),
         (_bwd_state_partition, (sc_d, dva_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ_IN, DS0, DZ0, DV_, q_s, k_s,
-                                do_s, o_s, st_s, ds_s, dz_s, w_s, dd_s, sdot_s, b_s, in_bar, s_bar, o_bar, dva_bar,
+                                v_s, do_s, o_s, st_s, ds_s, dz_s, w_s, dd_s, sdot_s, b_s, in_bar, s_bar, o_bar, dva_bar,
                                 ds_ready, ds_free, tq_done, dd_ready, dv_done, row0, i_bh, i_seg, NSEG, c_hi, n, NC,
                                 eps, PROF, prof_row,
-                                NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF, SIDE)),
+                                NORM, DV_ADD, HAS_DS, STORE_DS0, F, DV, C, NPROF, SIDE, PAIRED)),
     ], [4], [248])
     for i in gl.static_range(2):
         mbarrier.invalidate(in_bar.index(i))
@@ -904,11 +987,28 @@ def _state_out(S0, S1, z, st_s, zq_s, zc):
 
 
 @gluon.jit
-def _store_state(sc_d, st_s, z, ZC, f_Z, zc, slot, F: gl.constexpr):
-    """Training: the state entering a chunk for the backward, S from its bf16 copy (by TMA) and z
-    (fp32) into row ``slot`` of ZC's (B*H*(NC+1), F) rows."""
-    tma.async_copy_shared_to_global(sc_d, [slot * F, 0], st_s)
-    gl.store(ZC + slot * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+def _sc_row(i_bh, c, NC, F: gl.constexpr, PAIRED: gl.constexpr):
+    """The first of sc's (B*H*slots*F, Dv) rows holding the state entering chunk c (c = NC: the
+    state leaving the last chunk): every chunk's in NC + 1 slots, or with PAIRED only those of even
+    chunks and NC's, in slot (c + 1) // 2 of (NC + 1) // 2 + 1 (``state_slots``)."""
+    if PAIRED:
+        slot = i_bh * ((NC + 1) // 2 + 1) + (c + 1) // 2
+    else:
+        slot = i_bh * (NC + 1) + c
+    return slot * F
+
+
+@gluon.jit
+def _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c, NC, F: gl.constexpr, PAIRED: gl.constexpr):
+    """Training: the state entering chunk c for the backward: z (fp32) into row i_bh * (NC + 1) + c
+    of ZC's (B*H*(NC+1), F) rows, and S from its bf16 copy (by TMA) into its slot of sc
+    (``_sc_row``; with PAIRED only even chunks' and the last's)."""
+    gl.store(ZC + (i_bh * (NC + 1) + c) * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+    if PAIRED:
+        if (c % 2 == 0) | (c == NC):
+            tma.async_copy_shared_to_global(sc_d, [_sc_row(i_bh, c, NC, F, True), 0], st_s)
+    else:
+        tma.async_copy_shared_to_global(sc_d, [_sc_row(i_bh, c, NC, F, False), 0], st_s)
 
 
 @gluon.jit
@@ -916,12 +1016,14 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
                      a_ready, BL,
                      S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                     NPROF: gl.constexpr, TRAIN: gl.constexpr):
+                     NPROF: gl.constexpr, TRAIN: gl.constexpr, PAIRED: gl.constexpr = False):
     """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
     (s <= t) and their row sums for the output partition (a_s, den_s); K~ = phi_k e^{b_end - b_s}
     (factors <= 1) over phi_k's slot; S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1 (z in
     every column of a (F, 16) product); the next chunk's phi_k; then, once the output partition has
-    read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk."""
+    read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk. TRAIN: the
+    state entering every chunk, and the one leaving the last, out for the backward (``_store_state``;
+    PAIRED: S only where the chunk is even)."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
@@ -945,7 +1047,7 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
     _state_out(S0, S1, z, st_s, zq_s, zc)
     mbarrier.arrive(st_ready)
     if TRAIN:
-        _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0, F)
+        _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c0, T // C, F, PAIRED)
     if NPROF > 0:
         pacc, pt = _prof_init()
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -1013,13 +1115,13 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
             _state_out(S0, S1, z, st_s, zq_s, zc)
             mbarrier.arrive(st_ready)
             if TRAIN:
-                _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c + 1, F)
+                _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c + 1, T // C, F, PAIRED)
     if TRAIN:
         tma.store_wait(0)
         if i_s == nseg - 1:  # and the state leaving the last chunk (the st_s copy of it is read: st_free)
             gl.thread_barrier()
             _state_out(S0, S1, z, st_s, zq_s, zc)
-            _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh * (T // C + 1) + c0 + nc, F)
+            _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c0 + nc, T // C, F, PAIRED)
             tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -1145,6 +1247,13 @@ def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T,
         mbarrier.invalidate(hs.index(i))
 
 
+def state_slots(NC: int, paired: bool) -> int:
+    """The states a training forward keeps per (batch x head) for the backward over NC chunks: the
+    one entering every chunk and the one leaving the last, or ``paired``, those entering even
+    chunks and the last one (``_sc_row``)."""
+    return (NC + 1) // 2 + 1 if paired else NC + 1
+
+
 def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, log_space: bool) -> bool:
     """Whether ``bwd_chunks`` takes these inputs (see the module's scope)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -1183,25 +1292,36 @@ def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, 
 
 def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *, seg_chunks: int,
               normalize: bool, eps: float, dv_add: bool, side_dot: Optional[torch.Tensor] = None,
-              alpha: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None) -> None:
+              alpha: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, paired: bool = False) -> None:
     """The whole backward (``_gla_bwd_fused_kernel``) into dq, dk, dv ((B, H, T, .) contiguous; dv
     accumulated into with ``dv_add``), dlog_g ((B*H, T) fp32) and, where given, dS0 (B, H, F, Dv)
     and dz0 (B, H, F) fp32. o (B, H, T, Dv) contiguous (read where ``normalize``), do likewise;
     den (B*H, T) fp32; sc (B*H, NC+1, F, Dv) in q's dtype, zc (B*H, NC+1, F) fp32; ds_in
     (B*H*nseg, F, Dv), dz_in (B*H*nseg, F) fp32 or None: the state gradient leaving each segment of
     ``seg_chunks`` chunks (the last may be shorter). With ``side_dot`` ((B*H, T) fp32) and ``alpha``
-    ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``prof``
+    ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``paired``: sc
+    holds the states entering even chunks and the last one only ((B*H, state_slots(NC, True), F, Dv),
+    Lizard's fused training forward's ``paired_states``); segments then of an even number of chunks
+    (or one). ``prof``
     (B*H*nseg, 16) int64, zeroed: a profiling build adds each program's cycles per phase into it
     (scripts/gla_fused_bwd_probe.py)."""
     B, H, T, F = q.shape
     DV = v.shape[-1]
     NC = T // BT
     nseg = -(-NC // seg_chunks)
-    tiles = tma_tiles([q, k, v, do, o if normalize else do, dv], [BT, WIDTH])
-    if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1) and dv.is_contiguous()):
+    tiles = tma_tiles([q, k, v, do, o if normalize else do, dv, dq, dk], [BT, WIDTH])
+    if tiles is None or not (sc.is_contiguous() and (ds_in is not None or nseg == 1) and dv.is_contiguous()
+                             and dq.is_contiguous() and dk.is_contiguous()):
         raise ValueError("gla_gluon.bwd_fused: inputs outside its scope (supports_bwd_chunks)")
+    slots = state_slots(NC, paired)
+    if sc.numel() != B * H * slots * F * DV:
+        raise ValueError(f"gla_gluon.bwd_fused: sc must hold {slots} states of ({F}, {DV}) per batch x head "
+                         f"(paired={paired}, {NC} chunks), got {tuple(sc.shape)}")
+    if paired and nseg > 1 and seg_chunks % 2:
+        raise ValueError(f"gla_gluon.bwd_fused: paired states take segments of an even number of chunks, got "
+                         f"seg_chunks={seg_chunks}")
     descs, views = tiles
-    st_d = tma_tiles([sc.view(B * H, NC + 1, F, DV)], [F, DV])[0][0]
+    st_d = tma_tiles([sc.view(B * H, slots, F, DV)], [F, DV])[0][0]
     side = side_dot is not None
     if side and not (normalize and alpha is not None and side_dot.is_contiguous() and side_dot.numel() == B * H * T
                      and alpha.numel() == H and alpha.dtype == torch.float32 and side_dot.dtype == torch.float32):
@@ -1214,7 +1334,7 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         dq, dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
         prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
         NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
-        SIDE=side, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
+        SIDE=side, PAIRED=paired, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
 
 
 def supports_fwd_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor) -> bool:
@@ -1323,15 +1443,15 @@ def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layou
 
 def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_ds: bool = False,
                              store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4, nprof: int = 0,
-                             side: bool = False):
+                             side: bool = False, paired: bool = False):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
     d, ds, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, SIDE_DOT=f32, ALPHA=f32,
+    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, dq_d=d, dk_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, SIDE_DOT=f32, ALPHA=f32,
                 ZC=f32, DS_IN=f32, DZ_IN=f32,
                 DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
                 SEG_CHUNKS=seg_chunks, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,
-                  F=WIDTH, DV=WIDTH, C=BT, SIDE=side, NPROF=nprof)
+                  F=WIDTH, DV=WIDTH, C=BT, SIDE=side, NPROF=nprof, PAIRED=paired)
     if nprof:
         args["PROF"] = torch.empty(16, dtype=torch.int64)
     return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)

@@ -104,7 +104,17 @@ class LizardKernelConfig:
     its backward, at a cost in time, the window kernel's dq partition forming three more score
     tiles a chunk (H100, same run: fwd+bwd 3.422 -> 3.572 ms at B16 T2048, 3.909 -> 4.014 at
     B4 T8192; the training forward 1.097 -> 1.088 and 1.229 -> 1.129; gradients as accurate;
-    docs/results/og-from-y-h100.md)."""
+    docs/results/og-from-y-h100.md).
+    ``paired_states`` (off by default): with ``fused_train`` and the fused gated backward in one
+    segment, the forward keeps the gated state entering every second chunk only (and the last
+    one): half of those bytes written, kept until the backward and read back (at B16 T2048, 32
+    heads: 277 of 554 MB a layer). The backward forms each odd chunk's state from the even one
+    before it and that chunk's keys and values, which it holds anyway (``gla_gluon._tq_paired``).
+    A memory option: on an H100 (bf16, 32 heads, B16 T2048, medians of two processes each) the
+    op's peak memory 2088 -> 1832 MiB and its training forward 0.942 -> 0.836 ms, but fwd+bwd
+    2.891 -> 2.974 ms: the backward's chunk partition, its bound, waits for the next chunk's tiles
+    and forms two more products, and its dk cannot leave through v's slot (the state partition
+    reads v there); gradients as accurate (docs/results/gla-fused-bwd-tma-out-h100.md)."""
 
     one_op: bool = True
     window_first: Optional[bool] = None
@@ -117,6 +127,7 @@ class LizardKernelConfig:
     fused_segments: Optional[int] = None
     og_from_y: bool = True
     ow_from_scores: bool = False
+    paired_states: bool = False
 
 
 CONFIG = LizardKernelConfig()
@@ -192,8 +203,9 @@ class _LizardFunction(torch.autograd.Function):
         fused = None
         # the backward's gated kernel can take dy . o_g from y and the window's dy . o_w (see og_from_y)
         window_dyo = store and kwin.forms_dyo(kwin.CONFIG, q_w, k_w, v, window, kmin)
-        og_from_y = (window_dyo and normalize and cfg.og_from_y
-                     and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1)
+        one_segment = store and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1
+        og_from_y = window_dyo and normalize and cfg.og_from_y and one_segment
+        paired = one_segment and cfg.fused_train and cfg.paired_states
         ow_from_scores = window_dyo and cfg.ow_from_scores
         # the window's fresh state (its last keys and values): written by the fused kernel from its ring,
         # else copied from the inputs beside the passes
@@ -202,13 +214,15 @@ class _LizardFunction(torch.autograd.Function):
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
                                    window, scale, eps, cfg, store=True, store_og=not og_from_y,
-                                   store_ow=not ow_from_scores, window_state=w_state if kernel_writes_state else None)
+                                   store_ow=not ow_from_scores, window_state=w_state if kernel_writes_state else None,
+                                   paired_states=paired)
         if fused is not None:
             if not kernel_writes_state:
                 _fill_window_state(w_state, k_w, v)
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
         else:
+            paired = False  # (the Triton passes keep every chunk's state)
             copier = _side_stream(v, cfg.overlap_fwd, 0, "copy")
             with fork_stream(copier):
                 _fill_window_state(w_state, k_w, v)
@@ -223,7 +237,7 @@ class _LizardFunction(torch.autograd.Function):
         ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y if og_from_y else None)
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
-        ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc) if store else None
+        ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc, paired=paired) if store else None
         # the backward runs with the kernel configs of its forward (a later set_config changes neither)
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
         ctx.state_len = state_len
@@ -250,7 +264,7 @@ class _LizardFunction(torch.autograd.Function):
         with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's
             gp = kgla.bwd_states(phi_q, phi_k, v, log_g, (y if o_g is None else o_g) if normalize else None,
                                  inter["den"], inter["sc"], inter["zc"], dy, dS_T, dz_T, need_dstate, normalize,
-                                 log_space, eps, segs, gcfg)
+                                 log_space, eps, segs, gcfg, paired=inter.pop("paired"))
         # o_w and lse are freed as this returns (their readers are queued on this stream, before
         # anything that could take their memory)
         dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"),
@@ -394,11 +408,12 @@ def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
 
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
                    window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True,
-                   window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                   window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
     from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
     unnormalised or log-space features, or outside ``lizard_gluon.supports``). ``window_state``:
-    buffers the kernel fills with the window's decode state (``lizard_fwd_fused``)."""
+    buffers the kernel fills with the window's decode state (``lizard_fwd_fused``); ``paired_states``:
+    the gated states kept for even chunks only (``lizard_fwd_fused``)."""
     if kmin is not None or not normalize or log_space:
         return None
     lizard_gluon = gluon_kernels("lizard_gluon")
@@ -418,5 +433,5 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
         s_in, z_in = gla_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
-                                        store_ow=store_ow, window_state=window_state)
+                                        store_ow=store_ow, window_state=window_state, paired_states=paired_states)
     return (*out, (nseg, seg_len))

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
-                        _tick, chunk_gates, model_layout_bits, segment_plan, tma_readable, view2d)
+                        _tick, chunk_gates, model_layout_bits, segment_plan, state_slots, tma_readable, view2d)
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -229,7 +229,8 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
                        T, H, seg_len, nseg, qk_scale, eps, MODEL_LAYOUT: gl.constexpr,
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr,
-                       STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True, WSTATE: gl.constexpr = False):
+                       STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True, WSTATE: gl.constexpr = False,
+                       PAIRED: gl.constexpr = False):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -279,7 +280,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
-                            F, DV, C, NPROF, TRAIN)),
+                            F, DV, C, NPROF, TRAIN, PAIRED)),
     ], [4], [232])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
@@ -307,7 +308,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False,
                      store_og: bool = True, store_ow: bool = True, out: Optional[torch.Tensor] = None,
-                     window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                     window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
@@ -317,6 +318,9 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     ``store_og`` False: o_g is not stored (None in the dict): a backward that takes dy . o_g as
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
     ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
+    ``paired_states``: sc holds the state entering every even chunk and the one leaving the last,
+    (B*H, ``state_slots(NC, True)``, F, Dv): half the bytes, written here and read by the backward
+    (``gla_gluon.bwd_fused(paired=True)`` forms each odd chunk's from the even one before it).
     ``out``: y's buffer ((B, H, T, Dv) contiguous in v's dtype), else a new one.
     ``window_state``: (k, v) buffers ((B, H, window - 1, 128) fp32, contiguous) that receive the
     window's decode state, the last window - 1 keys and values (zeros first where T is shorter),
@@ -356,7 +360,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         f32 = dict(dtype=torch.float32, device=v.device)
         inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y) if store_ow else None,
                      lse=torch.empty(B * H, T, **f32), den=torch.empty(B * H, T, **f32),
-                     sc=torch.empty(B * H, NC + 1, F, DV, dtype=v.dtype, device=v.device),
+                     sc=torch.empty(B * H, state_slots(NC, paired_states), F, DV, dtype=v.dtype, device=v.device),
                      zc=torch.empty(B * H, NC + 1, F, **f32))
         sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
                                             gl.NVMMASharedLayout.get_default_for([F, DV], el))
@@ -371,13 +375,13 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
         D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state is not None,
-        num_warps=4)
+        PAIRED=store and paired_states, num_warps=4)
     return y, S_T, z_T, inter
 
 
 def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
                        model_layout: int = 0, train: bool = False, store_og: bool = True, store_ow: bool = True,
-                       window_state: bool = False):
+                       window_state: bool = False, paired: bool = False):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from .gla_gluon import _compile, _compile_args
@@ -387,5 +391,6 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                 S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32, WK=f32, WV=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
-                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state)
+                  MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state,
+                  PAIRED=paired)
     return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)
