@@ -1109,7 +1109,8 @@ def test_gluon_window_backward_launch_host_side(monkeypatch):
 @pytest.mark.parametrize("T, D_from", [(64, "pre-pass"), (1216, "pre-pass"), (1216, "o"), (1216, "scores")])
 def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
     """window_gluon.bwd with walk=True up to its launch, on CPU: the grid (segments x batch*heads,
-    the last segment shorter), the segment length and the constexprs (OWN_DELTA where o is given
+    the last segment shorter), the segment length, dk's, dv's and dq's tiles (they leave by TMA),
+    the constexprs (OWN_DELTA where o is given
     or scores_delta, D_SCORES with the latter); o, scores_delta and prof refused with the
     one-chunk kernel, o with scores_delta refused, o of another shape and prof of another size
     refused by name."""
@@ -1129,6 +1130,7 @@ def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
     nseg, seg_chunks = (1, 1) if T == 64 else (2, 10)  # 19 chunks: segments of 10 and 9
     assert grid == (nseg, B * H) and args[14] == seg_chunks
     assert args[10] is (o if D_from == "o" else dy)
+    assert [a.base.data_ptr() for a in args[7:10]] == [x.data_ptr() for x in (dk, dv, dq)]  # out by TMA
     assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from != "pre-pass",
                       D_SCORES=D_from == "scores", NPROF=0, num_warps=4)
     assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125

@@ -33,7 +33,10 @@ all): with 248 it spilled 116 bytes a thread, and Nsight Compute found its reloa
 small L1 beside 231 KB of shared memory, waiting on L2; with 256 it spills 44 and the window's
 backward takes 0.888 ms instead of 0.924; the dq partition then waited for o, read at each
 chunk's start, so it reads the tile after next's o a chunk ahead: 0.876 ms
-(docs/results/gla-fused-bwd-ncu-h100.md).
+(docs/results/gla-fused-bwd-ncu-h100.md). dq leaves by TMA too, through a staging tile of its
+own, dk and dv sharing the other (each written once the store before it has left): the dq
+partition's store 1.4K -> 0.5K cycles a chunk, the window's backward 0.906 -> 0.845 ms, Lizard's
+training step 2.890 -> 2.868 (docs/results/window-walk-dq-tma-h100.md).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.
@@ -274,11 +277,13 @@ def _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, L
 
 
 @gluon.jit
-def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d, LSE,
-                       DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale, sm_scale,
+def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
+                       LSE, DELTA, dq_d, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
+                       sm_scale,
                        W: gl.constexpr, C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                        OWN_DELTA: gl.constexpr, D_SCORES: gl.constexpr, NPROF: gl.constexpr):
-    """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first. Key
+    """dq of the segment's query chunks c0 + j in order, each from its key tiles oldest first, out by
+    TMA through ``out_s``'s second tile (stored from registers it cost 1.4K cycles a chunk). Key
     tile m (chunk c0 + m, m >= -2) lives in slot (m + 2) % 3, query tile m (m >= 0) in slot m % 3.
     Once it and the dk/dv partition are done with key tile j - 2, this partition brings key
     tile j + 1 into its slot (needed last, by the next chunk). With OWN_DELTA it also forms D
@@ -353,7 +358,8 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
                     o_next = _o_rows(O, row0 + gl.minimum(c + 2, nc - 1) * C, C, DV, blk)
                     if NPROF > 0:
                         pacc, pt = _tick(pacc, pt, 6)
-        _store_rows(DQ, tok, dq * sm_scale, C, D, mma_o)
+        # by TMA through a staging tile of its own (written once its store of the chunk before has left)
+        _store_tile(dq_d, tok, dq * sm_scale, out_s.index(1), 0)
         gl.thread_barrier()
         mbarrier.arrive(qdy_free.index(sq))
         if NPROF > 0:
@@ -375,6 +381,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_fre
             _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
             _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n + 1,
                             alpha, qk_scale, W, C, mma_s)
+    tma.store_wait(0)
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 6)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
@@ -387,7 +394,8 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
                          OWN_DELTA: gl.constexpr, NPROF: gl.constexpr):
     """dk, dv of the segment's key chunks c0 + i in order, each from the query tiles i, i + 1, i + 2.
     Once it and the dq partition are done with query tile i, this partition brings query tile
-    i + 3 into its slot. dk and dv leave by TMA (``out_s``: a staging tile each). With OWN_DELTA, D
+    i + 3 into its slot. dk and dv leave by TMA through one staging tile (``out_s``'s first; the
+    dq partition has the second). With OWN_DELTA, D
     and lse of a query tile come from the dq partition (``d_ready``); a tile past the sequence's
     end (clamped, masked) waits for nothing and takes D = 0."""
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -440,9 +448,9 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
                                dy_s.index(sq))
                 if NPROF > 0:
                     pacc, pt = _tick(pacc, pt, 1)
-        # by TMA through two staging tiles (each written once its store of the chunk before has left)
-        _store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 1)
-        _store_tile(dv_d, tok, dv * alpha, out_s.index(1), 1)
+        # by TMA through one staging tile, each written once the store before it has left
+        _store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 0)
+        _store_tile(dv_d, tok, dv * alpha, out_s.index(0), 0)
         mbarrier.arrive(kv_free.index(sk))
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 5)
@@ -453,7 +461,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
 
 
 @gluon.jit
-def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d, O, PROF, T, H, SEG_CHUNKS, qk_scale,
+def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, dk_d, dv_d, dq_d, O, PROF, T, H, SEG_CHUNKS, qk_scale,
                          sm_scale, MODEL_LAYOUT: gl.constexpr, HAS_ALPHA: gl.constexpr, W: gl.constexpr,
                          C: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, OWN_DELTA: gl.constexpr,
                          NPROF: gl.constexpr, D_SCORES: gl.constexpr = False):
@@ -463,7 +471,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
     by TMA while the chunks before are computed. The dq partition works on query chunk c with key
     tiles c - 2..c, the dk/dv partition on key chunk c with query tiles c..c + 2, each at its own
     pace; ``qdy_free`` and ``kv_free`` (two arrivals each: both partitions) free a slot for the tile
-    three chunks on. dk_d, dv_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed
+    three chunks on. dk_d, dv_d, dq_d: TMA descriptors of the (B*H*T, D) outputs. OWN_DELTA: D is formed
     here from O (B*H*T, Dv) (the dq partition, as each query tile comes) and DELTA receives dy . o;
     with D_SCORES too, from the scores (O not read); else DELTA holds D, from ``window``'s delta pass.
     NPROF > 0 (profiling builds): each partition's cycles in 8 phases into PROF (programs * 2, 16)."""
@@ -479,7 +487,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
     dy_s = gl.allocate_shared_memory(dt, [3, C, DV], dy_d.layout)
     k_s = gl.allocate_shared_memory(dt, [3, C, D], k_d.layout)
     v_s = gl.allocate_shared_memory(dt, [3, C, DV], v_d.layout)
-    out_s = gl.allocate_shared_memory(dt, [2, C, D], dk_d.layout)  # dk's and dv's staging tiles
+    out_s = gl.allocate_shared_memory(dt, [2, C, D], dk_d.layout)  # staging tiles: dk's and dv's, dq's
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dl_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # D of the query tiles (OWN_DELTA)
     ls_s = gl.allocate_shared_memory(gl.float32, [3, C], flat)  # their lse
@@ -506,9 +514,9 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, dk_d, dv_d,
         alpha = 1.0
     prof_row = (i_bh * gl.num_programs(0) + i_s) * 2
     gl.warp_specialize([
-        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d, v_d,
-                              LSE, DELTA, DQ, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha, qk_scale,
-                              sm_scale, W, C, D, DV, OWN_DELTA, D_SCORES, NPROF)),
+        (_walk_dq_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready, k_d,
+                              v_d, LSE, DELTA, dq_d, O, PROF, prof_row, row0, r_k, c_k, r_v, c_v, c0, n, nc, alpha,
+                              qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, D_SCORES, NPROF)),
         (_walk_dkdv_partition, (q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, qdy_free, kv_free, d_ready,
                                 q_d, dy_d, LSE, DELTA, dk_d, dv_d, PROF, prof_row + 1, row0, r_q, c_q, c0, n, nc, alpha,
                                 qk_scale, sm_scale, W, C, D, DV, OWN_DELTA, NPROF)),
@@ -576,10 +584,10 @@ def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float
         grid = (-(-nc // seg_chunks), B * H)
         if prof is not None and tuple(prof.shape) != (grid[0] * grid[1] * 2, 16):
             raise ValueError(f"window_gluon.bwd: prof must be ({grid[0] * grid[1] * 2}, 16), got {tuple(prof.shape)}")
-        outs = tma_tiles([dk, dv], [BT, WIDTH])
-        if outs is None or not (dk.is_contiguous() and dv.is_contiguous()):
-            raise ValueError("window_gluon.bwd: dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
-        _win_bwd_walk_kernel[grid](*descs, *common, *outs[0], o if o is not None else dy,
+        outs = tma_tiles([dk, dv, dq], [BT, WIDTH])
+        if outs is None or not (dk.is_contiguous() and dv.is_contiguous() and dq.is_contiguous()):
+            raise ValueError("window_gluon.bwd: dq, dk and dv must be contiguous (B, H, T, 128) for the walking kernel")
+        _win_bwd_walk_kernel[grid](*descs, *common[:3], *outs[0], o if o is not None else dy,
                                    prof if prof is not None else lse, T, H, seg_chunks, *scales,
                                    OWN_DELTA=o is not None or scores_delta, D_SCORES=scores_delta,
                                    NPROF=8 if prof is not None else 0, **consts)
@@ -595,12 +603,12 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     from .gla_gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, DQ=bf, T=256, H=4, qk_scale=0.1,
+    args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, T=256, H=4, qk_scale=0.1,
                 sm_scale=0.1)
     if walk:
-        args.update(dk_d=d, dv_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64), SEG_CHUNKS=3)
+        args.update(dk_d=d, dv_d=d, dq_d=d, O=bf, PROF=torch.empty(16, dtype=torch.int64), SEG_CHUNKS=3)
     else:
-        args.update(DK=bf, DV_=bf)
+        args.update(DQ=bf, DK=bf, DV_=bf)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
     if walk:
         consts.update(OWN_DELTA=own_delta or scores_delta, NPROF=nprof, D_SCORES=scores_delta)
