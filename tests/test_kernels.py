@@ -1041,10 +1041,10 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     assert args[5].base.data_ptr() == dv.data_ptr() and list(args[5].block_shape) == [64, D]  # the dv added to
     assert args[6].base.data_ptr() == dq.data_ptr() and args[7].base.data_ptr() == dk.data_ptr()  # out by TMA
     assert list(args[8].shape) == [B * H * (NC + 1) * D, D] and list(args[8].block_shape) == [D, D]
-    assert args[9] is sc and args[15] is ds_in and args[21] is dS0 and args[22] is dz0
+    assert args[9] is sc and args[15] is ds_in and args[20] is dS0 and args[21] is dz0
     assert (args[11] is den, args[14] is zc, args[16] is dz_in) == (normalize,) * 3
     assert args[12] is dlog_g and args[13] is dlog_g  # no side: placeholders
-    assert args[23] is dlog_g and args[24:30] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
+    assert args[22] is dlog_g and args[23:29] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
     torch.testing.assert_close(args[10].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,

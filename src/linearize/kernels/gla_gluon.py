@@ -338,7 +338,7 @@ def _rows_ptr(base, rows, cols, D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DK_, DG,
                          q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar, o_bar,
                          dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v, row0,
                          i_bh, c_hi, n, NC, eps, PROF, prof_row,
@@ -356,7 +356,9 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
     partition adds to comes by TMA into o's slot once both partitions have read o for dd (after
     ``ds_ready``; o's next tile then follows once dv is formed). With ``SIDE`` the tile read as o is
     y = o + alpha x (alpha: this head's), and SIDE_DOT holds the rows' do . x: dd takes do . o as
-    do . y - alpha (do . x)."""
+    do . y - alpha (do . x). dk and dq leave by TMA, through v's slot (read only by this partition's
+    first products; PAIRED: the state partition reads it, so dk goes by rows) and k's (its last
+    reader dq's product); dq_d, dk_d: their tiles, DK_: dk's rows."""
     dt: gl.constexpr = q_d.dtype
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -508,7 +510,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
         dq = warpgroup_mma(am_s, ks, tq, is_async=True)
         dq, _, _ = warpgroup_mma_wait(0, deps=(dq, am_s, ks))
         db += gl.sum(qs.load(mma_t).to(gl.float32) * dq, axis=1)
-        _stage_out(dq_d, tok, dq, ks)  # through k's slot, read by now (the state partition's reads came before dv_done)
+        _stage_out(dq_d, tok, dq, ks)  # through k's slot: read by now (the state partition's reads came before dv_done)
 
         # ---- d log_g: the cumulative sum over the chunk's later tokens, plus the part after the chunk
         y_c = gl.max(sdot_s.index(sl).load(lin), axis=0)
@@ -822,7 +824,8 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
             mbarrier.wait(dva_bar, i & 1)
         if NPROF > 0:
             pacc, pt = _tick(pacc, pt, 3)
-        kdv = 0.0  # <(K~ dS), V> (PAIRED)
+        if PAIRED:
+            kdv = 0.0  # <(K~ dS), V>
         for h in gl.static_range(2):
             ds_h = _here(ds_s, i).slice(h * DH, DH, dim=1)
             dv = warpgroup_mma(ks, ds_h, gl.zeros([C, DH], gl.float32, layout=mma_h), use_acc=False, is_async=True)
@@ -882,15 +885,16 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
 
 
 @gluon.jit
-def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC, BL, DEN, SIDE_DOT, ALPHA, ZC, DS_IN, DZ_IN, DQ,
-                          DK_, DV_, DG, DS0, DZ0, PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr,
+def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC, BL, DEN, SIDE_DOT, ALPHA, ZC, DS_IN,
+                          DZ_IN, DK_, DV_, DG, DS0, DZ0, PROF, T, H, NC, NSEG, SEG_CHUNKS, eps, MODEL_LAYOUT: gl.constexpr,
                           NORM: gl.constexpr, DV_ADD: gl.constexpr, HAS_DS: gl.constexpr, STORE_DS0: gl.constexpr,
                           F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, SIDE: gl.constexpr = False,
                           NPROF: gl.constexpr = 0, PAIRED: gl.constexpr = False):
     """Grid (NSEG, B*H): the whole backward of one segment of chunks, walked from its end, in two
     partitions (``_bwd_chunk_partition``, ``_bwd_state_partition``). BL: b_t (B*H*T,) fp32; DEN
     (B*H*T,) fp32; ZC (B*H, NC+1, F) fp32; DS_IN (B*H*NSEG, F, DV), DZ_IN (B*H*NSEG, F) fp32: the
-    state gradient leaving each segment (HAS_DS); DQ, DK_, DV_ (B*H*T, .) contiguous; DG (B*H*T,)
+    state gradient leaving each segment (HAS_DS); dq_d, dk_d: dq's and dk's tiles, DK_, DV_ the
+    (B*H*T, .) contiguous rows of dk (PAIRED) and dv (normalised without DV_ADD); DG (B*H*T,)
     fp32; DS0, DZ0 the initial state's gradient (STORE_DS0, written by segment 0). dva_d: dv's tiles,
     where the window's dv comes from (DV_ADD) and, through o's slot, where dv leaves (DV_ADD or
     unnormalised; else by DV_'s rows). SIDE (normalised): o_d holds y = o + alpha_h x (ALPHA (H,)
@@ -950,7 +954,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC,
     else:
         alpha = 0.0
     gl.warp_specialize([
-        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DQ, DK_, DG,
+        (_bwd_chunk_partition, (q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, SIDE_DOT, alpha, ZC, DK_, DG,
                                 q_s, k_s, v_s, do_s, o_s, st_s, ds_s, am_s, dd_s, dz_s, w_s, sdot_s, in_bar, s_bar,
                                 o_bar,
                                 dva_bar, ds_ready, ds_free, tq_done, dd_ready, dv_done, r_q, c_q, r_k, c_k, r_v, c_v,
@@ -1331,7 +1335,7 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
         *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, side_dot if side else f32,
         alpha if side else f32, zc if normalize else f32,
         ds_in if ds_in is not None else f32, dz_in if (ds_in is not None and normalize) else f32,
-        dq, dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
+        dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,
         prof if prof is not None else f32, T, H, NC, nseg, seg_chunks, eps, MODEL_LAYOUT=model_layout_bits(views[:3]),
         NORM=normalize, DV_ADD=dv_add, HAS_DS=ds_in is not None, STORE_DS0=dS0 is not None, F=F, DV=DV, C=BT,
         SIDE=side, PAIRED=paired, **({"NPROF": 8} if prof is not None else {}), num_warps=4)
@@ -1446,9 +1450,8 @@ def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_d
                              side: bool = False, paired: bool = False):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
     d, ds, f32, bf = _compile_args()
-    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, dq_d=d, dk_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32, SIDE_DOT=f32, ALPHA=f32,
-                ZC=f32, DS_IN=f32, DZ_IN=f32,
-                DQ=bf, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
+    args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, dq_d=d, dk_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32,
+                SIDE_DOT=f32, ALPHA=f32, ZC=f32, DS_IN=f32, DZ_IN=f32, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
                 SEG_CHUNKS=seg_chunks, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, HAS_DS=has_ds, STORE_DS0=store_ds0,
                   F=WIDTH, DV=WIDTH, C=BT, SIDE=side, NPROF=nprof, PAIRED=paired)
