@@ -126,6 +126,12 @@ def _store_tile(desc, row, x, x_s, pending: gl.constexpr):
     """x out by TMA through the staging tile x_s, once at most ``pending`` of this warpgroup's
     stores are still reading their tiles (0: all have left; 1: all but the last, in another slot)."""
     tma.store_wait(pending)
+    _stage_out(desc, row, x, x_s)
+
+
+@gluon.jit
+def _stage_out(desc, row, x, x_s):
+    """x out by TMA at ``row`` of desc's rows, through the tile x_s (free: its readers are done)."""
     gl.thread_barrier()
     x_s.store(x.to(x_s.dtype))
     fence_async_shared()
@@ -522,16 +528,6 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
     if NPROF > 0:
         pacc, pt = _tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
-
-
-@gluon.jit
-def _stage_out(desc, row, x, x_s):
-    """x out by TMA at ``row`` of desc's rows, through the tile x_s (free: its readers are done)."""
-    gl.thread_barrier()
-    x_s.store(x.to(x_s.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(desc, [row, 0], x_s)
 
 
 @gluon.jit
