@@ -1084,7 +1084,6 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
     nseg, seg_len = segs
-    NC = T // BT if paired else sc.shape[1] - 1
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -1119,6 +1118,7 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
                        paired=paired)
     if paired:
         raise RuntimeError("gla.bwd_states: paired states take the fused Gluon backward (fused_bwd_segments)")
+    NC = sc.shape[1] - 1  # (every chunk's state: the passes below read them all)
     if nseg > 1:
         ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
     dsc = torch.empty(B * H, NC, DK, DV, dtype=q.dtype, device=dev)
