@@ -1,6 +1,6 @@
 """Where Lizard's attention spends its CPU time (Python profile of the host code), per call.
 
-    python scripts/lizard_host_profile.py --out OUT [--shape 16x2048] [--calls 20] [--top 40]
+    python scripts/lizard_host_profile.py --out OUT [--shape 16x2048] [--calls 20] [--top 40] [--config ...]
 
 The GPU is held busy (``torch.cuda._sleep``) while ``--calls`` calls are queued under cProfile,
 so the profile holds host work only, not waits. Calls: the op in inference (no_grad) and its
@@ -18,7 +18,7 @@ import pstats
 
 import torch
 
-from lizard_launch_overhead import lizard_calls
+from lizard_launch_overhead import config_args, lizard_calls
 
 
 def main() -> None:
@@ -27,12 +27,14 @@ def main() -> None:
     p.add_argument("--shape", default="16x2048")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--config", action="append", default=[],
+                   help="NAME=FIELD=VALUE[;...]: a training step under that LizardKernelConfig (repeatable)")
     a = p.parse_args()
     os.environ["LINEARIZE_KERNELS"] = "1"
     B, T = (int(v) for v in a.shape.split("x"))
-    calls = lizard_calls(B, T)
+    calls = lizard_calls(B, T, config_args(a.config))
     report = io.StringIO()
-    for name in ("op, inference", "op, training step"):
+    for name in [n for n in calls if n.startswith("op")]:
         fn = calls[name]
         fn()
         torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """How long Lizard's attention keeps the CPU busy per call, beside how long it keeps the GPU busy.
 
     python scripts/lizard_launch_overhead.py --out OUT [--shape 16x2048 ...] [--calls 20] [--rounds 5]
+        [--config NAME=FIELD=VALUE[;FIELD=VALUE] ...]
 
 A benchmark that starts each call on an idle GPU (do_bench: the cache flush before each call
 gives the CPU a head start of about its length) counts every microsecond of Python the call
@@ -17,17 +18,19 @@ Writes OUT/lizard-launch-overhead.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import lizard_gluon
-from linearize.kernels.lizard import lizard_attention
+from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
 from probe_common import write_rows
 
 NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
@@ -59,19 +62,33 @@ def fused_forward(x: dict, out=None) -> None:
                                   out=out)
 
 
-def lizard_calls(B: int, T: int) -> dict:
+def lizard_calls(B: int, T: int, configs: Optional[dict] = None) -> dict:
     """name -> a call of Lizard's attention on the bench's inputs at (B, T): the op in inference,
-    its training step (grads cleared after), the fused forward kernel alone."""
+    its training step (grads cleared after; one per LizardKernelConfig of ``configs``, by name,
+    else the defaults'), the fused forward kernel alone."""
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     leaves = [x[n].detach().requires_grad_() for n in NAMES]
 
-    def train():
-        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7])[0].backward(x["dy"])
+    def train(config=None):
+        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=config)[0].backward(x["dy"])
         for t in leaves:
             t.grad = None
 
-    return {"op, inference": lambda: infer(x), "op, training step": train,
-            "fused forward kernel": lambda: fused_forward(x)}
+    calls = {"op, inference": lambda: infer(x)}
+    for name, cfg in (configs or {"": None}).items():
+        calls["op, training step" + (f" ({name})" if name else "")] = lambda cfg=cfg: train(cfg)
+    calls["fused forward kernel"] = lambda: fused_forward(x)
+    return calls
+
+
+def config_args(specs: list[str]) -> Optional[dict]:
+    """--config NAME=FIELD=VALUE[;FIELD=VALUE] ... -> {NAME: LizardKernelConfig}, or None if none."""
+    out = {}
+    for spec in specs:
+        name, _, fields = spec.partition("=")
+        kw = {k: ast.literal_eval(v) for k, _, v in (f.partition("=") for f in filter(None, fields.split(";")))}
+        out[name] = LizardKernelConfig(**kw)
+    return out or None
 
 
 def graphed(fn):
@@ -94,11 +111,13 @@ def main() -> None:
     p.add_argument("--shape", action="append", default=None, help="BxT (repeatable; default 16x2048, 4x8192)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--config", action="append", default=[],
+                   help="NAME=FIELD=VALUE[;...]: a training step under that LizardKernelConfig (repeatable)")
     a = p.parse_args()
     os.environ["LINEARIZE_KERNELS"] = "1"
     rows = []
     for B, T in [tuple(int(v) for v in s.split("x")) for s in a.shape or ["16x2048", "4x8192"]]:
-        calls = lizard_calls(B, T)
+        calls = lizard_calls(B, T, config_args(a.config))
         for name, fn in calls.items():
             cpu = [cpu_us(fn, a.calls) for _ in range(a.rounds)]
             gpu = [do_bench(fn, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]

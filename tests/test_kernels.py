@@ -743,6 +743,29 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("B, H, T, one_segment", [(2, 33, 256, True), (1, 2, 2048, False)])
+def test_gpu_lizard_backward_side_stream_only_for_reverse_passes(B, H, T, one_segment, monkeypatch):
+    """The backward forks its side stream (LizardKernelConfig.overlap_bwd) only where the gated
+    backward has reverse passes to run beside the window's: not where the fused gated kernel walks
+    one segment (66 (batch x head) programs), where the fork and join cost host time alone; yes
+    where it walks segments (2 programs: a segment pre-pass and scan). Gradients flow either way."""
+    from linearize.kernels import lizard as kliz
+
+    _needs_hopper_gluon()
+    fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, 128)
+    leaves = [x.requires_grad_() for x in (fq, fk, v, lg, qw, kw)]
+    alpha = torch.ones(H, device="cuda", requires_grad=True)
+    wanted, run = [], kliz._side_stream
+    monkeypatch.setattr(kliz, "_side_stream", lambda x, w, *a, **k: wanted.append(w) or run(x, w, *a, **k))
+    y = kliz.lizard_attention(*leaves, alpha, sink_logits=torch.zeros(H, 4, device="cuda"))[0]
+    forward_calls = len(wanted)
+    y.float().sum().backward()
+    torch.cuda.synchronize()
+    assert wanted[forward_calls:] == [not one_segment], wanted
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves + [alpha])
+
+
+@needs_cuda
 @pytest.mark.parametrize("window_first", [False, True])
 def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):
     """The second and third streams stay out of autograd's way: no warning of a gradient

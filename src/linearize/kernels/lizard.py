@@ -66,7 +66,12 @@ class LizardKernelConfig:
     third (unless the fused forward runs: it writes that state itself).
     ``overlap_bwd``: the gated reverse state passes run on that stream beside the window's
     backward (forward + backward, gated first, one stream against two: 5.401 -> 5.330 ms at
-    B16 T2048, 5.896 -> 5.489 at B4 T8192).
+    B16 T2048, 5.896 -> 5.489 at B4 T8192). Not where the fused gated backward walks one segment:
+    there are no such passes then, and the fork and join (the join marks the plan's tensors as
+    used on the caller's stream) cost the host time alone: on an H100 machine, B16 T2048, the
+    op's backward function took 1.53 ms of CPU with the side stream and 0.94 without, the training
+    step 2.55 against 1.85 ms, where the GPU's work is 2.86 ms on an H100 and less on an H200
+    (docs/results/lizard-host-time-h100.md).
     ``side_priority``: that stream's priority (lower is higher; CUDA clamps it to its range):
     its sequential programs must start first, or they queue behind the window's (priority 0
     lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192).
@@ -241,6 +246,7 @@ class _LizardFunction(torch.autograd.Function):
         # the backward runs with the kernel configs of its forward (a later set_config changes neither)
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
         ctx.state_len = state_len
+        ctx.one_segment = one_segment
         ctx.set_materialize_grads(False)
         return y, S_T, z_T, *w_state
 
@@ -259,7 +265,9 @@ class _LizardFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
-        side = _side_stream(v, cfg.overlap_bwd, cfg.side_priority)
+        # (the fused gated backward in one segment has no reverse passes to run beside the window's: no
+        # side stream, whose fork and join cost the host more than they could save; see overlap_bwd)
+        side = _side_stream(v, cfg.overlap_bwd and not ctx.one_segment, cfg.side_priority)
         o_g = inter.pop("o_g")  # None where y stands in (og_from_y)
         with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's
             gp = kgla.bwd_states(phi_q, phi_k, v, log_g, (y if o_g is None else o_g) if normalize else None,
