@@ -997,6 +997,36 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
                                       window_state=(ws[0], ws[1].bfloat16()))
 
 
+def test_gluon_scope_checks_host_side(monkeypatch):
+    """The Gluon launchers' scope checks, on CPU: off Hopper (here no CUDA device: sm_major 0) every
+    one says no; told the device is Hopper, each takes in-scope inputs (bf16, widths 128, T a
+    multiple of 64, contiguous or a model's (B, T, H, D) transposed) and refuses a width, a T, a
+    dtype or a layout outside it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import dispatch, gla_gluon, lizard_gluon, window_gluon
+
+    B, H, T, D = 2, 3, 128, 128
+    x = torch.zeros(B, H, T, D, dtype=torch.bfloat16)
+    model = torch.zeros(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2)
+    lg, sinks = torch.zeros(B, H, T), torch.zeros(H, 4)
+
+    def checks(q, k=None, v=None, log_g=lg):
+        k, v = k if k is not None else q, v if v is not None else q
+        return [gla_gluon.supports_bwd_chunks(q, k, v, 64, False), gla_gluon.supports_fwd_fused(q, k, v, log_g),
+                window_gluon.supports_bwd(q, k, v, 128, None),
+                lizard_gluon.supports(q, k, v, log_g, q, k, 128, sinks, None)]
+
+    assert dispatch.sm_major(x) == 0 and checks(x) == [False] * 4
+    for mod in (gla_gluon, lizard_gluon, window_gluon):
+        monkeypatch.setattr(mod, "sm_major", lambda t: 9)
+    assert checks(x) == [True] * 4 and checks(model, x, x) == [True] * 4
+    assert checks(x[..., :64]) == [False] * 4  # width 64
+    assert checks(x[:, :, :100]) == [False] * 4  # T not a multiple of 64
+    assert checks(x.half(), x, x) == [False] * 4  # dtypes differ
+    assert checks(x.transpose(0, 1).contiguous().transpose(0, 1)) == [False] * 4  # neither layout
+    assert checks(x, log_g=lg.bfloat16())[1] is False and checks(x, log_g=lg.bfloat16())[3] is False
+
+
 def test_gluon_chunk_pass_launch_host_side(monkeypatch):
     """gla_gluon.bwd_chunks up to its launch, on CPU: the grid, b, the states' 2-D views (one
     (F, Dv) tile per chunk) and the constexprs."""

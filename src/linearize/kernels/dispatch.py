@@ -71,6 +71,19 @@ def num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def sm_major(x: torch.Tensor) -> int:
+    """The major compute capability of the CUDA device ``x`` lives on (9: Hopper), 0 off CUDA;
+    cached per device (torch's query cost the host microseconds at every launch's scope check)."""
+    if not x.is_cuda:
+        return 0
+    return _capability_major(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def device_sms(x: torch.Tensor) -> int:
     """Multiprocessors of the device ``x`` lives on (4 off CUDA)."""
     if not x.is_cuda:

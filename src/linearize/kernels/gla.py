@@ -66,7 +66,7 @@ import triton.language as tl
 from ..ops import common
 from ..ops.gla.naive import GLAState
 from .dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
-                       pow2, strides_bht, unit_last)
+                       pow2, sm_major, strides_bht, unit_last)
 
 patch_interpreter()
 
@@ -766,7 +766,7 @@ def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
     if not cfg.tma:
         return False
     x0 = xs[0]
-    if x0.is_cuda and torch.cuda.get_device_capability(x0.device)[0] < 9:
+    if x0.is_cuda and sm_major(x0) < 9:
         return False
     for x in xs:
         es = x.element_size()
@@ -1154,7 +1154,8 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
     dv = dv_into if dv_into is not None else torch.empty(v.shape, dtype=v.dtype, device=dev)
     common_kw = dict(DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, LOG=log_space, NORM=normalize, PREC=prec)
     NC, NVD, dlog_g, dS0, dz0 = p.NC, p.NVD, p.dlog_g, p.dS0, p.dz0
-    gluon = _gluon_bwd(cfg, q, k, v, BT, log_space)
+    # (the chunk pass's scope is asked only where it may run: each ask costs the host a few view checks)
+    gluon = None if p.fused or side is not None else _gluon_bwd(cfg, q, k, v, BT, log_space)
     if p.fused:
         if dv_into is not None and not dv_into.is_contiguous():
             raise ValueError("gla.bwd_chunks: the fused backward adds dv into a contiguous tensor only")

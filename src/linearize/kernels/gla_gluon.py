@@ -77,6 +77,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .dispatch import sm_major
+
 BT = 64  # tokens per chunk
 WIDTH = 128  # the one feature and value width the kernels take
 
@@ -1256,7 +1258,7 @@ def state_slots(NC: int, paired: bool) -> int:
 
 def supports_bwd_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, log_space: bool) -> bool:
     """Whether ``bwd_chunks`` takes these inputs (see the module's scope)."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if sm_major(q) != 9:
         return False
     xs = (q, k, v)
     return (chunk == BT and not log_space and q.dtype in (torch.bfloat16, torch.float16)
@@ -1341,7 +1343,7 @@ def supports_fwd_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g:
     """Whether ``fwd_fused`` takes these inputs: Hopper, bf16/fp16 q, k, v of width 128 in one of
     ``view2d``'s layouts, fp32 gates, T a multiple of the chunk (features plain, not log-space: the
     caller's part)."""
-    if not (v.is_cuda and torch.cuda.get_device_capability(v.device)[0] == 9):
+    if sm_major(v) != 9:
         return False
     T = v.shape[2]
     return (v.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype

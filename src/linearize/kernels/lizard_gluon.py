@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .dispatch import sm_major
 from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
                         _tick, chunk_gates, model_layout_bits, segment_plan, state_slots, tma_readable, view2d)
 
@@ -292,7 +293,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
 def supports(phi_q, phi_k, v, log_g, q_w, k_w, window: int, sinks, S0) -> bool:
     """Whether ``lizard_fwd_fused`` takes these inputs (see the module's scope; S0 is accepted and
     then runs without segments)."""
-    if not (v.is_cuda and torch.cuda.get_device_capability(v.device)[0] == 9):
+    if sm_major(v) != 9:
         return False
     B, H, T, DV = v.shape
     xs = (phi_q, phi_k, v, q_w, k_w)

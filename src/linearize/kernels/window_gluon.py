@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from .dispatch import sm_major
 from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _store_tile, _tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
@@ -531,7 +532,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, dk_d, dv_d, dq_
 
 def supports_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, kmin) -> bool:
     """Whether ``bwd`` takes these inputs (see the module's scope)."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if sm_major(q) != 9:
         return False
     xs = (q, k, v)
     return (kmin is None and window <= 2 * BT + 1 and q.dtype in (torch.bfloat16, torch.float16)
