@@ -18,7 +18,6 @@ Writes OUT/lizard-launch-overhead.json.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import statistics
@@ -30,7 +29,8 @@ from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import lizard_gluon
-from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+from linearize.kernels.lizard import lizard_attention
+from lizard_train_ab import _variant
 from probe_common import write_rows
 
 NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
@@ -82,12 +82,14 @@ def lizard_calls(B: int, T: int, configs: Optional[dict] = None) -> dict:
 
 
 def config_args(specs: list[str]) -> Optional[dict]:
-    """--config NAME=FIELD=VALUE[;FIELD=VALUE] ... -> {NAME: LizardKernelConfig}, or None if none."""
+    """--config NAME=FIELD=VALUE[;FIELD=VALUE] ... (LizardKernelConfig's fields, parsed as
+    lizard_train_ab.py's --variant) -> {NAME: LizardKernelConfig}, or None if none."""
     out = {}
     for spec in specs:
-        name, _, fields = spec.partition("=")
-        kw = {k: ast.literal_eval(v) for k, _, v in (f.partition("=") for f in filter(None, fields.split(";")))}
-        out[name] = LizardKernelConfig(**kw)
+        name, (cfg, gla_changes, window_changes) = _variant(spec)
+        if gla_changes or window_changes:
+            raise SystemExit(f"--config takes LizardKernelConfig fields only, got {spec!r}")
+        out[name] = cfg
     return out or None
 
 
