@@ -38,7 +38,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *,
                        seg_chunks: int, normalize: bool, eps: float, dv_add: bool, side_dot=None, alpha=None,
-                       paired: bool = False) -> None:
+                       paired: bool = False, bl=None) -> None:
     """What ``kernels.gla_gluon.bwd_fused`` computes, in fp32 torch, with its signature: each segment
     of ``seg_chunks`` chunks walked from its end from the state gradient leaving it (ds_in, dz_in),
     chunk by chunk as the kernel does (the gate gradient's part after a chunk from the state leaving
@@ -46,7 +46,8 @@ def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk,
     run the host side of the fused path: the plan, the segments' entering gradients, the
     arguments' meaning, dv added into the window's, dS0 and dz0. With side_dot and alpha, o is
     y = o_g + alpha_h x and side_dot the rows' do . x, as the kernel takes them. (``paired`` states
-    come only from the fused Gluon forward, which the interpreter does not run.)"""
+    come only from the fused Gluon forward, which the interpreter does not run; ``bl``, the gates'
+    sums within chunks, read where given, as the kernel does.)"""
     assert not paired, "paired states come from the Gluon forward alone"
     B, H, T, F_ = q.shape
     NC = sc.shape[1] - 1
@@ -66,7 +67,7 @@ def fused_bwd_emulated(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk,
             for c in reversed(range(seg * seg_chunks, min(NC, (seg + 1) * seg_chunks))):
                 t = slice(c * BT, (c + 1) * BT)
                 qc, kc, vc, doc = (x[b_, h_, t].to(f) for x in (q, k, v, do))
-                bb = log_g[b_, h_, t].to(f).cumsum(0)
+                bb = log_g[b_, h_, t].to(f).cumsum(0) if bl is None else bl.view(B, H, T)[b_, h_, t]
                 p = torch.where(mask, bb[:, None] - bb[None, :], torch.tensor(-float("inf"))).exp()
                 r_end = (bb[-1] - bb).exp()
                 S, z = sc[bh, c].to(f), zc[bh, c] if normalize else torch.zeros(F_)

@@ -517,12 +517,14 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     dy . o_w: LizardKernelConfig.og_from_y), unless told not to ("og kept"); told to, no o_w
     either (the walking kernel forms dy . o_w from its scores: ow_from_scores), also in segments.
     Told to ("paired states"), with the gated backward in one segment, the forward keeps the gated
-    state of even chunks only (LizardKernelConfig.paired_states)."""
+    state of even chunks only (LizardKernelConfig.paired_states). The backward reads the gates'
+    sums within chunks that the fused forward kept (``bl``)."""
     from linearize.kernels import gla_gluon
     from linearize.kernels import window as kwin
 
     sides = _spy(monkeypatch, gla_gluon, "bwd_fused", "side_dot")
     paired = _spy(monkeypatch, gla_gluon, "bwd_fused", "paired")
+    bls = _spy(monkeypatch, gla_gluon, "bwd_fused", "bl")
     from linearize.kernels import window_gluon
 
     walk_kw, wbwd = [], window_gluon.bwd
@@ -550,6 +552,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
     assert paired == [variant.endswith("paired states")], (variant, paired)
+    assert len(bls) == 1 and bls[0] is not None  # the gates' sums the fused forward read, not formed again
     walk_o = [k["o"] is not None for k in walk_kw]
     assert walk_o == ([not variant.endswith("ow from scores")] if variant.startswith("walk") else []), (variant, walk_o)
     if variant == "segments":
@@ -961,7 +964,8 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
         NC = T // 64
         assert {n: tuple(t.shape) for n, t in inter.items()} == dict(
             o_g=(B, H, T, D), o_w=(B, H, T, D), lse=(B * H, T), den=(B * H, T), sc=(B * H, NC + 1, D, D),
-            zc=(B * H, NC + 1, D))
+            zc=(B * H, NC + 1, D), bl=(B * H * T,))
+        assert inter["bl"] is args[9]  # the gates' sums the kernel read, kept for the backward
         # (the state leaving the last chunk, slot NC, is the kernel's to write: test_gpu_lizard_fused_training_forward)
         assert list(args[6].shape) == [B * H * (NC + 1) * D, D] and list(args[6].block_shape) == [D, D]
         assert kw_["PAIRED"] is False
@@ -1099,6 +1103,14 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     assert args[12] is dlog_g and args[13] is dlog_g  # no side: placeholders
     assert args[22] is dlog_g and args[23:29] == (T, H, NC, 3, 2, 1e-6)  # no profile: a placeholder
     torch.testing.assert_close(args[10].view(B, H, NC, 64), log_g.view(B, H, NC, 64).cumsum(-1))
+    # the gates' sums a forward kept are read as given (a tensor of another size refused)
+    bl = gla_gluon.chunk_gates(log_g)
+    gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0,
+                        seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=True, bl=bl)
+    assert rec.calls.pop()[1][10] is bl
+    with pytest.raises(ValueError, match=r"bl must be \(1920,\) fp32"):
+        gla_gluon.bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0,
+                            seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=True, bl=bl[:-64])
     with pytest.raises(ValueError, match="outside its scope"):
         gla_gluon.bwd_fused(q, k, v.transpose(2, 3), log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g,
                             None, None, seg_chunks=2, normalize=normalize, eps=1e-6, dv_add=False)

@@ -1137,14 +1137,16 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
 
 
 def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
-               dv_into: Optional[torch.Tensor] = None, side: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+               dv_into: Optional[torch.Tensor] = None, side: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               bl: Optional[torch.Tensor] = None):
     """The backward's chunk pass after ``bwd_states`` (or, for a ``fused`` plan, the whole fused
     Gluon backward); returns (dq, dk, dv, dlog_g, dS0, dz0).
     With ``dv_into`` (contiguous, v's shape and dtype) dv is added to it in place and returned,
     which spares a sum of two dv tensors where v also feeds another branch (Lizard's window).
     With ``side`` = (side_dot, alpha), for a fused plan of one segment only (``fused_bwd_segments``):
     the o given to ``bwd_states`` was y = o + alpha_h x, side_dot ((B*H, T) fp32) the rows' do . x
-    (``gla_gluon.bwd_fused``)."""
+    (``gla_gluon.bwd_fused``). ``bl``: for a fused plan, the gates' cumulative sums within chunks
+    where a forward kept them (``gla_gluon.chunk_gates``), else formed again."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
     BT, BK, BV = _chunk(cfg, q.dtype), pow2(DK), pow2(DV)
@@ -1165,7 +1167,7 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
             q, k, v, log_g, p.o.contiguous(), p.den, p.sc, p.zc, p.do, p.ds_in, p.dz_in, dq, dk, dv, dlog_g, dS0, dz0,
             seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None,
             side_dot=side[0] if side is not None else None, alpha=side[1] if side is not None else None,
-            paired=p.paired)
+            paired=p.paired, bl=bl)
     elif side is not None:
         raise RuntimeError("gla.bwd_chunks: side takes a fused plan (fused_bwd_segments)")
     elif gluon is not None and (dv_into is None or dv_into.is_contiguous()):

@@ -1294,7 +1294,8 @@ def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, 
 
 def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog_g, dS0, dz0, *, seg_chunks: int,
               normalize: bool, eps: float, dv_add: bool, side_dot: Optional[torch.Tensor] = None,
-              alpha: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, paired: bool = False) -> None:
+              alpha: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, paired: bool = False,
+              bl: Optional[torch.Tensor] = None) -> None:
     """The whole backward (``_gla_bwd_fused_kernel``) into dq, dk, dv ((B, H, T, .) contiguous; dv
     accumulated into with ``dv_add``), dlog_g ((B*H, T) fp32) and, where given, dS0 (B, H, F, Dv)
     and dz0 (B, H, F) fp32. o (B, H, T, Dv) contiguous (read where ``normalize``), do likewise;
@@ -1304,7 +1305,8 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     ((H,) fp32), normalised: o is y = o_g + alpha_h x and side_dot the rows' do . x. ``paired``: sc
     holds the states entering even chunks and the last one only ((B*H, state_slots(NC, True), F, Dv),
     Lizard's fused training forward's ``paired_states``); segments then of an even number of chunks
-    (or one). ``prof``
+    (or one). ``bl``: ``chunk_gates(log_g)`` where the caller has it (Lizard's fused forward made
+    it), else formed here. ``prof``
     (B*H*nseg, 16) int64, zeroed: a profiling build adds each program's cycles per phase into it
     (scripts/gla_fused_bwd_probe.py)."""
     B, H, T, F = q.shape
@@ -1328,9 +1330,14 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     if side and not (normalize and alpha is not None and side_dot.is_contiguous() and side_dot.numel() == B * H * T
                      and alpha.numel() == H and alpha.dtype == torch.float32 and side_dot.dtype == torch.float32):
         raise ValueError("gla_gluon.bwd_fused: side_dot takes normalize, (B*H, T) fp32 side_dot and (H,) fp32 alpha")
+    if bl is None:
+        bl = chunk_gates(log_g)
+    elif not (bl.dtype == torch.float32 and bl.is_contiguous() and bl.numel() == B * H * T):
+        raise ValueError(f"gla_gluon.bwd_fused: bl must be ({B * H * T},) fp32 contiguous (chunk_gates), got "
+                         f"{tuple(bl.shape)} {bl.dtype}")
     f32 = dlog_g  # a placeholder for the pointers a configuration does not read
     _gla_bwd_fused_kernel[(nseg, B * H)](
-        *descs, st_d, sc, chunk_gates(log_g), den if normalize else f32, side_dot if side else f32,
+        *descs, st_d, sc, bl, den if normalize else f32, side_dot if side else f32,
         alpha if side else f32, zc if normalize else f32,
         ds_in if ds_in is not None else f32, dz_in if (ds_in is not None and normalize) else f32,
         dk, dv, dlog_g, dS0 if dS0 is not None else f32, dz0 if dz0 is not None else f32,

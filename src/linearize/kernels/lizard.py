@@ -225,9 +225,10 @@ class _LizardFunction(torch.autograd.Function):
             if not kernel_writes_state:
                 _fill_window_state(w_state, k_w, v)
             y, S_T, z_T, inter, segs = fused
-            o_g, o_w, lse, den, sc, zc = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc"))
+            o_g, o_w, lse, den, sc, zc, bl = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc", "bl"))
         else:
             paired = False  # (the Triton passes keep every chunk's state)
+            bl = None
             copier = _side_stream(v, cfg.overlap_fwd, 0, "copy")
             with fork_stream(copier):
                 _fill_window_state(w_state, k_w, v)
@@ -242,7 +243,8 @@ class _LizardFunction(torch.autograd.Function):
         ctx.save_for_backward(phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y if og_from_y else None)
         # the op's own intermediates live on ctx, so that the backward can drop each one as soon
         # as its last reader is queued (saved tensors would all live until the backward returns)
-        ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc, paired=paired) if store else None
+        # (bl: the gates' sums within chunks that the fused forward read, read again by the fused backward)
+        ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc, paired=paired, bl=bl) if store else None
         # the backward runs with the kernel configs of its forward (a later set_config changes neither)
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
         ctx.state_len = state_len
@@ -285,7 +287,7 @@ class _LizardFunction(torch.autograd.Function):
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
         dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(
             phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg, dv_into=dv_w,
-            side=(dyo_w, alpha.float().contiguous()) if y is not None else None)
+            side=(dyo_w, alpha.float().contiguous()) if y is not None else None, bl=inter.pop("bl"))
         # the window's state holds the last keys and values: their gradients where it was used
         T, L = v.shape[2], ctx.state_len
         take = min(T, L)

@@ -315,7 +315,8 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
     dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk and the one leaving the
-    last), else None.
+    last; bl (B*H*T,) fp32: the gates' cumulative sums within chunks the kernel read,
+    ``chunk_gates(log_g)``, which the gated backward reads too), else None.
     ``store_og`` False: o_g is not stored (None in the dict): a backward that takes dy . o_g as
     dy . y - alpha_h (dy . o_w) needs only y and o_w (``gla_gluon.bwd_fused``'s side_dot).
     ``store_ow`` False: nor o_w (a window backward forming dy . o_w from its scores needs none).
@@ -362,7 +363,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
         inter = dict(o_g=torch.empty_like(y) if store_og else None, o_w=torch.empty_like(y) if store_ow else None,
                      lse=torch.empty(B * H, T, **f32), den=torch.empty(B * H, T, **f32),
                      sc=torch.empty(B * H, state_slots(NC, paired_states), F, DV, dtype=v.dtype, device=v.device),
-                     zc=torch.empty(B * H, NC + 1, F, **f32))
+                     zc=torch.empty(B * H, NC + 1, F, **f32), bl=b)
         sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
                                             gl.NVMMASharedLayout.get_default_for([F, DV], el))
         og_d, ow_d = (TensorDescriptor.from_tensor(inter[n].view(-1, DV), [BT, 128], lay) if inter[n] is not None
