@@ -759,7 +759,13 @@ def test_gpu_lizard_backward_side_stream_only_for_reverse_passes(B, H, T, one_se
     leaves = [x.requires_grad_() for x in (fq, fk, v, lg, qw, kw)]
     alpha = torch.ones(H, device="cuda", requires_grad=True)
     wanted, run = [], kliz._side_stream
-    monkeypatch.setattr(kliz, "_side_stream", lambda x, w, *a, **k: wanted.append(w) or run(x, w, *a, **k))
+
+    def spy(x, w, priority, name="side"):
+        if name == "side":  # (the reverse passes' stream; the head sums have one of their own)
+            wanted.append(w)
+        return run(x, w, priority, name)
+
+    monkeypatch.setattr(kliz, "_side_stream", spy)
     y = kliz.lizard_attention(*leaves, alpha, sink_logits=torch.zeros(H, 4, device="cuda"))[0]
     forward_calls = len(wanted)
     y.float().sum().backward()
