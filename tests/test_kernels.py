@@ -761,7 +761,7 @@ def test_gpu_lizard_backward_side_stream_only_for_reverse_passes(B, H, T, one_se
     wanted, run = [], kliz._side_stream
 
     def spy(x, w, priority, name="side"):
-        if name == "side":  # (the reverse passes' stream; the head sums have one of their own)
+        if name == "side":  # (the reverse passes' stream; streams of other names are not this test's)
             wanted.append(w)
         return run(x, w, priority, name)
 
