@@ -1037,6 +1037,27 @@ def test_gluon_scope_checks_host_side(monkeypatch):
     assert checks(x, log_g=lg.bfloat16())[1] is False and checks(x, log_g=lg.bfloat16())[3] is False
 
 
+def test_gluon_tma_tiles_host_side():
+    """gla_gluon.tma_tiles on CPU: a descriptor per tensor over its 2-D view (rows b*sb + h*sh + t),
+    sharing one remembered shared-memory layout; None where a tensor is in neither layout or its
+    base is not 16-byte aligned."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.kernels import gla_gluon
+
+    B, H, T, D = 2, 3, 128, 128
+    x = torch.zeros(B, H, T, D, dtype=torch.bfloat16)
+    model = torch.zeros(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2)
+    descs, views = gla_gluon.tma_tiles([x, model], [64, 128])
+    assert [tuple(d.shape) for d in descs] == [(B * H * T, D), (B * T, H * D)]
+    assert [spec for _, spec in views] == [(H * T, T, 0), (T, 0, D)]
+    assert all(list(d.block_shape) == [64, 128] for d in descs)
+    assert descs[0].layout is descs[1].layout is gla_gluon.smem_layout((64, 128), torch.bfloat16)
+    assert descs[0].layout == gla_gluon.gl.NVMMASharedLayout.get_default_for([64, 128], gla_gluon.gl.bfloat16)
+    assert gla_gluon.tma_tiles([x, x.transpose(0, 1).contiguous().transpose(0, 1)], [64, 128]) is None
+    unaligned = torch.zeros(B * H * T * D + 1, dtype=torch.bfloat16)[1:].view(B, H, T, D)
+    assert gla_gluon.tma_readable([unaligned]) is False and gla_gluon.tma_tiles([x, unaligned], [64, 128]) is None
+
+
 def test_gluon_chunk_pass_launch_host_side(monkeypatch):
     """gla_gluon.bwd_chunks up to its launch, on CPU: the grid, b, the states' 2-D views (one
     (F, Dv) tile per chunk) and the constexprs."""
@@ -1288,6 +1309,8 @@ def test_gluon_kernels_import_guard(monkeypatch):
     pytest.importorskip("triton.experimental.gluon")
     from linearize.kernels import dispatch, gla_gluon
 
+    # (its answers are remembered per name: start from none, and leave the module's own as they were)
+    monkeypatch.setattr(dispatch, "_GLUON_MODULES", {})
     assert dispatch.gluon_kernels("gla_gluon") is gla_gluon
     with pytest.raises(ImportError):
         dispatch.gluon_kernels("gla_gluon_misspelt")

@@ -19,17 +19,25 @@ import torch
 ENV_SWITCH = "LINEARIZE_KERNELS"
 
 
+_GLUON_MODULES: dict = {}
+
+
 def gluon_kernels(name: str):
     """The Gluon kernel module ``kernels.<name>``, or None with a Triton that has no Gluon (any other
-    import error, a misspelt name included, is raised)."""
+    import error, a misspelt name included, is raised). Remembered per name: the scope checks ask
+    several times a call, and each import lookup cost the host microseconds."""
+    if name in _GLUON_MODULES:
+        return _GLUON_MODULES[name]
     import importlib
 
     try:
-        return importlib.import_module(f"{__package__}.{name}")
+        mod = importlib.import_module(f"{__package__}.{name}")
     except ImportError as e:
-        if (e.name or "").startswith("triton"):
-            return None
-        raise
+        if not (e.name or "").startswith("triton"):
+            raise
+        mod = None
+    _GLUON_MODULES[name] = mod
+    return mod
 
 
 @functools.lru_cache(maxsize=None)

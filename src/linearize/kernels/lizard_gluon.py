@@ -47,7 +47,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .dispatch import sm_major
 from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
-                        _tick, chunk_gates, model_layout_bits, segment_plan, state_slots, tma_readable, view2d)
+                        _tick, chunk_gates, model_layout_bits, segment_plan, smem_layout, state_slots, tma_readable,
+                        view2d)
 
 BT = 64  # tokens per chunk
 LOG2E = 1.4426950408889634
@@ -335,9 +336,8 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     F = phi_q.shape[-1]
     D = q_w.shape[-1]
     NC = T // BT
-    el = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     nseg, seg_len = segment_plan(T, nseg)
-    lay = gl.NVMMASharedLayout.get_default_for([BT, 128], el)
+    lay = smem_layout((BT, 128), v.dtype)
     if out is not None and not (out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous()
                                 and out.device == v.device):
         raise ValueError(f"lizard_fwd_fused: out must be contiguous {tuple(v.shape)} {v.dtype} on {v.device}, got "
@@ -364,8 +364,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                      lse=torch.empty(B * H, T, **f32), den=torch.empty(B * H, T, **f32),
                      sc=torch.empty(B * H, state_slots(NC, paired_states), F, DV, dtype=v.dtype, device=v.device),
                      zc=torch.empty(B * H, NC + 1, F, **f32), bl=b)
-        sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV],
-                                            gl.NVMMASharedLayout.get_default_for([F, DV], el))
+        sc_d = TensorDescriptor.from_tensor(inter["sc"].view(-1, DV), [F, DV], smem_layout((F, DV), v.dtype))
         og_d, ow_d = (TensorDescriptor.from_tensor(inter[n].view(-1, DV), [BT, 128], lay) if inter[n] is not None
                       else sc_d for n in ("o_g", "o_w"))
     _lizard_fwd_kernel[(nseg, B * H)](
