@@ -206,6 +206,68 @@ def test_bench_rejects_bad_arguments(tmp_path):
             run_kernel_bench(tmp_path)
 
 
+def _bench_result(**extra) -> dict:
+    """A bench result of one method at two shapes, as ``run_kernel_bench`` returns it; ``extra`` goes
+    into every cell."""
+    env = dict(gpu="NVIDIA H200", torch="2.11", cuda="13.0", triton="3.6.0", fla="0.6.0", python="3.12",
+               command="bench", date="2026-11-27")
+    cell = dict(median_ms=2.5, mean_ms=2.6, runs=100, peak_extra_mib=10.0, **extra)
+    shape = lambda B, T: {"B": B, "T": T, "tokens": B * T, "rel_rms_vs_torch": {},  # noqa: E731
+                          "cells": {"triton lizard (ours)": {"fwd": dict(cell), "fwd+bwd": dict(cell)}}}
+    return dict(env=env, dtype="bf16", heads=32, head_dim=128, feature_dim=128, window=128, sinks=4, reps=10,
+                shapes=[shape(16, 2048), shape(4, 8192)])
+
+
+def test_bench_markdown_host_split():
+    """bench kernels' table of GPU time alone and host time per call: there where the cells carry
+    them (``host=True``), a refused capture written as such, and no such table otherwise."""
+    from linearize.bench.kernels import render_markdown
+
+    md = render_markdown(_bench_result(graph_ms=2.4567, host_us=1834.4))
+    assert "GPU time alone (the call replayed as a CUDA graph" in md
+    assert "| triton lizard (ours) | fwd+bwd | 2.457 / 1834 | 2.457 / 1834 |" in md
+    md = render_markdown(_bench_result(graph_error="RuntimeError: capture refused", host_us=90.0))
+    assert "| triton lizard (ours) | fwd | no graph / 90 | no graph / 90 |" in md
+    md = render_markdown(_bench_result())
+    assert "GPU time alone" not in md and "| triton lizard (ours) | fwd+bwd | 2.500 / 2.600 |" in md
+
+
+def test_cli_bench_kernels_host_flag(monkeypatch, tmp_path):
+    """``linearize bench kernels --host`` hands host=True to the bench (off by default)."""
+    from linearize import cli
+    from linearize.bench import kernels as kb
+
+    seen = []
+
+    def fake_bench(out, **kw):
+        seen.append(kw)
+        (tmp_path / "kernels.md").write_text("table\n")
+        return {}
+
+    monkeypatch.setattr(kb, "run_kernel_bench", fake_bench)
+    for argv, host in ((["bench", "kernels", "--out", str(tmp_path)], False),
+                       (["bench", "kernels", "--out", str(tmp_path), "--host"], True)):
+        cli.main(argv)
+        assert seen[-1] == {"host": host}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_bench_host_split(tmp_path):
+    """run_kernel_bench(host=True) on a small shape: every cell carries the GPU time of its call as a
+    CUDA graph and the host's time per call; at B1 T256 the host's work outweighs the GPU's, so the
+    graph replay reads less than do_bench's median, and the host time is the larger."""
+    from linearize.bench.kernels import run_kernel_bench
+
+    res = run_kernel_bench(tmp_path, shapes=[(1, 256)], reps=5, methods=["triton lizard (ours)"], host=True)
+    for p in ("fwd", "fwd+bwd"):
+        cell = res["shapes"][0]["cells"]["triton lizard (ours)"][p]
+        assert "graph_error" not in cell, cell
+        assert 0 < cell["graph_ms"] < cell["median_ms"], cell
+        assert cell["host_us"] / 1000 > cell["graph_ms"], cell
+    assert "GPU time alone" in (tmp_path / "kernels.md").read_text()
+
+
 # ----------------------------------------------------------------------------- CPU, Triton interpreter
 
 

@@ -100,7 +100,7 @@ def cmd_eval_embed(args) -> int:
 
 def cmd_bench_kernels(args) -> int:
     run = _optional("linearize.bench.kernels", "run_kernel_bench", "kernel benchmark")
-    run(args.out)
+    run(args.out, host=args.host)
     return _finish(args.out, "kernels")
 
 
@@ -246,6 +246,8 @@ def add_bench_parser(sub) -> None:
              "Forward and forward+backward time of softmax SDPA, fla (where installed), our torch path and our "
              "Triton kernels over B16 T2048, B4 T8192 and B1 T32768 (32 heads, head_dim 128, bf16).",
              "examples:\n  linearize bench kernels --out docs/results")
+    p.add_argument("--host", action="store_true",
+                   help="also time each cell as a CUDA graph (the GPU alone) and the host's time per call")
     _common(p, "runs/bench", models=False)
     p.set_defaults(func=cmd_bench_kernels)
 

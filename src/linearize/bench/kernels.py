@@ -102,9 +102,65 @@ def _time(fn: Callable[[], object], reps: int, grad_to_none=None) -> dict:
             "peak_extra_mib": round(peak, 1)}
 
 
-def _cell(fn: Callable[[], object], reps: int, grad_to_none=None) -> dict:
+def _graph_replay(fn: Callable[[], object], grad_to_none=None) -> Callable[[], None]:
+    """fn captured once as a CUDA graph (after warm-up calls on a side stream, as capture asks);
+    returns the replay: the same GPU work with no host code between its kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _clear(grad_to_none)
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    _clear(grad_to_none)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _clear(grad_to_none) -> None:
+    for t in grad_to_none or ():
+        t.grad = None
+
+
+def _host_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20) -> float:
+    """The host's time per call of fn in microseconds: ``calls`` calls queued behind a GPU held busy
+    (``torch.cuda._sleep``), so that none waits for the GPU and the wall time is the host's alone."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second at 2 GHz: longer than the queueing
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _clear(grad_to_none)
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _host_split(fn: Callable[[], object], reps: int, grad_to_none=None) -> dict:
+    """Where a cell's time comes from: ``graph_ms``, the median of the call replayed as a CUDA graph
+    (its GPU time alone), and ``host_us``, the host's time per call (median of 3 rounds). A call whose
+    host time exceeds its GPU time leaves the GPU waiting, and do_bench then reads the host's."""
+    from triton.testing import do_bench
+
+    out: dict = {"host_us": round(statistics.median(_host_us(fn, grad_to_none) for _ in range(3)), 1)}
     try:
-        return _time(fn, reps, grad_to_none)
+        replay = _graph_replay(fn, grad_to_none)
+        out["graph_ms"] = do_bench(replay, warmup=25, rep=max(100, reps), return_mode="median")
+    except Exception as e:  # a capture refused (some library's op): say why, keep the rest
+        torch.cuda.synchronize()
+        out["graph_error"] = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+    _clear(grad_to_none)
+    return out
+
+
+def _cell(fn: Callable[[], object], reps: int, grad_to_none=None, host: bool = False) -> dict:
+    try:
+        cell = _time(fn, reps, grad_to_none)
+        if host:
+            cell.update(_host_split(fn, reps, grad_to_none))
+        return cell
     except Exception as e:  # recorded, not raised: one refusing method must not stop the others
         torch.cuda.synchronize()
         msg = f"{type(e).__name__}: {e}".strip().splitlines()
@@ -239,12 +295,14 @@ def _env(command: str) -> dict:
 def run_kernel_bench(
     out_dir: str | os.PathLike, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, dtype: str = "bf16",
     reps: int = 20, *, heads: int = 32, head_dim: int = 128, feature_dim: int = 128, window: int = 128,
-    sinks: int = 4, methods: Optional[Sequence[str]] = None, seed: int = 0,
+    sinks: int = 4, methods: Optional[Sequence[str]] = None, seed: int = 0, host: bool = False,
 ) -> dict:
     """Time every method of ``METHODS`` (or ``methods``) over ``shapes`` (B, T) and write
     kernels.json / kernels.md / kernels.png into ``out_dir``; returns the json content.
 
     ``reps``: the least number of timed calls per cell (do_bench times at least 100 ms).
+    ``host``: also split each cell's time into GPU and host (``_host_split``: the call replayed as a
+    CUDA graph, and the host's time per call), to tell a GPU-bound reading from a host-bound one.
     Needs a CUDA device.
     """
     shapes = _check_args(shapes, dtype, reps, heads, head_dim, feature_dim, window, sinks)
@@ -283,8 +341,8 @@ def run_kernel_bench(
                 continue
             forward, leaves, grad = table[name]
             with torch.no_grad():
-                cells[name] = {"fwd": _cell(forward, reps)}
-            cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves)
+                cells[name] = {"fwd": _cell(forward, reps, host=host)}
+            cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves, host=host)
         checks = {}
         for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)"),
                      ("triton lizard passes (ours)", "torch lizard (ours)")):
@@ -312,6 +370,13 @@ def _fmt(cell: dict) -> str:
     if "error" in cell:
         return "error"
     return f"{cell['median_ms']:.3f} / {cell['mean_ms']:.3f}"
+
+
+def _fmt_host(cell: dict) -> str:
+    if "host_us" not in cell:
+        return "-"
+    graph = f"{cell['graph_ms']:.3f}" if "graph_ms" in cell else "no graph"
+    return f"{graph} / {cell['host_us']:.0f}"
 
 
 def render_markdown(result: dict) -> str:
@@ -353,6 +418,14 @@ def render_markdown(result: dict) -> str:
         for p in PASSES:
             row = [str(s["cells"][name][p].get("peak_extra_mib", "-")) for s in shapes]
             lines.append(f"| {name} | {p} | " + " | ".join(row) + " |")
+    if any("host_us" in s["cells"][n][p] for s in shapes for n in s["cells"] for p in PASSES):
+        lines += ["", "GPU time alone (the call replayed as a CUDA graph, median ms) / the host's time per call "
+                  "(us, queued behind a busy GPU). Where the host's time is above the GPU's, do_bench's cell "
+                  "reads the host:", "", "| method | pass | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+        for name in shapes[0]["cells"]:
+            for p in PASSES:
+                row = [_fmt_host(s["cells"][name][p]) for s in shapes]
+                lines.append(f"| {name} | {p} | " + " | ".join(row) + " |")
     if errors:
         lines += ["", "Errors:", ""] + [f"- {n}, {p}: `{e}`" for (n, p), e in errors.items()]
     lines += ["", "Kernel output vs our torch path (relative RMS, same inputs):", ""]
@@ -623,6 +696,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--parts", type=int, default=1)
     p.add_argument("--tuned", default=None, help="bench: first apply the fastest configs of this tune.json")
     p.add_argument("--kinds", default=",".join(TUNE_KINDS), help="tune: which sweeps (default: %(default)s)")
+    p.add_argument("--host", action="store_true",
+                   help="bench: also time each cell as a CUDA graph (GPU alone) and the host's time per call")
     a = p.parse_args(argv)
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -635,7 +710,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         if a.tuned:
             print("tuned configs:", json.dumps(apply_tuned(a.tuned)), flush=True)
-        res = run_kernel_bench(a.out, shapes, reps=a.reps, methods=a.methods.split(",") if a.methods else None)
+        res = run_kernel_bench(a.out, shapes, reps=a.reps, methods=a.methods.split(",") if a.methods else None,
+                               host=a.host)
         print(render_markdown(res))
     return 0
 
