@@ -86,8 +86,8 @@ def config_args(specs: list[str]) -> Optional[dict]:
     lizard_train_ab.py's --variant) -> {NAME: LizardKernelConfig}, or None if none."""
     out = {}
     for spec in specs:
-        name, (cfg, gla_changes, window_changes) = _variant(spec)
-        if gla_changes or window_changes:
+        name, (cfg, gla_changes, window_changes, op_kw) = _variant(spec)
+        if gla_changes or window_changes or op_kw:
             raise SystemExit(f"--config takes LizardKernelConfig fields only, got {spec!r}")
         out[name] = cfg
     return out or None

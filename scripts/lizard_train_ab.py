@@ -9,7 +9,8 @@ memory, and each gradient's error against our torch path in fp32.
 (``gla_chunk_triton``, unnormalised plain features; no error check).
 
 A variant's fields are LizardKernelConfig's, or, prefixed ``gla.`` / ``window.``, those of
-``kernels.gla.CONFIG`` / ``kernels.window.CONFIG`` (set while that variant runs). Default
+``kernels.gla.CONFIG`` / ``kernels.window.CONFIG`` (set while that variant runs), or, prefixed
+``op.``, keywords of ``lizard_attention`` itself (``op.return_state=False``: a step that keeps no state). Default
 variants: the defaults, and ``og kept`` (og_from_y=False: the forward stores o_g). The
 bench's inputs (``bench.kernels._shape_inputs``: bf16, 32 heads, widths 128, window 128, 4 sinks).
 Rounds alternate the variants; each time is the median over rounds of do_bench's median (L2
@@ -40,25 +41,26 @@ NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
 
 
 def _variant(spec: str) -> tuple[str, tuple]:
-    """NAME=FIELD=VALUE;... -> (NAME, (LizardKernelConfig, gla config changes, window config changes))."""
+    """NAME=FIELD=VALUE;... -> (NAME, (LizardKernelConfig, gla config changes, window config changes,
+    lizard_attention's keywords))."""
     name, sep, fields = spec.partition("=")
     if not sep:
         raise SystemExit(f"--variant takes NAME=FIELD=VALUE[;FIELD=VALUE], got {spec!r}")
-    kw, parts = {}, {"gla": {}, "window": {}}
+    kw, parts = {}, {"gla": {}, "window": {}, "op": {}}
     for f in filter(None, fields.split(";")):
         k, _, v = f.partition("=")
         mod, dot, field = k.partition(".")
         (parts[mod] if dot else kw)[field if dot else k] = ast.literal_eval(v)
-    return name, (LizardKernelConfig(**kw), parts["gla"], parts["window"])
+    return name, (LizardKernelConfig(**kw), parts["gla"], parts["window"], parts["op"])
 
 
 def _run(cfg: tuple, leaves: list, op: str = "lizard"):
-    lizard_cfg, gla_changes, window_changes = cfg
+    lizard_cfg, gla_changes, window_changes, op_kw = cfg
     old_g, old_w = kgla.set_config(**gla_changes), kwin.set_config(**window_changes)
     try:
         if op == "gla":
             return kgla.gla_chunk_triton(*leaves, normalize=False, log_space_features=False)[0]
-        return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=lizard_cfg)[0]
+        return lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=lizard_cfg, **op_kw)[0]
     finally:  # (the backward runs with the configs its forward saw)
         kgla.set_config(**dataclasses.asdict(old_g))
         kwin.set_config(**dataclasses.asdict(old_w))
@@ -123,7 +125,7 @@ def main() -> None:
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 1)
     ref = _leaves(x, torch.float32)
     os.environ["LINEARIZE_KERNELS"] = "0"
-    _run((LizardKernelConfig(), {}, {}), ref).backward(x["dy"].float())
+    _run((LizardKernelConfig(), {}, {}, {}), ref).backward(x["dy"].float())
     os.environ["LINEARIZE_KERNELS"] = "1"
     for n, cfg in variants.items():
         leaves = _leaves(x)

@@ -762,6 +762,45 @@ def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_lizard_without_state(fused, monkeypatch):
+    """lizard_attention(return_state=False), as a training step or attention transfer calls it:
+    (y, None, None), y and every gradient bit for bit those of the call that returns the states; on
+    the fused kernel (``fused``) neither the window's state nor the final gated state is asked of it;
+    on the Triton passes (fused off) the same answers."""
+    from linearize.kernels import lizard as kliz
+    from linearize.kernels import lizard_gluon
+
+    if fused:
+        _needs_hopper_gluon()
+    B, H, T, D = 2, 3, 1024, 128
+    fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, D)
+    alpha, sinks = torch.rand(H, generator=g, device="cuda") + 0.5, torch.randn(H, 4, generator=g, device="cuda")
+    cfg = kliz.LizardKernelConfig() if fused else kliz.LizardKernelConfig(fused_fwd=False, fused_train=False)
+    calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "final_state")
+    with torch.no_grad():
+        y_a, s_a, w_a = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, config=cfg)
+        y_b, s_b, w_b = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, config=cfg,
+                                              return_state=False)
+    assert s_a is not None and w_a is not None and (s_b, w_b) == (None, None)
+    assert torch.equal(y_a, y_b)
+    assert calls == ([True, False] if fused else [])
+    leaves = [x.detach().requires_grad_() for x in (fq, fk, v, lg, qw, kw, alpha, sinks)]
+    dy = torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()
+    out = []
+    for keep in (True, False):
+        y, s, w = kliz.lizard_attention(*leaves[:7], sink_logits=leaves[7], config=cfg, return_state=keep)
+        assert (s is None) == (w is None) == (not keep)
+        y.backward(dy)
+        out.append([y.detach()] + [x.grad for x in leaves])
+        for x in leaves:
+            x.grad = None
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    assert calls == ([True, False, True, False] if fused else [])
+
+
+@needs_cuda
 @pytest.mark.parametrize("nseg", [1, 4])
 def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     """In training the fused forward writes, beside the state entering every chunk, the one leaving

@@ -273,6 +273,20 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     assert _spill_bytes(r) <= (16 if train else 0), r.stderr[-2000:]
 
 
+def test_gluon_lizard_training_forward_without_final_state(tmp_path):
+    """The fused training forward of a caller that keeps no state (``final=False``: a training step,
+    ``lizard_attention(return_state=False)``) compiles as the one that does, in no more shared
+    memory, less the final state's global stores (S_T in two halves and z_T), and spills no more."""
+    from linearize.kernels import lizard_gluon
+
+    kw = dict(train=True, store_og=False, store_ow=True)
+    with_final, without = (lizard_gluon.compile_for_hopper(final=f, **kw) for f in (True, False))
+    stores = [k.asm["ptx"].count("st.global") for k in (with_final, without)]
+    assert stores[1] < stores[0], stores
+    assert without.metadata.shared <= with_final.metadata.shared
+    assert _spill_bytes(_ptxas(without.asm["ptx"], tmp_path)) <= 16
+
+
 @pytest.mark.parametrize("normalize, has_init, model_layout", [(False, False, 0), (True, True, 7)])
 def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
     """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for

@@ -205,3 +205,46 @@ def test_hybrid_attention_parameters_all_receive_gradients(method):
     assert (len(trainable) == 0) == (method in ("liger", "liza"))
     _assert_all_grads_nonzero(layer)
     assert all(t.grad.abs().sum() > 0 for t in (q, k, v))  # and the teacher's projections (LoRA) learn
+
+
+def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
+    """The linearized model asks its layers for their state only with a cache (need_state): a forward
+    with use_cache=False (a training step) does not, a cached one does; Lizard's layer hands
+    that on to lizard_attention's return_state, and y does not depend on it."""
+    import fixtures
+    import linearize
+    from linearize.kernels import lizard as kliz
+    from linearize.layers import hybrid
+
+    torch.manual_seed(0)
+    model = linearize.convert(fixtures.ARCHS["llama"](), "lizard", window=4, chunk_size=8).eval()
+    asked, returned = [], []
+    forward = hybrid.HybridAttention.forward
+    monkeypatch.setattr(hybrid.HybridAttention, "forward",
+                        lambda self, *a, need_state=True, **k: asked.append(need_state) or forward(
+                            self, *a, need_state=need_state, **k))
+    # the layer's one-op path runs on CUDA only: stand in for it here, recording what it is asked
+    real = kliz.lizard_attention
+
+    def op(*a, return_state=True, **k):  # (the two branches' own ops, as off CUDA)
+        returned.append(return_state)
+        return real(*a, return_state=return_state, config=kliz.LizardKernelConfig(one_op=False), **k)
+
+    monkeypatch.setattr(kliz, "one_op_applies", lambda *a, **k: True)
+    monkeypatch.setattr(kliz, "lizard_attention", op)
+    ids = torch.randint(3, fixtures.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y_train = model(input_ids=ids, use_cache=False).logits
+        assert asked == [False, False] and returned == [False, False]
+        y_cached = model(input_ids=ids, use_cache=True).logits
+    assert asked[2:] == [True, True] and returned[2:] == [True, True]
+    assert torch.equal(y_train, y_cached)
+    # the op itself (its torch path here): the same y, and no state, without return_state
+    fq, fk = (torch.softmax(torch.randn(B, H, T, D), -1) for _ in range(2))
+    v, qw, kw = (torch.randn(B, H, T, D) for _ in range(3))
+    lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T) + 4)
+    torch_path = kliz.LizardKernelConfig(one_op=False)
+    y, g, w = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, config=torch_path)
+    y2, g2, w2 = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, config=torch_path,
+                      return_state=False)
+    assert g is not None and w is not None and (g2, w2) == (None, None) and torch.equal(y, y2)

@@ -103,21 +103,24 @@ def test_probe_alt_modules_load_kernel_copies_with_relative_imports(tmp_path):
 def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
     """scripts/lizard_train_ab: a variant's fields go to LizardKernelConfig, or (prefixed gla. /
     window.) to the kernel modules' configs, set only while that variant's op runs (the backward
-    reads the configs its forward saw); a spec without NAME= is refused."""
+    reads the configs its forward saw), or (prefixed op.) to lizard_attention's own keywords; a spec
+    without NAME= is refused."""
     pytest.importorskip("triton")
     from linearize.kernels import gla as kgla
     from linearize.kernels import window as kwin
 
     ab = _load_probe("lizard_train_ab")
-    name, cfg = ab._variant("a=og_from_y=False;gla.fused_whole=0.25;window.gluon_walk_delta=False")
+    name, cfg = ab._variant("a=og_from_y=False;gla.fused_whole=0.25;window.gluon_walk_delta=False;"
+                            "op.return_state=False")
     assert name == "a" and cfg[0].og_from_y is False and cfg[0].ow_from_scores is False
-    assert cfg[1:] == ({"fused_whole": 0.25}, {"gluon_walk_delta": False})
+    assert cfg[1:] == ({"fused_whole": 0.25}, {"gluon_walk_delta": False}, {"return_state": False})
     seen = []
-    monkeypatch.setattr(ab, "lizard_attention", lambda *a, config, **k: seen.append(
-        (config.og_from_y, kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta)) or (None,))
+    monkeypatch.setattr(ab, "lizard_attention", lambda *a, config, return_state=True, **k: seen.append(
+        (config.og_from_y, kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta, return_state)) or (None,))
     before = (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta)
     ab._run(cfg, [None] * 8)
-    assert seen == [(False, 0.25, False)] and (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta) == before
+    assert seen == [(False, 0.25, False, False)]
+    assert (kgla.CONFIG.fused_whole, kwin.CONFIG.gluon_walk_delta) == before
     with pytest.raises(SystemExit, match="NAME=FIELD=VALUE"):
         ab._variant("og_from_y")
 

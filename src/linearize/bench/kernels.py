@@ -13,7 +13,9 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        reverse state pass, then the Gluon chunk pass (the default until 2026-11-26)
   triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
-                       + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0
+                       + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0; its
+                       inference forward returns the states (a prefill), its training step none (as the
+                       model's layers run it without a cache: return_state=False)
   triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
                        gets it: on Hopper the forward is the fused Gluon kernel (kernels.lizard_gluon;
                        in training it also stores what the backward reads), the window's backward is
@@ -264,7 +266,10 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
     def lizard(config=None):
-        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls, config=config)[0]
+        # a training step keeps no state (as the model's layers run it without a cache); an inference
+        # forward is a prefill, whose state decoding continues from
+        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls, config=config,
+                                return_state=not torch.is_grad_enabled())[0]
 
     args = [lq, lk, lv, lg, wq, wk, la, ls]
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)

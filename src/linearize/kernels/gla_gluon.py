@@ -1025,14 +1025,16 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
                      a_ready, BL,
                      S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
-                     NPROF: gl.constexpr, TRAIN: gl.constexpr, PAIRED: gl.constexpr = False):
+                     NPROF: gl.constexpr, TRAIN: gl.constexpr, PAIRED: gl.constexpr = False,
+                     FINAL: gl.constexpr = True):
     """One warpgroup carrying the state. Per chunk: the gated scores A = (phi_q phi_k^T) e^{b_t - b_s}
     (s <= t) and their row sums for the output partition (a_s, den_s); K~ = phi_k e^{b_end - b_s}
     (factors <= 1) over phi_k's slot; S <- e^{b_end} S + K~^T V and z <- e^{b_end} z + K~^T 1 (z in
     every column of a (F, 16) product); the next chunk's phi_k; then, once the output partition has
     read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk. TRAIN: the
     state entering every chunk, and the one leaving the last, out for the backward (``_store_state``;
-    PAIRED: S only where the chunk is even)."""
+    PAIRED: S only where the chunk is even). FINAL: the state leaving the walk (fp32) into S_OUT, Z_OUT
+    (a caller that keeps no state, a training step, asks for none)."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
@@ -1134,10 +1136,11 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
             tma.store_wait(0)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
-    if i_s == nseg - 1:
-        gl.store(S_OUT + i_bh * F * DV + s_off, S0)
-        gl.store(S_OUT + i_bh * F * DV + FH * DV + s_off, S1)
-        gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+    if FINAL:
+        if i_s == nseg - 1:
+            gl.store(S_OUT + i_bh * F * DV + s_off, S0)
+            gl.store(S_OUT + i_bh * F * DV + FH * DV + s_off, S1)
+            gl.store(Z_OUT + i_bh * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
 
 
 # ----------------------------------------------------------------------------- GLA's fused forward

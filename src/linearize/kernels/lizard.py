@@ -200,7 +200,7 @@ class _LizardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
-                window, scale, cfg, grad_mode, state_len, state_dtype):
+                window, scale, cfg, grad_mode, state_len, state_dtype, keep_state):
         from . import gla as kgla
         from . import window as kwin
 
@@ -213,25 +213,26 @@ class _LizardFunction(torch.autograd.Function):
         paired = one_segment and cfg.fused_train and cfg.paired_states
         ow_from_scores = window_dyo and cfg.ow_from_scores
         # the window's fresh state (its last keys and values): written by the fused kernel from its ring,
-        # else copied from the inputs beside the passes
-        w_state = _window_state_buffers(k_w, v, state_len, state_dtype)
+        # else copied from the inputs beside the passes; none where the caller keeps no state
+        w_state = _window_state_buffers(k_w, v, state_len, state_dtype) if keep_state else None
         kernel_writes_state = state_dtype == torch.float32  # (the kernel writes fp32)
         if store and cfg.fused_train:
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
                                    window, scale, eps, cfg, store=True, store_og=not og_from_y,
                                    store_ow=not ow_from_scores, window_state=w_state if kernel_writes_state else None,
-                                   paired_states=paired)
+                                   paired_states=paired, final_state=keep_state)
         if fused is not None:
-            if not kernel_writes_state:
+            if w_state is not None and not kernel_writes_state:
                 _fill_window_state(w_state, k_w, v)
             y, S_T, z_T, inter, segs = fused
             o_g, o_w, lse, den, sc, zc, bl = (inter[n] for n in ("o_g", "o_w", "lse", "den", "sc", "zc", "bl"))
         else:
             paired = False  # (the Triton passes keep every chunk's state)
             bl = None
-            copier = _side_stream(v, cfg.overlap_fwd, 0, "copy")
+            copier = _side_stream(v, cfg.overlap_fwd and w_state is not None, 0, "copy")
             with fork_stream(copier):
-                _fill_window_state(w_state, k_w, v)
+                if w_state is not None:
+                    _fill_window_state(w_state, k_w, v)
             y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc = _fwd(
                 phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize, log_space, eps, window,
                 scale, store, cfg)
@@ -250,6 +251,8 @@ class _LizardFunction(torch.autograd.Function):
         ctx.state_len = state_len
         ctx.one_segment = one_segment
         ctx.set_materialize_grads(False)
+        if not keep_state:  # (the Triton passes formed S_T and z_T anyway: dropped)
+            return y, None, None, None, None
         return y, S_T, z_T, *w_state
 
     @staticmethod
@@ -295,7 +298,7 @@ class _LizardFunction(torch.autograd.Function):
             if d_state is not None:
                 grad[:, :, T - take:] += d_state[:, :, L - take:].to(grad.dtype)
         return (dq, dk, dv, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def one_op_applies(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
@@ -315,36 +318,41 @@ def lizard_attention(
     sink_logits: Optional[torch.Tensor] = None, scale: Optional[float] = None, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
     eps: float = 1e-6, window_state: Optional[WindowState] = None, config: Optional[LizardKernelConfig] = None,
-) -> tuple[torch.Tensor, GLAState, WindowState]:
+    return_state: bool = True,
+) -> tuple[torch.Tensor, Optional[GLAState], Optional[WindowState]]:
     """Lizard's attention output and the two branch states (see the module docstring).
 
     ``window_state``: None, or a fresh window state (``pos <= 0`` in every row: its cache is never
     seen, and a row at -p starts with p tokens of left padding, invisible to the window; the
-    caller zeroes the padding's features and gates for the gated branch)."""
+    caller zeroes the padding's features and gates for the gated branch).
+    ``return_state``: False returns (y, None, None), for a caller that keeps no state (a training
+    step, attention transfer): the fused kernel then writes neither the window's state nor the gated
+    branch's final one (100 MB at B16 T2048 and 32 heads, fp32); y and every gradient are the same."""
     cfg = config or CONFIG
     if cfg.one_op and one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
         return _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
                               scale=scale, normalize=normalize, log_space_features=log_space_features,
-                              state=state, eps=eps, window_state=window_state, config=cfg)
+                              state=state, eps=eps, window_state=window_state, config=cfg, return_state=return_state)
     y_g, g_state = gla_chunk(phi_q, phi_k, v, log_g, normalize=normalize, log_space_features=log_space_features,
                              state=state, chunk_size=chunk_size, eps=eps)
     fused = window_attn_sum(q_w, k_w, v, y_g, alpha, window=window, scale=scale, sink_logits=sink_logits,
                             state=window_state, chunk_size=chunk_size, fresh_state=True)
     if fused is not None:
         y, w_state = fused
-        return y, g_state, w_state
+        return (y, g_state, w_state) if return_state else (y, None, None)
     H = q_w.shape[1] if q_w.dim() == 4 else None
     if not isinstance(alpha, torch.Tensor) or tuple(alpha.shape) != (H,):
         got = tuple(alpha.shape) if isinstance(alpha, torch.Tensor) else type(alpha).__name__
         raise ValueError(f"alpha must have shape ({H},), got {got}")
     y_w, w_state = _window_chunk_torch(q_w, k_w, v, window=window, scale=scale, sink_logits=sink_logits,
                                        state=window_state, chunk_size=chunk_size)
-    y = y_g + alpha[:, None, None].to(y_g.dtype) * y_w
-    return y.to(v.dtype), g_state, w_state
+    y = (y_g + alpha[:, None, None].to(y_g.dtype) * y_w).to(v.dtype)
+    return (y, g_state, w_state) if return_state else (y, None, None)
 
 
 def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logits, scale, normalize,
-                   log_space_features, state, eps, window_state, config) -> tuple[torch.Tensor, GLAState, WindowState]:
+                   log_space_features, state, eps, window_state, config,
+                   return_state: bool = True) -> tuple[torch.Tensor, Optional[GLAState], Optional[WindowState]]:
     """The checks of both branches, then ``_LizardFunction``."""
     from . import window as kwin
     from .gla import gla_chunk_checks
@@ -369,11 +377,16 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     dt = common.compute_dtype(q_w, k_w, v, *([sink_logits] if sink_logits is not None else []))
     inference = config.fused_fwd and not _records_grad(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0)
 
-    def fused_forward(w_out=None):
+    def fused_forward(w_out=None, final_state=True):
         return _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize,
-                              log_space_features, window, scale, eps, config, window_state=w_out)
+                              log_space_features, window, scale, eps, config, window_state=w_out,
+                              final_state=final_state)
 
-    kernel_state = inference and window_state is None and dt == torch.float32 and v.is_cuda
+    if inference and not return_state:  # the fused kernel writes y alone
+        fused = fused_forward(final_state=False)
+        if fused is not None:
+            return fused[0], None, None
+    kernel_state = inference and return_state and window_state is None and dt == torch.float32 and v.is_cuda
     if kernel_state:
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
         # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
@@ -387,7 +400,10 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     # gradient through it reaches k_w and v), and a given state continues from it
     y, S, z, w_k, w_v = _LizardFunction.apply(
         phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha.contiguous(), S0, z0, kmin, bool(normalize),
-        bool(log_space_features), float(eps), int(window), float(scale), config, torch.is_grad_enabled(), L, dt)
+        bool(log_space_features), float(eps), int(window), float(scale), config, torch.is_grad_enabled(), L, dt,
+        bool(return_state))
+    if not return_state:
+        return y, None, None
     T = v.shape[2]
     if window_state is None:
         return y, GLAState(S, z), WindowState(w_k, w_v, torch.full((B,), T, dtype=torch.int64, device=v.device))
@@ -418,12 +434,14 @@ def _records_grad(*xs: Optional[torch.Tensor]) -> bool:
 
 def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize: bool, log_space: bool,
                    window, scale, eps, cfg, store: bool = False, store_og: bool = True, store_ow: bool = True,
-                   window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False):
+                   window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False,
+                   final_state: bool = True):
     """(y, S_T, z_T, what the backward reads (with ``store``, else None), (segments, their length))
     from ``lizard_gluon.lizard_fwd_fused``, or None where it does not apply (left padding (kmin),
     unnormalised or log-space features, or outside ``lizard_gluon.supports``). ``window_state``:
     buffers the kernel fills with the window's decode state (``lizard_fwd_fused``); ``paired_states``:
-    the gated states kept for even chunks only (``lizard_fwd_fused``)."""
+    the gated states kept for even chunks only (``lizard_fwd_fused``); ``final_state`` False: no final
+    gated state (S_T, z_T None)."""
     if kmin is not None or not normalize or log_space:
         return None
     lizard_gluon = gluon_kernels("lizard_gluon")
@@ -443,5 +461,6 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
         s_in, z_in = gla_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
-                                        store_ow=store_ow, window_state=window_state, paired_states=paired_states)
+                                        store_ow=store_ow, window_state=window_state, paired_states=paired_states,
+                                        final_state=final_state)
     return (*out, (nseg, seg_len))

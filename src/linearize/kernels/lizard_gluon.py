@@ -232,7 +232,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
                        W: gl.constexpr, NSINK: gl.constexpr, HAS_INIT: gl.constexpr, NPROF: gl.constexpr,
                        D: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr, TRAIN: gl.constexpr,
                        STORE_OG: gl.constexpr = True, STORE_OW: gl.constexpr = True, WSTATE: gl.constexpr = False,
-                       PAIRED: gl.constexpr = False):
+                       PAIRED: gl.constexpr = False, FINAL: gl.constexpr = True):
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_h = i_bh % H
@@ -282,7 +282,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
         (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
-                            F, DV, C, NPROF, TRAIN, PAIRED)),
+                            F, DV, C, NPROF, TRAIN, PAIRED, FINAL)),
     ], [4], [232])
     for i in gl.static_range(3):
         mbarrier.invalidate(kv_bar.index(i))
@@ -310,8 +310,10 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                      scale: float, eps: float, nseg: int = 1, S_in: Optional[torch.Tensor] = None,
                      z_in: Optional[torch.Tensor] = None, prof: Optional[torch.Tensor] = None, store: bool = False,
                      store_og: bool = True, store_ow: bool = True, out: Optional[torch.Tensor] = None,
-                     window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False):
-    """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32, and with ``store``
+                     window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False,
+                     final_state: bool = True):
+    """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32 (None each without
+    ``final_state``: the kernel then writes no final state, 34 MB at B16 T2048 and 32 heads), and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
@@ -352,10 +354,12 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                                  f"{v.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
     views = [view2d(x) for x in (q_w, k_w, v, phi_q, phi_k, y)]
     descs = [TensorDescriptor.from_tensor(x2, [BT, 128], lay) for x2, _ in views]
-    S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
-    z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
-    has_init = S_in is not None
     b = chunk_gates(log_g)
+    S_T = z_T = None
+    if final_state:
+        S_T = torch.empty(B, H, F, DV, dtype=torch.float32, device=v.device)
+        z_T = torch.empty(B, H, F, dtype=torch.float32, device=v.device)
+    has_init = S_in is not None
     inter = None
     sc_d = og_d = ow_d = descs[-1]  # (unused without ``store``)
     if store:
@@ -369,20 +373,21 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                       else sc_d for n in ("o_g", "o_w"))
     _lizard_fwd_kernel[(nseg, B * H)](
         *descs, sc_d, og_d, ow_d, b, sinks if sinks is not None else b, alpha.float().contiguous(),
-        S_in if has_init else S_T, z_in if has_init else z_T, S_T, z_T, prof if prof is not None else S_T,
+        S_in if has_init else b, z_in if has_init else b, S_T if final_state else b, z_T if final_state else b,
+        prof if prof is not None else b,
         *((inter[n] for n in ("lse", "den", "zc")) if store else (b, b, b)),
         *(window_state if window_state is not None else (b, b)),
         T, H, seg_len, nseg, scale * LOG2E, eps,
         W=window, NSINK=0 if sinks is None else sinks.shape[1], HAS_INIT=has_init, NPROF=0 if prof is None else 8,
         MODEL_LAYOUT=model_layout_bits(views[:5]),
         D=D, F=F, DV=DV, C=BT, TRAIN=store, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state is not None,
-        PAIRED=store and paired_states, num_warps=4)
+        PAIRED=store and paired_states, FINAL=final_state, num_warps=4)
     return y, S_T, z_T, inter
 
 
 def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128, nprof: int = 0,
                        model_layout: int = 0, train: bool = False, store_og: bool = True, store_ow: bool = True,
-                       window_state: bool = False, paired: bool = False):
+                       window_state: bool = False, paired: bool = False, final: bool = True):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
     from .gla_gluon import _compile, _compile_args
@@ -393,5 +398,5 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
                   MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state,
-                  PAIRED=paired)
+                  PAIRED=paired, FINAL=final)
     return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)

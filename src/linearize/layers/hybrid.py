@@ -130,7 +130,10 @@ class HybridAttention(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, q, k, v, q_rope, k_rope, x, state: dict | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                valid: torch.Tensor | None = None, need_state: bool = True) -> tuple[torch.Tensor, dict]:
+        """y (B, H, T, d) and the state to continue from. ``need_state`` False: the caller keeps no state
+        (a training step, attention transfer), so the kernels may skip writing it and the returned
+        dict may lack entries; y is the same."""
         c = self.config
         step = state is not None and q.shape[2] == 1  # decoding: the recurrent forms
         state = dict(state or {})
@@ -171,7 +174,7 @@ class HybridAttention(nn.Module):
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
                 log_g = self._log_gates(k, x, valid)
-                lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid)
+                lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
                 if lizard is not None:
                     return lizard
                 # kernels.gla_chunk: the Triton kernels on CUDA where they apply, else ops.gla.gla_chunk
@@ -213,10 +216,12 @@ class HybridAttention(nn.Module):
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
 
-    def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid) -> tuple | None:
+    def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid,
+                       need_state: bool = True) -> tuple | None:
         """Lizard (gated + window with v2 sinks, summed) as the kernels' one op (both branches and
         the combine, the gated passes overlapping the window's on a second stream) where it
-        applies: a prefill without padding whose window starts fresh; None elsewhere."""
+        applies: a prefill without padding whose window starts fresh; None elsewhere. Without
+        ``need_state`` the op writes no state and ``state`` is returned as it came."""
         c = self.config
         wkw = self._window_kwargs()
         if (step or valid is not None or "local" in state or c.local_rule != "window" or c.combine != "sum"
@@ -227,9 +232,11 @@ class HybridAttention(nn.Module):
         sinks = wkw.get("sink_logits")
         if not one_op_applies(fq, fk, v, log_g, lq, lk, self.alpha, sinks, state.get("global")):
             return None
-        y, state["global"], state["local"] = lizard_attention(
+        y, g_state, w_state = lizard_attention(
             fq, fk, v, log_g, lq, lk, self.alpha, window=c.window, sink_logits=sinks, scale=self.scale,
-            state=state.get("global"), chunk_size=c.chunk_size)
+            state=state.get("global"), chunk_size=c.chunk_size, return_state=need_state)
+        if need_state:
+            state["global"], state["local"] = g_state, w_state
         return y.to(v.dtype), state
 
     def _full_softmax(self, q, k, v, cache, valid):

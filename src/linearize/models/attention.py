@@ -64,7 +64,9 @@ class LinearizedAttention(nn.Module):
         if self.transfer is not None:
             return self._transfer_forward(q, k, v, q_rope, k_rope, hidden_states, valid), None
         layer = state_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
-        y, state = self.hybrid(q, k, v, q_rope, k_rope, hidden_states, layer.state if layer else None, valid)
+        # (no cache, as in training: the kernels need not write the state)
+        y, state = self.hybrid(q, k, v, q_rope, k_rope, hidden_states, layer.state if layer else None, valid,
+                               need_state=layer is not None)
         if layer is not None:
             layer.set_state(state, T)
         return self._output(y, hidden_states.dtype), None
@@ -89,7 +91,7 @@ class LinearizedAttention(nn.Module):
         with torch.no_grad():
             y_teacher = self.teacher_heads(q_rope, k_rope, v, valid)
             out_teacher = self._output(y_teacher, x.dtype)
-        y_student, _ = self.hybrid(q, k, v, q_rope, k_rope, x, None, valid)
+        y_student, _ = self.hybrid(q, k, v, q_rope, k_rope, x, None, valid, need_state=False)
         if self.transfer.target == "output":
             self.transfer.record(self.layer_idx, self._output(y_student, x.dtype), out_teacher, valid)
         else:
