@@ -15,7 +15,6 @@ Writes OUT/gluon-launch-probe.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,7 +24,7 @@ import torch
 from lizard_launch_overhead import NAMES, cpu_us
 from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import lizard_gluon
-from probe_common import write_rows
+from probe_common import host_probe_parser, parse_shape, write_rows
 
 
 class _Recorder:
@@ -112,13 +111,8 @@ def pieces(x: dict, store: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shape", default="16x2048")
-    p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-    B, T = (int(v) for v in a.shape.split("x"))
+    a = host_probe_parser(calls=50).parse_args()
+    B, T = parse_shape(a.shape)
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     y = torch.zeros(1024, device="cuda")
     rows = []

@@ -10,7 +10,6 @@ training step (forward with autograd and backward), bench inputs. Writes OUT/liz
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
@@ -19,19 +18,17 @@ import pstats
 import torch
 
 from lizard_launch_overhead import config_args, lizard_calls
+from probe_common import host_probe_parser, parse_shape
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shape", default="16x2048")
-    p.add_argument("--calls", type=int, default=20)
+    p = host_probe_parser(calls=20, rounds=None)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--config", action="append", default=[],
                    help="NAME=FIELD=VALUE[;...]: a training step under that LizardKernelConfig (repeatable)")
     a = p.parse_args()
     os.environ["LINEARIZE_KERNELS"] = "1"
-    B, T = (int(v) for v in a.shape.split("x"))
+    B, T = parse_shape(a.shape)
     calls = lizard_calls(B, T, config_args(a.config))
     report = io.StringIO()
     for name in [n for n in calls if n.startswith("op")]:

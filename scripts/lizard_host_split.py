@@ -14,7 +14,6 @@ Writes OUT/lizard-host-split.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ from lizard_launch_overhead import NAMES, cpu_us, fused_forward
 from linearize.bench.kernels import _shape_inputs
 from linearize.kernels import window as kwin
 from linearize.kernels.lizard import lizard_attention
-from probe_common import write_rows
+from probe_common import host_probe_parser, parse_shape, write_rows
 
 
 def _step_breakdown(leaves: list, dy: torch.Tensor, calls: int, rounds: int, config=None, name: str = "") -> dict:
@@ -77,14 +76,9 @@ def _step_breakdown(leaves: list, dy: torch.Tensor, calls: int, rounds: int, con
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shape", default="16x2048")
-    p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
+    a = host_probe_parser(calls=20).parse_args()
     os.environ["LINEARIZE_KERNELS"] = "1"
-    B, T = (int(v) for v in a.shape.split("x"))
+    B, T = parse_shape(a.shape)
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     leaves = [x[n].detach().requires_grad_() for n in NAMES]
     bwd = _backward_inputs(B, T)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 from linearize.bench.kernels import _env
 
@@ -23,6 +24,24 @@ def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Nam
     a = p.parse_args()
     a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape or shapes]
     return a
+
+
+def host_probe_parser(calls: int, rounds: Optional[int] = 5) -> argparse.ArgumentParser:
+    """The arguments the host-time probes share: --out, --shape BxT (one), --calls (calls queued a
+    round) and, unless ``rounds`` is None, --rounds."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", default="16x2048", help="BxT (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=calls)
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
+def parse_shape(shape: str) -> tuple[int, int]:
+    """'16x2048' -> (16, 2048)."""
+    B, T = (int(v) for v in shape.split("x"))
+    return B, T
 
 
 def alt_modules(current: ModuleType, alts: list[str]) -> dict[str, ModuleType]:
