@@ -727,13 +727,18 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
     else:
         dzv = gl.zeros([F], gl.float32, layout=gl.SliceLayout(1, mma_Z))
     dz = gl.where(zc[None, :] == 0, dzv[:, None], 0.0)  # (F, 16): dz in column 0
-    # the state leaving the segment (from global memory: st_s holds the one entering its last chunk)
-    slot = i_bh * (NC + 1) + c_hi + 1
-    sp = SC + _sc_row(i_bh, c_hi + 1, NC, F, PAIRED).to(gl.int64) * DV
-    s_dot = (gl.sum(gl.sum(gl.load(sp + s_off).to(gl.float32) * dS0, axis=1), axis=0)
-             + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
-    if NORM:
-        s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
+    # the state leaving the segment (from global memory: st_s holds the one entering its last chunk);
+    # without a gradient leaving the segment its part is 0 and that state is not read (a forward that
+    # keeps no state, lizard_fwd_fused(final_state=False), does not write it)
+    if HAS_DS:
+        slot = i_bh * (NC + 1) + c_hi + 1
+        sp = SC + _sc_row(i_bh, c_hi + 1, NC, F, PAIRED).to(gl.int64) * DV
+        s_dot = (gl.sum(gl.sum(gl.load(sp + s_off).to(gl.float32) * dS0, axis=1), axis=0)
+                 + gl.sum(gl.sum(gl.load(sp + FH * DV + s_off).to(gl.float32) * dS1, axis=1), axis=0))
+        if NORM:
+            s_dot += gl.sum(dzv * gl.load(ZC + slot * F + f_Z), axis=0)
+    else:
+        s_dot = gl.sum(dzv, axis=0)  # (dzv is zeros: an fp32 0 of the loop's type)
     # cycles per phase: waits 0 dS's copy read, 2 S read (its slot free), 3 tiles and the dv to add, 4 dd;
     # work 5 dv, 6 dS's copy, 7 the rest (<dS, S_out> among it); 1 unused
     if NPROF > 0:
@@ -1008,11 +1013,17 @@ def _sc_row(i_bh, c, NC, F: gl.constexpr, PAIRED: gl.constexpr):
 
 
 @gluon.jit
-def _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c, NC, F: gl.constexpr, PAIRED: gl.constexpr):
-    """Training: the state entering chunk c for the backward: z (fp32) into row i_bh * (NC + 1) + c
-    of ZC's (B*H*(NC+1), F) rows, and S from its bf16 copy (by TMA) into its slot of sc
-    (``_sc_row``; with PAIRED only even chunks' and the last's)."""
+def _store_z(ZC, z, f_Z, zc, i_bh, c, NC, F: gl.constexpr):
+    """Training: z entering chunk c (fp32, column 0 of z's (F, 16) product) into row i_bh * (NC + 1) + c
+    of ZC's (B*H*(NC+1), F) rows."""
     gl.store(ZC + (i_bh * (NC + 1) + c) * F + f_Z[:, None] + 0 * zc[None, :], z, mask=zc[None, :] == 0)
+
+
+@gluon.jit
+def _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c, NC, F: gl.constexpr, PAIRED: gl.constexpr):
+    """Training: the state entering chunk c for the backward: z (``_store_z``), and S from its bf16
+    copy (by TMA) into its slot of sc (``_sc_row``; with PAIRED only even chunks' and the last's)."""
+    _store_z(ZC, z, f_Z, zc, i_bh, c, NC, F)
     if PAIRED:
         if (c % 2 == 0) | (c == NC):
             tma.async_copy_shared_to_global(sc_d, [_sc_row(i_bh, c, NC, F, True), 0], st_s)
@@ -1034,7 +1045,9 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
     read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk. TRAIN: the
     state entering every chunk, and the one leaving the last, out for the backward (``_store_state``;
     PAIRED: S only where the chunk is even). FINAL: the state leaving the walk (fp32) into S_OUT, Z_OUT
-    (a caller that keeps no state, a training step, asks for none)."""
+    (a caller that keeps no state, a training step, asks for none); without it (and PAIRED) a training
+    forward keeps no S leaving the last chunk either, only its z: a backward with no gradient leaving
+    the sequence reads none (``_bwd_state_partition``, HAS_DS)."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
@@ -1130,10 +1143,13 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
     if TRAIN:
         tma.store_wait(0)
         if i_s == nseg - 1:  # and the state leaving the last chunk (the st_s copy of it is read: st_free)
-            gl.thread_barrier()
-            _state_out(S0, S1, z, st_s, zq_s, zc)
-            _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c0 + nc, T // C, F, PAIRED)
-            tma.store_wait(0)
+            if FINAL or PAIRED:
+                gl.thread_barrier()
+                _state_out(S0, S1, z, st_s, zq_s, zc)
+                _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c0 + nc, T // C, F, PAIRED)
+                tma.store_wait(0)
+            else:
+                _store_z(ZC, z, f_Z, zc, i_bh, c0 + nc, T // C, F)
     if NPROF > 0:
         gl.store(PROF + (i_bh * nseg + i_s) * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if FINAL:

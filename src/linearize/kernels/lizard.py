@@ -220,7 +220,9 @@ class _LizardFunction(torch.autograd.Function):
             fused = _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin, normalize, log_space,
                                    window, scale, eps, cfg, store=True, store_og=not og_from_y,
                                    store_ow=not ow_from_scores, window_state=w_state if kernel_writes_state else None,
-                                   paired_states=paired, final_state=keep_state)
+                                   # (no state out, no gradient for it: a backward of one segment then
+                                   # reads no state leaving the last chunk, which the kernel skips too)
+                                   paired_states=paired, final_state=keep_state or not one_segment)
         if fused is not None:
             if w_state is not None and not kernel_writes_state:
                 _fill_window_state(w_state, k_w, v)

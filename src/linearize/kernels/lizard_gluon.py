@@ -313,7 +313,9 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
                      window_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired_states: bool = False,
                      final_state: bool = True):
     """y (B, H, T, Dv) in v's dtype, S_T (B, H, F, Dv) fp32, z_T (B, H, F) fp32 (None each without
-    ``final_state``: the kernel then writes no final state, 34 MB at B16 T2048 and 32 heads), and with ``store``
+    ``final_state``: the kernel then writes no final state, 34 MB at B16 T2048 and 32 heads, and with
+    ``store`` keeps no S leaving the last chunk in sc, which only a backward given a gradient for the
+    final state reads, or one in segments: only for a backward of one segment with none), and with ``store``
     what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
