@@ -232,6 +232,46 @@ def test_bench_markdown_host_split():
     assert "GPU time alone" not in md and "| triton lizard (ours) | fwd+bwd | 2.500 / 2.600 |" in md
 
 
+def test_bench_keeps_each_shape_as_it_is_timed(monkeypatch, tmp_path, capsys):
+    """run_kernel_bench writes kernels.json and kernels.md after every shape (a run cut short, by a
+    time limit say, keeps what it timed, marked partial) and prints a line a cell; a whole run is
+    marked complete. Off CUDA, with the timing stood in for."""
+    from linearize.bench import kernels as kb
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kb, "_env", lambda command: dict(gpu="stand-in", torch="t", cuda="c", triton="tr", fla="f",
+                                                         python="p", command=command, date="d"))
+    monkeypatch.setattr(kb, "_shape_inputs", lambda B, T, *a: {"B": B, "T": T})
+    monkeypatch.setattr(kb, "_methods", lambda x, window, fla: {"triton lizard (ours)": (lambda: None, [], None)})
+    timed = []
+
+    def cell(fn, reps, grad_to_none=None, host=False):
+        timed.append(fn)
+        if len(timed) > 2:
+            raise KeyboardInterrupt  # the run stopped while timing the second shape
+        return dict(median_ms=1.0 + len(timed), mean_ms=1.5, runs=10, peak_extra_mib=1.0)
+
+    monkeypatch.setattr(kb, "_cell", cell)
+    with pytest.raises(KeyboardInterrupt):
+        kb.run_kernel_bench(tmp_path, shapes=[(1, 64), (2, 64)], methods=["triton lizard (ours)"])
+    saved = json.loads((tmp_path / "kernels.json").read_text())
+    assert saved["complete"] is False and saved["shapes_planned"] == [[1, 64], [2, 64]]
+    assert [(s["B"], s["T"]) for s in saved["shapes"]] == [(1, 64)]
+    assert saved["shapes"][0]["cells"]["triton lizard (ours)"]["fwd+bwd"]["median_ms"] == 3.0
+    assert "**Partial:** 1 of 2 shapes timed" in (tmp_path / "kernels.md").read_text()
+    assert not list(tmp_path.glob(".*.tmp"))
+    out = capsys.readouterr().out
+    assert "bench kernels: B1 T64 triton lizard (ours) fwd: 2.000 / 1.500 ms (median / mean)" in out
+    timed.clear()
+    monkeypatch.setattr(kb, "_cell", lambda fn, reps, grad_to_none=None, host=False: dict(
+        median_ms=1.0, mean_ms=1.0, runs=10, peak_extra_mib=1.0))
+    monkeypatch.setattr(kb, "plot_kernel_bench", lambda result, path: None)
+    res = kb.run_kernel_bench(tmp_path, shapes=[(1, 64), (2, 64)], methods=["triton lizard (ours)"])
+    saved = json.loads((tmp_path / "kernels.json").read_text())
+    assert res["complete"] is True and saved["complete"] is True and len(saved["shapes"]) == 2
+    assert "Partial" not in (tmp_path / "kernels.md").read_text()
+
+
 def test_cli_bench_kernels_host_flag(monkeypatch, tmp_path):
     """``linearize bench kernels --host`` hands host=True to the bench (off by default)."""
     from linearize import cli

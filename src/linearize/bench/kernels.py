@@ -34,7 +34,10 @@ gated backward on Hopper, say) is recorded with its error. The triton/torch pair
 checked against each other (relative RMS of the outputs) so a fast wrong kernel cannot pass.
 
 Writes ``kernels.json`` (everything), ``kernels.md`` (a table with the GPU, versions and the
-command) and ``kernels.png`` (grouped bars, log scale) into ``out_dir``.
+command) and ``kernels.png`` (grouped bars, log scale) into ``out_dir``; the first two after every
+shape as well (marked partial until the last), so that a run cut short keeps what it timed, and a
+line a cell goes to stdout as it is timed. With ``--host`` each cell also gets its GPU time alone (a
+CUDA graph) and the host's time per call: on an H100 the three shapes then take over 4 minutes.
 """
 
 from __future__ import annotations
@@ -335,7 +338,8 @@ def run_kernel_bench(
 
     result = {"env": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
               "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
-              "feature_dim": feature_dim, "window": window, "sinks": sinks, "reps": reps, "shapes": []}
+              "feature_dim": feature_dim, "window": window, "sinks": sinks, "reps": reps,
+              "shapes_planned": [list(s) for s in shapes], "complete": False, "shapes": []}
     for B, T in shapes:
         x = _shape_inputs(B, T, heads, head_dim, feature_dim, sinks, dt, dev, seed)
         cells: dict = {}
@@ -348,6 +352,11 @@ def run_kernel_bench(
             with torch.no_grad():
                 cells[name] = {"fwd": _cell(forward, reps, host=host)}
             cells[name]["fwd+bwd"] = _cell(_fwd_bwd(forward, grad), reps, grad_to_none=leaves, host=host)
+            for p in PASSES:  # progress, a line a cell
+                c = cells[name][p]
+                said = c["error"] if "error" in c else f"{_fmt(c)} ms (median / mean)" + (
+                    f", {_fmt_host(c)} (as a graph, ms / host us)" if host else "")
+                print(f"bench kernels: B{B} T{T} {name} {p}: {said}", flush=True)
         checks = {}
         for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)"),
                      ("triton lizard passes (ours)", "torch lizard (ours)")):
@@ -361,14 +370,25 @@ def run_kernel_bench(
         result["shapes"].append({"B": B, "T": T, "tokens": B * T, "cells": cells, "rel_rms_vs_torch": checks})
         del x, table
         torch.cuda.empty_cache()
-    (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "kernels.md").write_text(render_markdown(result))
+        # each shape's cells on disk as soon as they are timed: a run cut short keeps what it measured
+        _write_results(out_dir, result)
+    result["complete"] = True
+    _write_results(out_dir, result)
     try:
         plot_kernel_bench(result, out_dir / "kernels.png")
     except ImportError as e:  # matplotlib missing on the GPU box: plot later from kernels.json
         result["plot"] = f"not drawn ({e}); run linearize.bench.kernels.plot_kernel_bench on kernels.json"
         (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _write_results(out_dir: Path, result: dict) -> None:
+    """kernels.json and kernels.md from ``result`` as it stands, each written whole (a temporary file
+    renamed over the old one)."""
+    for name, text in (("kernels.json", json.dumps(result, indent=1)), ("kernels.md", render_markdown(result))):
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
 
 
 def _fmt(cell: dict) -> str:
@@ -398,6 +418,8 @@ def render_markdown(result: dict) -> str:
         "",
         f"Command: `{env['command']}`",
         "",
+        *([f"**Partial:** {len(shapes)} of {len(result['shapes_planned'])} shapes timed; the run stopped before "
+           "the rest.", ""] if not result.get("complete", True) else []),
         f"Launch configs: GLA `{result.get('gla_config')}`, window `{result.get('window_config')}`.",
         "",
         f"Cells: median / mean ms over >= {result['reps']} timed calls (triton.testing.do_bench, L2 flushed "
