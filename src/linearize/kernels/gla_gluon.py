@@ -182,9 +182,18 @@ def model_layout_bits(views) -> int:
     return sum(1 << i for i, (_, spec) in enumerate(views) if spec[1] == 0)
 
 
+def _tma_views(xs) -> Optional[list]:
+    """``view2d`` of each of xs ((B, H, T, D)), or None where TMA cannot read one of them: in neither
+    layout, or not 16-byte aligned."""
+    views = [view2d(x) for x in xs]
+    if any(v is None for v in views) or any(x.data_ptr() % 16 for x in xs):
+        return None
+    return views
+
+
 def tma_readable(xs) -> bool:
     """Whether TMA can read each of xs ((B, H, T, D)): in one of ``view2d``'s layouts, 16-byte aligned."""
-    return all(view2d(x) is not None and x.data_ptr() % 16 == 0 for x in xs)
+    return _tma_views(xs) is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,8 +206,8 @@ def smem_layout(block: tuple[int, ...], dtype: torch.dtype):
 def tma_tiles(xs, block) -> Optional[list]:
     """Tensor descriptors of ``block`` tiles over each of xs (16-bit, (B, H, T, D)) in its 2-D view,
     and the views; None where TMA cannot read one of them (``tma_readable``)."""
-    views = [view2d(x) for x in xs]
-    if any(v is None for v in views) or any(x.data_ptr() % 16 for x in xs):
+    views = _tma_views(xs)
+    if views is None:
         return None
     lay = smem_layout(tuple(block), xs[0].dtype)
     return [TensorDescriptor.from_tensor(x2, block, lay) for x2, _ in views], views
@@ -1045,9 +1054,9 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
     read the copies, S in st_s and z as a bf16 hi + lo pair in zq_s for the next chunk. TRAIN: the
     state entering every chunk, and the one leaving the last, out for the backward (``_store_state``;
     PAIRED: S only where the chunk is even). FINAL: the state leaving the walk (fp32) into S_OUT, Z_OUT
-    (a caller that keeps no state, a training step, asks for none); without it (and PAIRED) a training
-    forward keeps no S leaving the last chunk either, only its z: a backward with no gradient leaving
-    the sequence reads none (``_bwd_state_partition``, HAS_DS)."""
+    (a caller that keeps no state, a training step, asks for none); without it (and without PAIRED) a
+    training forward keeps no S leaving the last chunk either, only its z: a backward with no gradient
+    leaving the sequence reads none (``_bwd_state_partition``, HAS_DS)."""
     mma_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     mma_Z: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dt: gl.constexpr = st_s.dtype
