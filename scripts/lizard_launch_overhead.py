@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 from typing import Optional
 
 import torch
 from triton.testing import do_bench
 
-from linearize.bench.kernels import _shape_inputs
+from linearize.bench.kernels import _graph_replay, _host_us, _shape_inputs
 from linearize.kernels import lizard_gluon
 from linearize.kernels.lizard import lizard_attention
 from lizard_train_ab import _variant
@@ -37,16 +36,10 @@ NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")
 
 
 def cpu_us(fn, calls: int) -> float:
-    """Microseconds of CPU per call of fn, queued behind a GPU kept busy (so none of them waits)."""
+    """Microseconds of CPU per call of fn, queued behind a GPU kept busy (so none of them waits): the
+    bench's ``_host_us`` after a warm-up call, the GPU held about a second at the H100's clock."""
     fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second at the H100's clock: longer than the queueing
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return t / calls * 1e6
+    return _host_us(fn, calls=calls, sleep_cycles=2_000_000_000)
 
 
 def infer(x: dict, config=None) -> None:
@@ -93,20 +86,6 @@ def config_args(specs: list[str]) -> Optional[dict]:
     return out or None
 
 
-def graphed(fn):
-    """fn captured once as a CUDA graph (after warm-up calls on a side stream); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -126,7 +105,7 @@ def main() -> None:
             row = {"B": B, "T": T, "call": name, "cpu_us_per_call": statistics.median(cpu), "cpu_us": cpu,
                    "do_bench_ms": statistics.median(gpu), "do_bench": gpu}
             try:  # the same GPU work without the host: replayed as one CUDA graph
-                replay = graphed(fn)
+                replay = _graph_replay(fn)
                 g = [do_bench(replay, warmup=10, rep=100, return_mode="median") for _ in range(a.rounds)]
                 row.update(graph_ms=statistics.median(g), graph=g)
             except Exception as e:  # (a capture refused: say why, keep the rest)

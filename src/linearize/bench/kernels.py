@@ -129,11 +129,13 @@ def _clear(grad_to_none) -> None:
         t.grad = None
 
 
-def _host_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20) -> float:
+def _host_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20,
+             sleep_cycles: int = 1_000_000_000) -> float:
     """The host's time per call of fn in microseconds: ``calls`` calls queued behind a GPU held busy
-    (``torch.cuda._sleep``), so that none waits for the GPU and the wall time is the host's alone."""
+    for ``sleep_cycles`` (``torch.cuda._sleep``; the default about half a second at 2 GHz, longer than
+    the queueing), so that none waits for the GPU and the wall time is the host's alone."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # about half a second at 2 GHz: longer than the queueing
+    torch.cuda._sleep(sleep_cycles)
     t0 = time.perf_counter()
     for _ in range(calls):
         _clear(grad_to_none)
