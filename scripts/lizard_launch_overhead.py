@@ -62,27 +62,29 @@ def lizard_calls(B: int, T: int, configs: Optional[dict] = None) -> dict:
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     leaves = [x[n].detach().requires_grad_() for n in NAMES]
 
-    def train(config=None):
-        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=config)[0].backward(x["dy"])
+    def train(config=None, op_kw=None):
+        lizard_attention(*leaves[:7], window=128, sink_logits=leaves[7], config=config,
+                         **(op_kw or {}))[0].backward(x["dy"])
         for t in leaves:
             t.grad = None
 
     calls = {"op, inference": lambda: infer(x)}
-    for name, cfg in (configs or {"": None}).items():
-        calls["op, training step" + (f" ({name})" if name else "")] = lambda cfg=cfg: train(cfg)
+    for name, (cfg, op_kw) in (configs or {"": (None, None)}).items():
+        calls["op, training step" + (f" ({name})" if name else "")] = lambda cfg=cfg, kw=op_kw: train(cfg, kw)
     calls["fused forward kernel"] = lambda: fused_forward(x)
     return calls
 
 
 def config_args(specs: list[str]) -> Optional[dict]:
-    """--config NAME=FIELD=VALUE[;FIELD=VALUE] ... (LizardKernelConfig's fields, parsed as
-    lizard_train_ab.py's --variant) -> {NAME: LizardKernelConfig}, or None if none."""
+    """--config NAME=FIELD=VALUE[;FIELD=VALUE] ... (LizardKernelConfig's fields, or ``op.`` keywords of
+    lizard_attention, parsed as lizard_train_ab.py's --variant) -> {NAME: (LizardKernelConfig, keywords)},
+    or None if none."""
     out = {}
     for spec in specs:
         name, (cfg, gla_changes, window_changes, op_kw) = _variant(spec)
-        if gla_changes or window_changes or op_kw:
-            raise SystemExit(f"--config takes LizardKernelConfig fields only, got {spec!r}")
-        out[name] = cfg
+        if gla_changes or window_changes:
+            raise SystemExit(f"--config takes LizardKernelConfig fields and op. keywords only, got {spec!r}")
+        out[name] = (cfg, op_kw)
     return out or None
 
 

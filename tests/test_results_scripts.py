@@ -128,14 +128,16 @@ def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
 def test_launch_overhead_configs_are_lizard_configs_by_name():
     """scripts/lizard_launch_overhead (and lizard_host_profile): --config NAME=FIELD=VALUE;... names
     a LizardKernelConfig for a training step of its own, parsed as lizard_train_ab's variants; a
-    kernel module's field (gla. / window.) is refused, and no --config means the defaults alone."""
+    kernel module's field (gla. / window.) is refused, an op. keyword goes to lizard_attention, and no
+    --config means the defaults alone."""
     pytest.importorskip("triton")
     lo = _load_probe("lizard_launch_overhead")
-    got = lo.config_args(["side=", "none=overlap_bwd=False;side_priority=0"])
-    assert list(got) == ["side", "none"] and got["side"].overlap_bwd is True
-    assert got["none"].overlap_bwd is False and got["none"].side_priority == 0
+    got = lo.config_args(["side=", "none=overlap_bwd=False;side_priority=0;op.return_state=False"])
+    assert list(got) == ["side", "none"] and got["side"][0].overlap_bwd is True and got["side"][1] == {}
+    assert got["none"][0].overlap_bwd is False and got["none"][0].side_priority == 0
+    assert got["none"][1] == {"return_state": False}
     assert lo.config_args([]) is None
-    with pytest.raises(SystemExit, match="LizardKernelConfig fields only"):
+    with pytest.raises(SystemExit, match="LizardKernelConfig fields and op. keywords only"):
         lo.config_args(["x=gla.fused_whole=0.25"])
 
 

@@ -110,6 +110,9 @@ class LizardKernelConfig:
     tiles a chunk (H100, same run: fwd+bwd 3.422 -> 3.572 ms at B16 T2048, 3.909 -> 4.014 at
     B4 T8192; the training forward 1.097 -> 1.088 and 1.229 -> 1.129; gradients as accurate;
     docs/results/og-from-y-h100.md).
+    ``overlap_sums``: where the window's walking backward forms dy . o_w, the sink logits' and
+    alpha's gradients (two small kernels over it) run on a stream of their own, queued after the
+    gated backward, instead of between the two backwards (``_sums_beside``).
     ``paired_states`` (off by default): with ``fused_train`` and the fused gated backward in one
     segment, the forward keeps the gated state entering every second chunk only (and the last
     one): half of those bytes written, kept until the backward and read back (at B16 T2048, 32
@@ -132,11 +135,13 @@ class LizardKernelConfig:
     fused_segments: Optional[int] = None
     og_from_y: bool = True
     ow_from_scores: bool = False
+    overlap_sums: bool = True
     paired_states: bool = False
 
 
 CONFIG = LizardKernelConfig()
 _SIDE_STREAMS: dict = {}
+_SUMS_EVENTS: dict = {}
 
 
 def set_config(**changes) -> LizardKernelConfig:
@@ -280,19 +285,28 @@ class _LizardFunction(torch.autograd.Function):
             gp = kgla.bwd_states(phi_q, phi_k, v, log_g, (y if o_g is None else o_g) if normalize else None,
                                  inter["den"], inter["sc"], inter["zc"], dy, dS_T, dz_T, need_dstate, normalize,
                                  log_space, eps, segs, gcfg, paired=inter.pop("paired"))
-        # o_w and lse are freed as this returns (their readers are queued on this stream, before
-        # anything that could take their memory)
-        dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"),
-                                                              inter.pop("lse"), alpha, dy, window, scale, wcfg)
+        # o_w is freed as this returns (its readers are queued on this stream, before anything that
+        # could take its memory); lse too, unless the sums below read it on their own stream
+        lse = inter.pop("lse")
+        later = cfg.overlap_sums and kwin.forms_dyo(wcfg, q_w, k_w, v, window, kmin)
+        dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), lse,
+                                                              alpha, dy, window, scale, wcfg, sums=not later)
+        if not later:
+            del lse
         if y is not None and dyo_w is None:
             raise RuntimeError("lizard_attention: the forward kept y for the window's dy . o_w, which its backward "
                                "did not form")
+        events = _sums_events(v) if later and v.is_cuda else None
+        if events is not None:
+            events[0].record()  # (the window's backward is queued)
         join_stream(side, *vars(gp).values())
         del o_g  # read on the side stream: freed only once this stream has waited for it
         # the chunk pass adds its dv to the window's in place: no third tensor, no sum kernel
         dq, dk, dv, dlog_g, dS0, dz0 = kgla.bwd_chunks(
             phi_q, phi_k, v, log_g, gp, normalize, log_space, eps, gcfg, dv_into=dv_w,
             side=(dyo_w, alpha.float().contiguous()) if y is not None else None, bl=inter.pop("bl"))
+        if later:  # queued after the gated chunk pass, so that its programs take the GPU first
+            d_sinks, d_alpha = _sums_beside(events, dyo_w, lse, sinks, alpha)
         # the window's state holds the last keys and values: their gradients where it was used
         T, L = v.shape[2], ctx.state_len
         take = min(T, L)
@@ -301,6 +315,34 @@ class _LizardFunction(torch.autograd.Function):
                 grad[:, :, T - take:] += d_state[:, :, L - take:].to(grad.dtype)
         return (dq, dk, dv, dlog_g, dq_w, dk_w, d_sinks, d_alpha, dS0, dz0,
                 None, None, None, None, None, None, None, None, None, None, None)
+
+
+def _sums_events(x: torch.Tensor) -> tuple["torch.cuda.Event", "torch.cuda.Event"]:
+    """The device's two events for ``_sums_beside`` (made once: a new event a call cost the host more;
+    a wait takes an event's last record as it is queued, so reusing them is safe)."""
+    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if key not in _SUMS_EVENTS:
+        _SUMS_EVENTS[key] = (torch.cuda.Event(), torch.cuda.Event())
+    return _SUMS_EVENTS[key]
+
+
+def _sums_beside(events: Optional[tuple], dyo: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+                 alpha: torch.Tensor):
+    """d sink_logits and d alpha (``window.sink_alpha_sums``, in the dtypes of sinks and alpha) on a
+    stream of their own, after the window's backward (the first of ``events``, recorded after it)
+    and beside whatever the caller queued since; the caller's stream waits for them (the second)
+    before it goes on. Off CUDA, or without events: inline. Their kernels are small (B16 T2048:
+    0.015 ms and two launches) and would run alone between the window's backward and the gated one;
+    queued after the gated one, at the same priority, they take the multiprocessors its last wave
+    leaves idle."""
+    from . import window as kwin
+
+    side = _side_stream(dyo, events is not None, 0, "sums")
+    d_sinks, d_alpha = kwin.sink_alpha_sums(dyo, lse, sinks, alpha,
+                                            beside=(side, *events) if side is not None else None)
+    # (dyo and lse are the caller's, referenced until it returns: after the wait)
+    return (d_sinks.to(sinks.dtype) if d_sinks is not None else None), (
+        d_alpha.to(alpha.dtype) if d_alpha is not None else None)
 
 
 def one_op_applies(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,

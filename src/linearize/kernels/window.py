@@ -415,10 +415,13 @@ def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bo
     return o, y, lse
 
 
-def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig):
+def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig,
+         sums: bool = True):
     """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None), and the rows' dy . o
     ((B*H, T) fp32) where the walking kernel formed it (``forms_dyo``), else None. o may be None
-    only where ``forms_dyo``: the kernel then forms dy . o from the scores."""
+    only where ``forms_dyo``: the kernel then forms dy . o from the scores. ``sums`` False, where
+    the walking kernel forms dy . o: d sink_logits and d alpha are not formed (None, None); the
+    caller forms them from dy . o with ``sink_alpha_sums``, where that costs least."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
     BM, BN = cfg.bm, cfg.bn
@@ -443,25 +446,25 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
         walk = cfg.gluon_bwd_walk
         # the walking kernel forms D itself (from o, or from the scores where there is no o)
         own = _walk_forms_d(cfg, gluon) and (o is None or o.is_contiguous())
-        # where the walking kernel leaves dy . o in delta, the partial sums take long blocks of rows (no
-        # (BM, Dv) tile of dy . o to form): 16x fewer programs at 1024 rows (B16 T2048: 0.021 ms for 16K
-        # programs of 64 rows before)
-        BMS = min(1024, pow2(T)) if own else BM
-        nmb = math.ceil(T / BMS)
+        if own:
+            gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
+                      sms=device_sms(q), o=o, scores_delta=o is None)
+            d_sinks = d_alpha = None
+            if sums:
+                d_sinks, d_alpha = sink_alpha_sums(delta, lse, sinks, alpha)
+                d_sinks = d_sinks.to(sinks.dtype) if d_sinks is not None else None
+                d_alpha = d_alpha.to(alpha.dtype) if d_alpha is not None else None
+            return dq, dk, dv, d_sinks, d_alpha, delta
         dsink = torch.empty(B * H, nmb, BS, **f32) if nsink else None
         dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
-        sums = dict(DV=DV, BDV=pow2(DV), BM=BMS, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
-        sums_args = (o if o is not None else dy, dy, lse, sinks if nsink else dummy,
-                     alpha if alpha is not None else dummy, delta, dsink if nsink else dummy,
-                     dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb)
-        if not own:
-            _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=True, **sums)
+        _win_bwd_delta_kernel[(nmb, B * H)](
+            o, dy, lse, sinks if nsink else dummy, alpha if alpha is not None else dummy, delta,
+            dsink if nsink else dummy, dalpha if alpha is not None else dummy, T, H, max(nsink, 1), nmb,
+            DV=DV, BDV=pow2(DV), BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, FROM_O=True,
+            num_warps=4)
         gluon.bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, window=window, scale=scale, walk=walk,
-                  sms=device_sms(q), o=o if own else None, scores_delta=own and o is None)
-        if own and (nsink or alpha is not None):  # the sums from the dy . o the kernel left in delta
-            _win_bwd_delta_kernel[(nmb, B * H)](*sums_args, FROM_O=False, **sums)
-        dyo = delta if own else None
-        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), dyo
+                  sms=device_sms(q))
+        return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), None
     dsink = torch.empty(B * H, nmb, BS, **f32) if nsink else None
     dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
     _win_bwd_dq_kernel[(nmb, B * H)](
@@ -478,19 +481,68 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
     return dq, dk, dv, *_sink_alpha_grads(dsink, dalpha, sinks, alpha, B, H, nmb, nsink, BS), None
 
 
+def sink_alpha_sums(dyo: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+                    alpha: Optional[torch.Tensor], beside: Optional[tuple] = None,
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """d sink_logits (H, m) and d alpha (H,) in fp32 (None each where there are no sinks, no alpha)
+    from the rows' dy . o (dyo (B*H, T) fp32, as the walking Gluon backward leaves it) and the
+    forward's base-2 log-sum-exp (lse (B*H, T) fp32): two launches, the partial sums by long blocks
+    of rows, then by head. ``beside``: (stream, after, done): the two kernels run on that stream once
+    the event ``after`` has been reached, and the current stream waits for them (``done``) before
+    whatever it is given next. Every buffer is the current stream's and is referenced until that
+    wait is queued (no ``record_stream``); the caller keeps dyo and lse until then too."""
+    nsink = sinks.shape[1] if sinks is not None else 0
+    if not nsink and alpha is None:
+        return None, None
+    BH, T = dyo.shape
+    H = (sinks if nsink else alpha).shape[0]
+    BS = pow2(max(nsink, 1))
+    # dy . o is formed already: long blocks of rows (B16 T2048: 0.021 ms for 16K programs of 64 rows)
+    BM = min(1024, pow2(T))
+    nmb = math.ceil(T / BM)
+    f32 = dict(dtype=torch.float32, device=dyo.device)
+    dsink = torch.empty(BH, nmb, BS, **f32) if nsink else dyo
+    dalpha = torch.empty(BH, nmb, **f32) if alpha is not None else dyo
+    d_sinks, d_alpha = torch.empty(H, max(nsink, 1), **f32), torch.empty(H, **f32)
+    if beside is not None:
+        stream, after, done = beside
+        caller = torch.cuda.current_stream(dyo.device)
+        stream.wait_event(after)
+        torch.cuda.set_stream(stream)
+    try:
+        _win_bwd_delta_kernel[(nmb, BH)](
+            dyo, dyo, lse, sinks if nsink else dyo, alpha if alpha is not None else dyo, dyo, dsink, dalpha, T, H,
+            max(nsink, 1), nmb, DV=1, BDV=1, BM=BM, BS=BS, HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None,
+            FROM_O=False, num_warps=4)
+        _head_sums(dsink, dalpha, d_sinks, d_alpha, BH // H, H, nmb, nsink, alpha is not None, BS)
+    finally:
+        if beside is not None:
+            done.record(stream)
+            torch.cuda.set_stream(caller)
+            caller.wait_event(done)
+    return (d_sinks if nsink else None), (d_alpha if alpha is not None else None)
+
+
 def _sink_alpha_grads(dsink, dalpha, sinks, alpha, B: int, H: int, nmb: int, nsink: int, BS: int):
-    """d sink_logits and d alpha (or None each) from the query blocks' partial sums, in one
-    launch (torch's reductions over the batch and block dims took 0.026 ms at B16 T2048)."""
+    """d sink_logits and d alpha (or None each, in their own dtypes) from the query blocks' partial
+    sums (``_head_sums``)."""
     if not nsink and alpha is None:
         return None, None
     f32 = dict(dtype=torch.float32, device=(dsink if nsink else dalpha).device)
-    d_sinks = torch.empty(H, max(nsink, 1), **f32)
-    d_alpha = torch.empty(H, **f32)
-    N = B * nmb
-    _win_head_sums_kernel[(H,)](dsink if nsink else d_sinks, dalpha if alpha is not None else d_alpha, d_sinks,
-                                d_alpha, H, nmb, max(nsink, 1), N, BS=BS, BN=min(pow2(N), 1024),
-                                HAS_SINK=nsink > 0, HAS_ALPHA=alpha is not None, num_warps=4)
+    d_sinks, d_alpha = torch.empty(H, max(nsink, 1), **f32), torch.empty(H, **f32)
+    _head_sums(dsink if nsink else d_sinks, dalpha if alpha is not None else d_alpha, d_sinks, d_alpha, B, H, nmb,
+               nsink, alpha is not None, BS)
     return (d_sinks.to(sinks.dtype) if nsink else None), (d_alpha.to(alpha.dtype) if alpha is not None else None)
+
+
+def _head_sums(dsink, dalpha, d_sinks, d_alpha, B: int, H: int, nmb: int, nsink: int, has_alpha: bool,
+               BS: int) -> None:
+    """d_sinks (H, max(nsink, 1)) and d_alpha (H,), fp32, from the query blocks' partial sums (dsink
+    (B*H, nmb, BS), dalpha (B*H, nmb); any fp32 tensor where unused), in one launch (torch's
+    reductions over the batch and block dims took 0.026 ms at B16 T2048)."""
+    N = B * nmb
+    _win_head_sums_kernel[(H,)](dsink, dalpha, d_sinks, d_alpha, H, nmb, max(nsink, 1), N, BS=BS,
+                                BN=min(pow2(N), 1024), HAS_SINK=nsink > 0, HAS_ALPHA=has_alpha, num_warps=4)
 
 
 def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
