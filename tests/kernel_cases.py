@@ -394,7 +394,7 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
                 chunk: int | None = 16, first: bool | None = None, overlap: bool = True, B: int = 2, H: int = 2,
                 seed: int = 0, lizard_cfg: dict | None = None, gla_cfg: dict | None = None,
                 emulate_walk: bool = False, og_from_y: bool | None = None,
-                ow_from_scores: bool | None = None) -> dict[str, float]:
+                ow_from_scores: bool | None = None, sums_beside: bool | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
     states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
     the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
@@ -406,7 +406,9 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     ``window_walk_emulated``, forming its own D; ``og_from_y`` (with both emulations): whether the
     gated backward must have taken dy . o_g from y and the window's dy . o_w (asserted);
     ``ow_from_scores`` (with ``emulate_walk``): whether the window's backward must have formed
-    dy . o_w from its scores, the forward keeping no o_w (asserted)."""
+    dy . o_w from its scores, the forward keeping no o_w (asserted); ``sums_beside`` (with
+    ``emulate_walk``): whether the backward must have formed the sink and alpha sums after the gated
+    backward (``overlap_sums``; inline here, off CUDA) rather than in the window's (asserted)."""
     from linearize.kernels import gla as kgla
     from linearize.kernels import lizard as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -467,9 +469,10 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     old = kgla.set_config(seg_chunks=seg_chunks, **({} if chunk is None else dict(chunk=chunk, fwd_bv=16)),
                           **(gla_cfg or {}))
     try:
-        calls = []
-        fn_apply = kliz._LizardFunction.apply
+        calls, beside = [], []
+        fn_apply, fn_beside = kliz._LizardFunction.apply, kliz._sums_beside
         kliz._LizardFunction.apply = lambda *a: calls.append(1) or fn_apply(*a)
+        kliz._sums_beside = lambda *a: beside.append(1) or fn_beside(*a)
         emu_fused = _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd")))
         emu_walk = _emulated_window_walk(emulate_walk, True)
         with emu_fused, emu_walk:
@@ -482,8 +485,10 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
             assert emu_fused.sides == [og_from_y], (emu_fused.sides, og_from_y)
         if ow_from_scores is not None:
             assert emu_walk.scores == [ow_from_scores], (emu_walk.scores, ow_from_scores)
+        if sums_beside is not None:
+            assert len(beside) == int(sums_beside), (beside, sums_beside)
     finally:
-        kliz._LizardFunction.apply = fn_apply
+        kliz._LizardFunction.apply, kliz._sums_beside = fn_apply, fn_beside
         kgla.set_config(**dataclasses.asdict(old))
     err = {"y": rel_rms(y2.cpu(), y), "S": rel_rms(sg2.S.cpu(), sg.S), "z": rel_rms(sg2.z.cpu(), sg.z),
            "window.k": rel_rms(sw2.k.cpu(), sw.k), "window.v": rel_rms(sw2.v.cpu(), sw.v),
@@ -634,16 +639,18 @@ INTERPRETER_CASES = {
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True)), F32),
     # with the walking window backward emulated too: the gated backward takes dy . o_g from y and
     # the window's dy . o_w (og_from_y; one segment), or reads o_g where told not to, or segmented;
-    # the window's dy . o_w from its scores (ow_from_scores), or from o where told not to
+    # the window's dy . o_w from its scores (ow_from_scores), or from o where told not to; the sink
+    # and alpha sums after the gated backward (overlap_sums), or in the window's where told not to
     "lizard f32 sinks state fused bwd + walk emulated, og from y": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
-        emulate_walk=True, og_from_y=True, ow_from_scores=False), F32),
+        emulate_walk=True, og_from_y=True, ow_from_scores=False, sums_beside=True), F32),
     "lizard f32 sinks state fused bwd + walk emulated, og from y, ow from scores": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
         emulate_walk=True, lizard_cfg=dict(ow_from_scores=True), og_from_y=True, ow_from_scores=True), F32),
     "lizard f32 sinks fused bwd + walk emulated, og kept": (lizard_case, dict(
         T=64, DK=16, DV=16, D=16, W=20, nsink=4, gla_cfg=dict(gluon_fused_bwd=True), emulate_walk=True,
-        lizard_cfg=dict(og_from_y=False), og_from_y=False, ow_from_scores=False), F32),
+        lizard_cfg=dict(og_from_y=False, overlap_sums=False), og_from_y=False, ow_from_scores=False,
+        sums_beside=False), F32),
     "lizard f32 sinks fused bwd + walk emulated, segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True),
         emulate_walk=True, lizard_cfg=dict(ow_from_scores=True), og_from_y=False, ow_from_scores=True), F32),
