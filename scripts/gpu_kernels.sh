@@ -8,6 +8,9 @@
 #   scripts/gpu_kernels.sh all   [OUT]   test, then bench
 #   scripts/gpu_kernels.sh tunetest [OUT]  test and tune (compiling side by side, timing alone)
 #   scripts/gpu_kernels.sh full  [OUT]   test, tune, then bench with the fastest tuned configs
+#   scripts/gpu_kernels.sh h200  [OUT]   on an H200 only (elsewhere exit 3 at once, costing no time): the bench with
+#                                        --host over SDPA, fla, our GLA and Lizard (OUT/kernels.*), then where
+#                                        the Lizard step's GPU time goes (OUT/profile/); issue 6's last target
 #   scripts/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two one-kernel backwards (gla_gluon.bwd_fused,
 #                                        the walking window backward), then, if they pass, the bench of the
 #                                        defaults beside the two-pass backward they replaced, and SDPA
@@ -80,6 +83,13 @@ case "$WHAT" in
     test) run_tests ;;
     tune) run_tune ;;
     bench) run_bench ;;
+    h200)
+        nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$OUT_DIR/gpu.txt"
+        grep -q H200 "$OUT_DIR/gpu.txt" || { echo "not an H200"; exit 3; }
+        python3 -m linearize.bench.kernels bench --host --out "$OUT_DIR" --reps "${BENCH_REPS:-10}" \
+            --methods "sdpa causal,fla simple_gla,triton gla (ours),triton lizard (ours)"
+        python3 -m linearize.bench.kernels profile --out "$OUT_DIR/profile" --shapes 16x2048 \
+            --methods "triton lizard (ours)" ;;
     all) run_tests; run_bench ;;
     newbwd)
         if TEST_FILTER="fused_backward or walk" run_tests; then
