@@ -257,6 +257,7 @@ class _LizardFunction(torch.autograd.Function):
         ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
         ctx.state_len = state_len
         ctx.one_segment = one_segment
+        ctx.window_dyo = window_dyo  # (the window's backward, with the configs kept above, forms dy . o_w)
         ctx.set_materialize_grads(False)
         if not keep_state:  # (the Triton passes formed S_T and z_T anyway: dropped)
             return y, None, None, None, None
@@ -288,7 +289,7 @@ class _LizardFunction(torch.autograd.Function):
         # o_w is freed as this returns (its readers are queued on this stream, before anything that
         # could take its memory); lse too, unless the sums below read it on their own stream
         lse = inter.pop("lse")
-        later = cfg.overlap_sums and kwin.forms_dyo(wcfg, q_w, k_w, v, window, kmin)
+        later = cfg.overlap_sums and ctx.window_dyo
         dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), lse,
                                                               alpha, dy, window, scale, wcfg, sums=not later)
         if not later:
