@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -1022,9 +1023,11 @@ class BwdPlan:
     dz_T: Optional[torch.Tensor]
     NC: int
     NVD: int
-    # the fused kernel's (``gla_gluon.bwd_fused``): o, the state gradient leaving each of its
-    # segments (None with one segment and no dS_T) and their length in chunks
+    # the fused kernel's (``gla_gluon.bwd_fused``): its module (asked once, in ``bwd_states``), o, the
+    # state gradient leaving each of its segments (None with one segment and no dS_T) and their
+    # length in chunks
     fused: bool = False
+    gluon: Optional[ModuleType] = None
     o: Optional[torch.Tensor] = None
     ds_in: Optional[torch.Tensor] = None
     dz_in: Optional[torch.Tensor] = None
@@ -1105,7 +1108,8 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
         dz_in = dz_T.float().contiguous() if normalize else torch.zeros(B, H, DK, **f32)
     dS0 = torch.empty(B, H, DK, DV, **f32) if need_dstate else None
     dz0 = torch.empty(B, H, DK, **f32) if need_dstate else None
-    if _gluon_fused_bwd(cfg, q, k, v, BT, log_space) is not None:
+    fused = _gluon_fused_bwd(cfg, q, k, v, BT, log_space)
+    if fused is not None:
         # the fused kernel walks segments of its own (one program per multiprocessor each)
         nseg, seg_len = _fused_segments(T, BT, B * H, device_sms(q), cfg)
         if paired and nseg > 1:
@@ -1114,7 +1118,7 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
         if nseg > 1:
             ds_in, dz_in = _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg, seg_len, eps, common_kw, cfg)
         return BwdPlan(do, den_, dlog_g, sc, zc if zc is not None else dlog_g, None, None, None, dlog_g, dS0, dz0,
-                       dz_T, T // BT, 0, fused=True, o=o_, ds_in=ds_in, dz_in=dz_in, seg_chunks=seg_len // BT,
+                       dz_T, T // BT, 0, fused=True, gluon=fused, o=o_, ds_in=ds_in, dz_in=dz_in, seg_chunks=seg_len // BT,
                        paired=paired)
     if paired:
         raise RuntimeError("gla.bwd_states: paired states take the fused Gluon backward (fused_bwd_segments)")
@@ -1163,7 +1167,7 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
             raise ValueError("gla.bwd_chunks: the fused backward adds dv into a contiguous tensor only")
         if side is not None and p.seg_chunks * BT < T:  # the segments' pre-pass read y as o
             raise RuntimeError("gla.bwd_chunks: side takes a fused plan of one segment (fused_bwd_segments)")
-        _gluon_fused_bwd(cfg, q, k, v, BT, log_space).bwd_fused(
+        p.gluon.bwd_fused(
             q, k, v, log_g, p.o.contiguous(), p.den, p.sc, p.zc, p.do, p.ds_in, p.dz_in, dq, dk, dv, dlog_g, dS0, dz0,
             seg_chunks=p.seg_chunks, normalize=normalize, eps=eps, dv_add=dv_into is not None,
             side_dot=side[0] if side is not None else None, alpha=side[1] if side is not None else None,
