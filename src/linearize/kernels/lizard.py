@@ -342,8 +342,7 @@ def _sums_beside(events: Optional[tuple], dyo: torch.Tensor, lse: torch.Tensor, 
     d_sinks, d_alpha = kwin.sink_alpha_sums(dyo, lse, sinks, alpha,
                                             beside=(side, *events) if side is not None else None)
     # (dyo and lse are the caller's, referenced until it returns: after the wait)
-    return (d_sinks.to(sinks.dtype) if d_sinks is not None else None), (
-        d_alpha.to(alpha.dtype) if d_alpha is not None else None)
+    return kwin.in_dtypes(d_sinks, d_alpha, sinks, alpha)
 
 
 def one_op_applies(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,

@@ -451,9 +451,7 @@ def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg
                       sms=device_sms(q), o=o, scores_delta=o is None)
             d_sinks = d_alpha = None
             if sums:
-                d_sinks, d_alpha = sink_alpha_sums(delta, lse, sinks, alpha)
-                d_sinks = d_sinks.to(sinks.dtype) if d_sinks is not None else None
-                d_alpha = d_alpha.to(alpha.dtype) if d_alpha is not None else None
+                d_sinks, d_alpha = in_dtypes(*sink_alpha_sums(delta, lse, sinks, alpha), sinks, alpha)
             return dq, dk, dv, d_sinks, d_alpha, delta
         dsink = torch.empty(B * H, nmb, BS, **f32) if nsink else None
         dalpha = torch.empty(B * H, nmb, **f32) if alpha is not None else None
@@ -532,7 +530,14 @@ def _sink_alpha_grads(dsink, dalpha, sinks, alpha, B: int, H: int, nmb: int, nsi
     d_sinks, d_alpha = torch.empty(H, max(nsink, 1), **f32), torch.empty(H, **f32)
     _head_sums(dsink if nsink else d_sinks, dalpha if alpha is not None else d_alpha, d_sinks, d_alpha, B, H, nmb,
                nsink, alpha is not None, BS)
-    return (d_sinks.to(sinks.dtype) if nsink else None), (d_alpha.to(alpha.dtype) if alpha is not None else None)
+    return in_dtypes(d_sinks if nsink else None, d_alpha if alpha is not None else None, sinks, alpha)
+
+
+def in_dtypes(d_sinks: Optional[torch.Tensor], d_alpha: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+              alpha: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """d sink_logits and d alpha (fp32, or None) in the dtypes of sinks and alpha."""
+    return (d_sinks.to(sinks.dtype) if d_sinks is not None else None), (
+        d_alpha.to(alpha.dtype) if d_alpha is not None else None)
 
 
 def _head_sums(dsink, dalpha, d_sinks, d_alpha, B: int, H: int, nmb: int, nsink: int, has_alpha: bool,
