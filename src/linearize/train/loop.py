@@ -18,7 +18,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -140,6 +140,34 @@ def read_state(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                   batches: Iterable[dict], config: TrainConfig, device: torch.device) -> tuple[float, dict, bool, int]:
+    """One optimizer step of ``stage`` over ``batches`` (its micro-batches, moved to ``device`` one at a
+    time): the gradients zeroed, accumulated under autocast, clipped, applied. A non-finite loss or
+    gradient norm skips the update. Returns (mean loss, the loss function's extras, finite, tokens)."""
+    optimizer.zero_grad(set_to_none=True)
+    total, extras, finite, tokens = 0.0, {}, True, 0
+    for batch in batches:
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        tokens += int(batch["attention_mask"].sum())
+        with autocast(device, config.precision):
+            loss, extra = stage.loss_fn(batch)
+        if not torch.isfinite(loss):
+            finite = False
+            break
+        (loss / config.grad_accum).backward()
+        total += float(loss.detach()) / config.grad_accum
+        for k, v in extra.items():
+            extras[k] = _accumulate(extras.get(k), v, config.grad_accum)
+    if finite and config.clip > 0:
+        finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, config.clip)))
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return total, extras, finite, tokens
+
+
 def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_path: Path,
         metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None) -> dict:
     """Train ``stage`` to completion (or early stop); returns a summary of the run.
@@ -178,33 +206,18 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         if stage.before_step is not None:
             stage.before_step(loop.step)
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total, extras, finite, tokens = 0.0, {}, True, 0
-        for j in range(config.grad_accum):
-            micro = loop.step * config.grad_accum + j
-            indices = batch_indices(micro, config.batch_size, len(rows), config.seed, stage.name)
-            batch = rows.batch(indices)
-            if extra_batch is not None:
-                batch = extra_batch(indices, batch)
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            tokens += int(batch["attention_mask"].sum())
-            with autocast(device, config.precision):
-                loss, extra = stage.loss_fn(batch)
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            (loss / config.grad_accum).backward()
-            total += float(loss.detach()) / config.grad_accum
-            for k, v in extra.items():
-                extras[k] = _accumulate(extras.get(k), v, config.grad_accum)
-        if finite and config.clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, config.clip)
-            finite = bool(torch.isfinite(norm))
+
+        def micro_batches(step=loop.step):
+            for j in range(config.grad_accum):
+                indices = batch_indices(step * config.grad_accum + j, config.batch_size, len(rows), config.seed,
+                                        stage.name)
+                batch = rows.batch(indices)
+                yield extra_batch(indices, batch) if extra_batch is not None else batch
+
+        total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device)
         if finite:
-            optimizer.step()
             loop.nonfinite_streak = 0
         else:
-            optimizer.zero_grad(set_to_none=True)
             loop.nonfinite += 1
             loop.nonfinite_streak += 1
             metrics.write({"event": "nonfinite", "stage": stage.name, "step": loop.step + 1})

@@ -152,9 +152,7 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
                      f"{steps} steps")
 
         def loss_fn(batch, block=block):
-            losses = run_block(model, batch, config.transfer_target, block, batch.get("block_inputs"))
-            mse = [losses[i] for i in block.layers]
-            return torch.stack(mse).sum(), {"layer_mse": [x.item() for x in mse], "layers": list(block.layers)}
+            return transfer_loss(model, batch, config.transfer_target, block)
 
         def extra(indices, batch, inputs=train_inputs):
             if inputs is not None:
@@ -172,6 +170,14 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
     for p in model.parameters():
         p.requires_grad_(False)
     return summaries
+
+
+def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.Tensor, dict]:
+    """Stage 1's loss on one batch: the sum over ``block``'s layers of the student's attention MSE to the
+    teacher's (``target``: "heads" or "output"), and each layer's MSE."""
+    losses = run_block(model, batch, target, block, batch.get("block_inputs"))
+    mse = [losses[i] for i in block.layers]
+    return torch.stack(mse).sum(), {"layer_mse": [x.item() for x in mse], "layers": list(block.layers)}
 
 
 @torch.no_grad()
@@ -223,15 +229,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
         return mu
 
     def loss_fn(batch):
-        out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        ce = _next_token_loss(out_.logits, batch["labels"])
-        if teacher is None:
-            return ce, {"ce": ce.item()}
-        with torch.no_grad():
-            t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               use_cache=False).logits
-        kl = _distill_loss(out_.logits, t_logits, batch["labels"], config.distill_temperature)
-        return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.item(), "kl": kl.item()}
+        return lm_loss(model, batch, teacher, config)
 
     eval_fn = None
     if val_rows is not None:
@@ -252,6 +250,20 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     for p in model.parameters():
         p.requires_grad_(False)
     return summary
+
+
+def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Tensor, dict]:
+    """Stage 2's loss on one batch: next-token cross-entropy, mixed with KL(teacher || student) on the
+    logits by ``config.distill`` when a ``teacher`` is given."""
+    out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    ce = _next_token_loss(out_.logits, batch["labels"])
+    if teacher is None:
+        return ce, {"ce": ce.item()}
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           use_cache=False).logits
+    kl = _distill_loss(out_.logits, t_logits, batch["labels"], config.distill_temperature)
+    return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.item(), "kl": kl.item()}
 
 
 def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
