@@ -5,7 +5,7 @@
     linearize train ...                    two-stage training (attention transfer, then LoRA)
     linearize generate ...                 complete prompts with a teacher or a linearized checkpoint
     linearize eval passkey|ppl|lm-eval|report|embed   evaluations (see cli_eval)
-    linearize bench kernels|generate       GPU benchmarks
+    linearize bench kernels|generate|train GPU benchmarks
     linearize demo                         the main job on the bundled teacher
 
 Errors from the library (bad values, missing files) are printed as ``linearize: error: ...`` on

@@ -113,6 +113,19 @@ def cmd_bench_generate(args) -> int:
     return _finish(args.out, "generate")
 
 
+def cmd_bench_train(args) -> int:
+    from .bench.train import run_train_bench
+
+    kwargs = {"models": tuple(args.model)} if args.model else {}
+    if args.seq_lens:
+        kwargs["seq_lens"] = tuple(args.seq_lens)
+    if args.methods:
+        kwargs["methods"] = tuple(args.methods)
+    run_train_bench(args.out, batch_size=args.batch_size, steps=args.steps, device=_device(args), layers=args.layers,
+                    **kwargs)
+    return _finish(args.out, "train")
+
+
 def _optional(module: str, name: str, what: str, hint: str = ""):
     """A function from a module that needs an optional dependency, with a clear error if it is missing."""
     try:
@@ -238,7 +251,7 @@ def add_eval_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    be = _sub(sub, "bench", "benchmarks: attention kernels, generation",
+    be = _sub(sub, "bench", "benchmarks: attention kernels, generation, training",
               "Side-by-side benchmarks on a GPU; each writes NAME.json, NAME.png and NAME.md into --out.")
     besub = be.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
@@ -260,4 +273,24 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--batch-size", type=_argtype(parse_int), default=16, metavar="N", help="(default: %(default)s)")
     _common(p, "runs/bench", models=False)
     p.set_defaults(func=cmd_bench_generate)
+
+    p = _sub(besub, "train", "training step of teacher and students: our kernels vs the torch path",
+             "One optimizer step of linearize train (stage 1, stage 2; bf16 autocast on CUDA) on random tokens, "
+             "timed for the teacher + LoRA and for each student stage with the attention on our kernels and on "
+             "the torch path, side by side. Weights do not change the speed: random-weight shapes serve.",
+             "examples:\n  linearize bench train --out docs/results\n"
+             "  linearize bench train --model llama3-8b-random --layers 4 --seq-lens 2K --batch-size 4")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="model shapes (default: smollm2-135m-random); see bench generate")
+    p.add_argument("--methods", type=_argtype(parse_list), default=None, metavar="M,M,...",
+                   help="causal methods (default: lizard)")
+    p.add_argument("--seq-lens", type=_argtype(parse_int_list), default=None, metavar="N,N,...",
+                   help="sequence lengths, K = 1024 (default: 1K,2K)")
+    p.add_argument("--batch-size", type=_argtype(parse_int), default=8, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--steps", type=_argtype(parse_int), default=10, metavar="N",
+                   help="timed steps per cell, after 3 warm-up steps (default: %(default)s)")
+    p.add_argument("--layers", type=_argtype(parse_int), default=None, metavar="N",
+                   help="keep the first N layers of each shape (default: all)")
+    _common(p, "runs/bench", models=False)
+    p.set_defaults(func=cmd_bench_train)
 

@@ -83,17 +83,33 @@ def resolve_model_name(name: str) -> tuple[str, str]:
     raise ValueError(f"unknown bench model {name!r}; allowed: {', '.join(allowed)}")
 
 
-def build_model(name: str, dtype: torch.dtype, device: str | torch.device):
-    """The teacher for a bench name, in eval mode on ``device``: ``(model, info)``."""
+def check_layers(name: str, layers: int | None) -> tuple[str, str]:
+    """``resolve_model_name(name)``, after checking that ``layers`` (None: all) can slice that model."""
+    shape, weights = resolve_model_name(name)
+    if layers is not None:
+        most = SHAPES[shape]["num_hidden_layers"]
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= most:
+            raise ValueError(f"layers must be an integer from 1 to {most} (the layers of {shape}), got {layers!r}")
+        if weights == "bundled":
+            raise ValueError(f"layers={layers} keeps a slice of a random-weight shape; "
+                             f"name {shape}-random instead of the bundled {name}")
+    return shape, weights
+
+
+def build_model(name: str, dtype: torch.dtype, device: str | torch.device, layers: int | None = None):
+    """The teacher for a bench name, in eval mode on ``device``: ``(model, info)``. ``layers``: keep
+    the first N layers of a random-weight shape (a slice of a model too large to train whole)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape, weights = resolve_model_name(name)
+    shape, weights = check_layers(name, layers)
     if weights == "bundled":
         from ..models.teacher import load_teacher
 
         model, _ = load_teacher(name, dtype=dtype, device=device)
     else:
         spec = dict(SHAPES[shape])
+        if layers is not None:
+            spec["num_hidden_layers"] = layers
         theta = spec.pop("rope_theta")
         config = LlamaConfig(**spec, rope_parameters={"rope_type": "default", "rope_theta": theta},
                              pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -1,0 +1,348 @@
+"""``bench train``: the training step of a teacher and of its linearized students, on our kernels and
+on the torch path, side by side in one process.
+
+For each model, sequence length and method, one optimizer step at batch B is timed for
+
+  teacher  stage 2 on the unconverted model (softmax SDPA) with the same LoRA adapters: what
+           fine-tuning the teacher itself costs, the baseline;
+  stage1   the student's attention transfer over all layers at once (the teacher's attention for
+           the targets, the student's, their MSE; only the new attention parameters train);
+  stage2   the student with LoRA on q, k, v and o: next-token loss;
+
+each student stage twice: on our kernels where they apply (``kernels``, the default dispatch) and on
+the torch path (``torch``, ``LINEARIZE_KERNELS=0``). A step is ``linearize train``'s own:
+``train.loop.optimizer_step`` over ``train.run``'s losses (fp32 weights, bf16 autocast on CUDA,
+AdamW at the stage's default rate, clipping, the loss read back every step), on one batch of random
+tokens. tokens_per_s = B * T / the median step; peak memory is ``torch.cuda.max_memory_allocated``
+over the timed steps (weights, optimizer state, activations). On CUDA one more step runs under the
+profiler: the sum of its kernels' durations against the step's wall time tells a GPU-bound step from
+a host-bound one, and the time in our Triton and Gluon kernels is reported apart.
+
+Model names as in ``bench generate`` (weights do not change the speed); ``layers`` keeps the first N
+layers of a random-weight shape (a slice of Llama-3-8B trains where the whole model would not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..eval.common import environment, markdown_table, write_outputs
+from ..kernels.dispatch import ENV_SWITCH
+from .generate import _cleanup, _is_oom, _sync, build_model
+
+STEM = "train"
+STAGES = ("teacher", "stage1", "stage2")
+BACKENDS = ("kernels", "torch")
+KERNEL_MODULES = ("gla", "window", "lizard", "gla_gluon", "window_gluon", "lizard_gluon", "decode_step")
+
+
+@contextlib.contextmanager
+def attention_backend(name: str):
+    """Run the block on our kernels where they apply ("kernels") or on the torch ops ("torch")."""
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1" if name == "kernels" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def our_kernel_names() -> set[str]:
+    """The names of the Triton and Gluon kernels of ``linearize.kernels`` (as a profiler lists them)."""
+    import importlib
+
+    names = set()
+    for mod in KERNEL_MODULES:
+        try:
+            m = importlib.import_module(f"linearize.kernels.{mod}")
+        except ImportError:  # a Triton without Gluon
+            continue
+        names |= {n for n, obj in vars(m).items() if type(obj).__name__ in ("JITFunction", "GluonJITFunction")}
+    return names
+
+
+def random_batch(vocab: int, batch_size: int, seq_len: int, device: torch.device, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch_size, seq_len), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+            "labels": ids.to(device)}
+
+
+def make_stage(model, stage: str, method: str, device: torch.device):
+    """(Stage, params, config) for one cell; converts ``model`` (in place) for the student stages, as
+    ``linearize train`` does."""
+    import linearize
+
+    from ..models.lora import add_lora, lora_parameters
+    from ..train.config import TrainConfig
+    from ..train.loop import Stage
+    from ..train.run import lm_loss, transfer_loss
+    from ..train.transfer import freeze_all_but, make_blocks, trainable_attention_parameters
+
+    config = TrainConfig(method=method, progress=False)
+    if stage != "teacher":
+        linearize.convert(model, method)
+        model.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if stage == "stage1":
+        block = make_blocks(model, None)[0]
+        params = trainable_attention_parameters(model, block)
+        freeze_all_but(model, params)
+        model.eval()  # as stage 1 runs: the teacher path as at inference
+        return Stage("stage1", {}, lambda b: transfer_loss(model, b, config.transfer_target, block), None, 0,
+                     config.stage1_lr), params, config
+    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets)
+    model.to(device)
+    params = lora_parameters(model)
+    model.train()
+    return Stage("stage2", {}, lambda b: lm_loss(model, b, None, config), None, 0, config.stage2_lr), params, config
+
+
+def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t
+    total = mine = 0.0
+    launches = mine_launches = 0
+    for evt in prof.events():
+        if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            continue
+        us = evt.time_range.elapsed_us()
+        total += us
+        launches += 1
+        if evt.name in ours:
+            mine += us
+            mine_launches += 1
+    return {"profiled_step_ms": wall * 1e3, "gpu_kernel_ms": total / 1e3, "gpu_launches": launches,
+            "our_kernel_ms": mine / 1e3, "our_launches": mine_launches}
+
+
+def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, batch_size: int, steps: int,
+             warmup: int, device: torch.device, layers: int | None, ours: set[str]) -> dict:
+    """One (model, T, method, stage, backend) cell: the timed steps' medians, memory, losses."""
+    from ..train.loop import optimizer_step
+
+    cell = {"model": name, "seq_len": seq_len, "method": None if stage == "teacher" else method, "stage": stage,
+            "backend": backend, "batch_size": batch_size}
+    model = None
+    try:
+        model, _ = build_model(name, torch.float32, device, layers=layers)
+        with attention_backend(backend):
+            st, params, config = make_stage(model, stage, method, device)
+            if not params:  # a method whose attention has nothing to learn (liger) skips stage 1
+                cell.update(status="nothing_to_train")
+                return cell
+            optimizer = torch.optim.AdamW(params, lr=st.lr, weight_decay=config.weight_decay)
+            batch = random_batch(model.config.vocab_size, batch_size, seq_len, device)
+            losses = []
+
+            def step():
+                loss, _, finite, _ = optimizer_step(st, params, optimizer, [batch], config, device)
+                losses.append(loss if finite else float("nan"))
+
+            for _ in range(warmup):
+                step()
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(steps):
+                _sync(device)
+                t = time.perf_counter()
+                step()
+                _sync(device)
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            cell.update(status="ok", step_ms_median=med * 1e3, step_ms=[x * 1e3 for x in times],
+                        tokens_per_s=batch_size * seq_len / med, trained_parameters=sum(p.numel() for p in params),
+                        loss_first=losses[0], loss_last=losses[-1], steps_timed=steps, warmup_steps=warmup)
+            if device.type == "cuda":
+                cell["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+                cell.update(_profile_step(step, device, ours))
+    except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is re-raised
+        if not _is_oom(e):
+            raise
+        cell.update(status="does_not_fit", error=str(e).splitlines()[0][:200])
+    finally:
+        del model
+        _cleanup(device)
+    return cell
+
+
+def _check_args(models, seq_lens, methods, backends, batch_size, steps, warmup, device, layers) -> torch.device:
+    from ..methods import methods as known_methods
+    from ..models.encoder import is_lion_method
+    from .generate import check_layers
+
+    for m in models:
+        check_layers(m, layers)
+    for name, value, least in (("batch_size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not seq_lens or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in seq_lens):
+        raise ValueError(f"seq_lens must be integers >= 2, got {list(seq_lens)!r}")
+    causal = [m for m in known_methods() if not is_lion_method(m)]
+    bad = [m for m in methods if m not in causal]
+    if not methods or bad:
+        raise ValueError(f"unknown or encoder-only methods {bad or list(methods)!r}; allowed: {', '.join(causal)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but CUDA is not available")
+    bad = [b for b in backends if b not in BACKENDS]
+    if not backends or bad:
+        raise ValueError(f"unknown backends {bad or list(backends)!r}; allowed: {', '.join(BACKENDS)}")
+    if "kernels" in backends and dev.type != "cuda":
+        raise ValueError(f"the 'kernels' backend runs on CUDA only (device {device!r}); use backends=('torch',)")
+    return dev
+
+
+def run_train_bench(out_dir, models: Sequence[str] = ("smollm2-135m-random",), seq_lens: Sequence[int] = (1024, 2048),
+                    methods: Sequence[str] = ("lizard",), batch_size: int = 8, steps: int = 10, warmup: int = 3,
+                    device: str = "cuda", *, backends: Sequence[str] | None = None, layers: int | None = None,
+                    command: str | None = None) -> dict:
+    """Time the training steps side by side; write train.{json,png,md} to ``out_dir`` after every cell
+    (a run cut short keeps what it timed). ``backends``: default both on CUDA, ``("torch",)`` elsewhere."""
+    if backends is None:
+        backends = BACKENDS if str(device).startswith("cuda") else ("torch",)
+    dev = _check_args(models, seq_lens, methods, backends, batch_size, steps, warmup, device, layers)
+    ours = our_kernel_names() if dev.type == "cuda" else set()
+    env = environment(dev)
+    if command is not None:
+        env["command"] = command
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        env["triton"] = None
+    plan = [(m, t, "teacher", None, "torch") for m in models for t in seq_lens]
+    plan += [(m, t, s, meth, b) for m in models for t in seq_lens for meth in methods for s in ("stage1", "stage2")
+             for b in backends]
+    plan.sort(key=lambda c: (models.index(c[0]), c[1]))
+    data = {"benchmark": "train",
+            "settings": {"models": list(models), "seq_lens": list(seq_lens), "methods": list(methods),
+                         "backends": list(backends), "batch_size": batch_size, "steps": steps, "warmup": warmup,
+                         "device": str(dev), "layers": layers},
+            "notes": __doc__.split("\n\n", 1)[1].strip(), "cells": [], "environment": env}
+    from tqdm.auto import tqdm
+
+    for name, T, stage, method, backend in tqdm(plan, desc="bench train", dynamic_ncols=True):
+        data["cells"].append(run_cell(name, T, method or methods[0], stage, backend, batch_size=batch_size,
+                                      steps=steps, warmup=warmup, device=dev, layers=layers, ours=ours))
+        write_outputs(out_dir, STEM, data, train_markdown, train_figure)
+    return data
+
+
+def _find(cells, **keys) -> dict | None:
+    for c in cells:
+        if all(c.get(k) == v for k, v in keys.items()) and c.get("status") == "ok":
+            return c
+    return None
+
+
+def train_markdown(data: dict) -> str:
+    s, env = data["settings"], data["environment"]
+    lines = [f"# Training step: teacher vs linearized students, kernels vs torch path\n",
+             f"{env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, transformers "
+             f"{env.get('transformers')}. Batch {s['batch_size']}, median of {s['steps']} timed steps after "
+             f"{s['warmup']} warm-up steps" + (f"; the first {s['layers']} layers" if s.get("layers") else "") + ".\n",
+             f"Command: `{env.get('command')}`\n"]
+    cells = data["cells"]
+    for name in s["models"]:
+        lines.append(f"## {name}\n")
+        rows = []
+        for c in (c for c in cells if c["model"] == name):
+            label = "teacher + LoRA (SDPA)" if c["stage"] == "teacher" else f"{c['method']} {c['stage']}"
+            if c["status"] != "ok":
+                rows.append([c["seq_len"], label, c["backend"], "does not fit"] + [None] * 6)
+                continue
+            torch_cell = _find(cells, model=name, seq_len=c["seq_len"], method=c["method"], stage=c["stage"],
+                               backend="torch")
+            teacher = _find(cells, model=name, seq_len=c["seq_len"], stage="teacher")
+            vs_torch = torch_cell["step_ms_median"] / c["step_ms_median"] if torch_cell and c["backend"] != "torch" \
+                else None
+            vs_teacher = (c["tokens_per_s"] / teacher["tokens_per_s"]) if teacher and c["stage"] == "stage2" else None
+            peak = c.get("peak_allocated_bytes")
+            rows.append([c["seq_len"], label, c["backend"], c["step_ms_median"], c["tokens_per_s"], vs_torch,
+                         vs_teacher, None if peak is None else peak / 2**30, c.get("gpu_kernel_ms"),
+                         c.get("our_kernel_ms")])
+        lines.append(markdown_table(["T", "step", "attention", "step ms", "tokens/s", "x torch path",
+                                     "x teacher", "peak GiB", "GPU kernels ms", "ours ms"], rows))
+        lines.append("")
+    lines.append("x torch path: the torch path's step time over this one's (same stage). x teacher: tokens/s over "
+                 "the teacher + LoRA step's (stage 2 only: the same work on the teacher). GPU kernels ms: the summed "
+                 "durations of one profiled step's kernels; where it is well below the step, the host is the bound. "
+                 "ours ms: the part in linearize's Triton and Gluon kernels.\n")
+    return "\n".join(lines)
+
+
+def _label(cell: dict) -> str:
+    return "teacher" if cell["stage"] == "teacher" else f"{cell['method']} {cell['stage']} {cell['backend']}"
+
+
+def train_figure(data: dict, path: Path) -> None:
+    from ..train.plots import new_figure, save_png
+
+    s = data["settings"]
+    fig, axes = new_figure(figsize=(7.5, 3.5 * len(s["models"])), nrows=len(s["models"]))
+    axes = list(axes) if hasattr(axes, "__len__") else [axes]
+    for ax, name in zip(axes, s["models"]):
+        cells = [c for c in data["cells"] if c["model"] == name]
+        labels = sorted({_label(c) for c in cells}, key=lambda x: (x != "teacher", x))
+        width = 0.8 / max(len(labels), 1)
+        for i, label in enumerate(labels):
+            ys = []
+            for T in s["seq_lens"]:
+                c = next((c for c in cells if c["seq_len"] == T and c.get("status") == "ok" and _label(c) == label),
+                         None)
+                ys.append(c["tokens_per_s"] if c else 0.0)
+            ax.bar([j + i * width for j in range(len(s["seq_lens"]))], ys, width, label=label)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(s["seq_lens"]))], [str(T) for T in s["seq_lens"]])
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(f"training tokens/s (batch {s['batch_size']})")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Training step, {data['environment'].get('device')}", fontsize=10)
+    save_png(fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m linearize.bench.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", nargs="+", default=["smollm2-135m-random"])
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048])
+    p.add_argument("--methods", nargs="+", default=["lizard"])
+    p.add_argument("--backends", nargs="+", default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    command = "python -m linearize.bench.train " + " ".join(sys.argv[1:] if argv is None else argv)
+    data = run_train_bench(args.out, args.models, args.seq_lens, args.methods, args.batch_size, args.steps,
+                           args.warmup, args.device, backends=args.backends, layers=args.layers, command=command)
+    print(train_markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""``bench train`` on CPU with a tiny model: the step it times is ``linearize train``'s (the same
+parameters train, the loss falls), the figures follow from the timings, the files are written from
+the JSON, and bad settings are refused by name. On CUDA: the kernels backend runs our kernels, and
+its first loss matches the torch path's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import linearize
+from linearize.bench.train import our_kernel_names, run_train_bench
+from linearize.bench.generate import build_model
+from linearize.models.lora import add_lora, lora_parameters
+from linearize.train.transfer import make_blocks, trainable_attention_parameters
+
+B, T = 2, 32
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_train")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = run_train_bench(out, models=("tiny-random",), seq_lens=(T,), methods=("lizard",), batch_size=B,
+                               steps=3, warmup=1, device="cpu")
+    finally:
+        torch.set_num_threads(n)
+    return out, data
+
+
+def _cell(data, stage):
+    return next(c for c in data["cells"] if c["stage"] == stage)
+
+
+def test_bench_train_writes_every_cell_from_the_json(run):
+    out, data = run
+    saved = json.loads((out / "train.json").read_text())
+    assert [(c["stage"], c["backend"]) for c in saved["cells"]] == [
+        ("teacher", "torch"), ("stage1", "torch"), ("stage2", "torch")]
+    assert all(c["status"] == "ok" for c in saved["cells"])
+    assert (out / "train.png").stat().st_size > 0
+    md = (out / "train.md").read_text()
+    assert "teacher + LoRA (SDPA)" in md and "lizard stage1" in md and "lizard stage2" in md
+    for c in saved["cells"]:
+        assert len(c["step_ms"]) == 3
+        assert c["step_ms_median"] == pytest.approx(sorted(c["step_ms"])[1])
+        assert c["tokens_per_s"] == pytest.approx(B * T / (c["step_ms_median"] / 1e3))
+
+
+def test_bench_train_steps_train_what_linearize_train_trains(run):
+    _, data = run
+    student = linearize.convert(build_model("tiny-random", torch.float32, "cpu")[0], "lizard")
+    block = make_blocks(student, None)[0]
+    assert _cell(data, "stage1")["trained_parameters"] == sum(
+        p.numel() for p in trainable_attention_parameters(student, block))
+    add_lora(student)
+    assert _cell(data, "stage2")["trained_parameters"] == sum(p.numel() for p in lora_parameters(student))
+    teacher = build_model("tiny-random", torch.float32, "cpu")[0]
+    add_lora(teacher)
+    assert _cell(data, "teacher")["trained_parameters"] == sum(p.numel() for p in lora_parameters(teacher))
+    # four steps on one batch at stage 1's default rate: the transfer loss falls
+    s1 = _cell(data, "stage1")
+    assert s1["loss_last"] < s1["loss_first"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(backends=("kernels",)), "'kernels' backend runs on CUDA only"),
+    (dict(methods=("lion-s",)), "encoder-only methods \\['lion-s'\\]"),
+    (dict(methods=("lizzard",)), "unknown or encoder-only methods \\['lizzard'\\]"),
+    (dict(models=("smollm2-135m",), layers=2), "name smollm2-135m-random instead"),
+    (dict(layers=3), "layers must be an integer from 1 to 2"),
+    (dict(steps=0), "steps must be an integer >= 1, got 0"),
+    (dict(seq_lens=(1,)), "seq_lens must be integers >= 2"),
+    (dict(backends=("fast",)), "unknown backends \\['fast'\\]"),
+])
+def test_bench_train_refuses_bad_settings(tmp_path, kwargs, message):
+    args = dict(models=("tiny-random",), seq_lens=(T,), device="cpu", steps=1, warmup=0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        run_train_bench(tmp_path, **args)
+    assert not (tmp_path / "train.json").exists()
+
+
+def test_our_kernel_names_are_the_kernels_modules():
+    names = our_kernel_names()  # what a profiler lists: the kernels of the Triton and Gluon modules
+    assert {"_gla_fwd_kernel", "_win_fwd_kernel", "_win_bwd_delta_kernel", "_lizard_state_kernel",
+            "_rmsnorm_kernel", "_gla_bwd_fused_kernel", "_lizard_fwd_kernel", "_win_bwd_walk_kernel"} <= names
+    assert not any("sdpa" in n or "flash" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_bench_train_kernels_backend_runs_our_kernels(tmp_path):
+    data = run_train_bench(tmp_path, models=("tiny-random",), seq_lens=(128,), methods=("lizard",), batch_size=2,
+                           steps=2, warmup=0, device="cuda")
+    by = {(c["stage"], c["backend"]): c for c in data["cells"]}
+    for stage in ("stage1", "stage2"):
+        assert by[stage, "kernels"]["our_launches"] > 0
+        assert by[stage, "torch"]["our_launches"] == 0
+        # the same first step on the same weights and batch: the kernels' loss is the torch path's
+        assert by[stage, "kernels"]["loss_first"] == pytest.approx(by[stage, "torch"]["loss_first"], rel=2e-2)
