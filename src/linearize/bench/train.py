@@ -42,6 +42,7 @@ from .generate import _cleanup, _is_oom, _sync, build_model
 STEM = "train"
 STAGES = ("teacher", "stage1", "stage2")
 BACKENDS = ("kernels", "torch")
+TOP_KERNELS = 25  # the profiled step's kernels listed, most launched first
 KERNEL_MODULES = ("gla", "window", "lizard", "gla_gluon", "window_gluon", "lizard_gluon", "decode_step")
 
 
@@ -122,17 +123,23 @@ def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
     wall = time.perf_counter() - t
     total = mine = 0.0
     launches = mine_launches = 0
+    by_name: dict[str, list] = {}
     for evt in prof.events():
         if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
             continue
         us = evt.time_range.elapsed_us()
         total += us
         launches += 1
+        k = by_name.setdefault(evt.name, [0.0, 0])
+        k[0] += us
+        k[1] += 1
         if evt.name in ours:
             mine += us
             mine_launches += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {"profiled_step_ms": wall * 1e3, "gpu_kernel_ms": total / 1e3, "gpu_launches": launches,
-            "our_kernel_ms": mine / 1e3, "our_launches": mine_launches}
+            "our_kernel_ms": mine / 1e3, "our_launches": mine_launches,
+            "top_kernels_by_launches": [{"name": n[:160], "launches": c, "ms": us / 1e3} for n, (us, c) in top]}
 
 
 def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, batch_size: int, steps: int,

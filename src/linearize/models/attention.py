@@ -50,6 +50,10 @@ class LinearizedAttention(nn.Module):
         q, k, v = self.adapter.project(self, hidden_states, self.num_heads, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
         q_rope, k_rope = self.rotary(q, k, cos, sin)
+        # Under autocast with fp32 weights (how training runs), the fp32 RoPE tables promote q and k
+        # to fp32 while v stays in the autocast dtype; the kernels take one dtype (without this the
+        # window branch fell back to torch's chunk loop), and SDPA casts them down anyway.
+        q_rope, k_rope = q_rope.to(v.dtype), k_rope.to(v.dtype)
         g = self.num_heads // self.num_kv_heads
         return q, _repeat_kv(k, g), _repeat_kv(v, g), q_rope, _repeat_kv(k_rope, g)
 
