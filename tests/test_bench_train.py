@@ -102,3 +102,18 @@ def test_gpu_bench_train_kernels_backend_runs_our_kernels(tmp_path):
         assert by[stage, "torch"]["our_launches"] == 0
         # the same first step on the same weights and batch: the kernels' loss is the torch path's
         assert by[stage, "kernels"]["loss_first"] == pytest.approx(by[stage, "torch"]["loss_first"], rel=2e-2)
+
+
+def test_cli_bench_train(tmp_path, capsys):
+    from linearize import cli
+
+    out = tmp_path / "b"
+    assert cli.main(["bench", "train", "--model", "tiny-random", "--seq-lens", "32", "--methods", "lizard",
+                     "--batch-size", "2", "--steps", "1", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads((out / "train.json").read_text())
+    assert data["settings"]["seq_lens"] == [32] and data["settings"]["batch_size"] == 2
+    assert [c["stage"] for c in data["cells"]] == ["teacher", "stage1", "stage2"]
+    assert "lizard stage2" in capsys.readouterr().out
+    assert cli.main(["bench", "train", "--model", "tiny-random", "--layers", "9", "--device", "cpu",
+                     "--out", str(tmp_path / "c")]) == 2
+    assert "layers must be an integer from 1 to 2" in capsys.readouterr().err
