@@ -117,3 +117,12 @@ def test_cli_bench_train(tmp_path, capsys):
     assert cli.main(["bench", "train", "--model", "tiny-random", "--layers", "9", "--device", "cpu",
                      "--out", str(tmp_path / "c")]) == 2
     assert "layers must be an integer from 1 to 2" in capsys.readouterr().err
+
+
+def test_bench_train_method_with_nothing_to_transfer(tmp_path):
+    # liger's attention has no parameters of its own: stage 1 has nothing to train, stage 2 runs
+    data = run_train_bench(tmp_path, models=("tiny-random",), seq_lens=(T,), methods=("liger",), batch_size=B,
+                           steps=1, warmup=0, device="cpu")
+    status = {c["stage"]: c["status"] for c in data["cells"]}
+    assert status == {"teacher": "ok", "stage1": "nothing_to_train", "stage2": "ok"}
+    assert "| liger stage1 | torch | nothing to train |" in (tmp_path / "train.md").read_text()

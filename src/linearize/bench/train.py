@@ -279,7 +279,7 @@ def train_markdown(data: dict) -> str:
         for c in (c for c in cells if c["model"] == name):
             label = "teacher + LoRA (SDPA)" if c["stage"] == "teacher" else f"{c['method']} {c['stage']}"
             if c["status"] != "ok":
-                rows.append([c["seq_len"], label, c["backend"], "does not fit"] + [None] * 6)
+                rows.append([c["seq_len"], label, c["backend"], c["status"].replace("_", " ")] + [None] * 6)
                 continue
             torch_cell = _find(cells, model=name, seq_len=c["seq_len"], method=c["method"], stage=c["stage"],
                                backend="torch")
