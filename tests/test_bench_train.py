@@ -6,6 +6,7 @@ its first loss matches the torch path's."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -126,3 +127,20 @@ def test_bench_train_method_with_nothing_to_transfer(tmp_path):
     status = {c["stage"]: c["status"] for c in data["cells"]}
     assert status == {"teacher": "ok", "stage1": "nothing_to_train", "stage2": "ok"}
     assert "| liger stage1 | torch | nothing to train |" in (tmp_path / "train.md").read_text()
+
+
+def test_kernels_switched_restores_the_switch(monkeypatch):
+    from linearize.kernels.dispatch import ENV_SWITCH, kernels_enabled, kernels_switched
+
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    with kernels_switched(False):
+        assert not kernels_enabled()
+        with kernels_switched(True):
+            assert kernels_enabled()
+        assert not kernels_enabled()
+    assert ENV_SWITCH not in os.environ
+    monkeypatch.setenv(ENV_SWITCH, "off")
+    with pytest.raises(RuntimeError):
+        with kernels_switched(True):
+            raise RuntimeError("inside")
+    assert os.environ[ENV_SWITCH] == "off"

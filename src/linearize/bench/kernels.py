@@ -56,6 +56,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.dispatch import kernels_switched
+
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
@@ -184,15 +186,8 @@ def _fwd_bwd(forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callabl
 
 def _with_kernels(flag: str, fn: Callable):
     def run(*args, **kwargs):
-        before = os.environ.get("LINEARIZE_KERNELS")
-        os.environ["LINEARIZE_KERNELS"] = flag
-        try:
+        with kernels_switched(flag != "0"):
             return fn(*args, **kwargs)
-        finally:
-            if before is None:
-                os.environ.pop("LINEARIZE_KERNELS", None)
-            else:
-                os.environ["LINEARIZE_KERNELS"] = before
     return run
 
 

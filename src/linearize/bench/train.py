@@ -25,8 +25,6 @@ layers of a random-weight shape (a slice of Llama-3-8B trains where the whole mo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import time
@@ -36,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..eval.common import environment, markdown_table, write_outputs
-from ..kernels.dispatch import ENV_SWITCH
+from ..kernels.dispatch import kernels_switched
 from .generate import _cleanup, _is_oom, _sync, build_model
 
 STEM = "train"
@@ -44,20 +42,6 @@ STAGES = ("teacher", "stage1", "stage2")
 BACKENDS = ("kernels", "torch")
 TOP_KERNELS = 25  # the profiled step's kernels listed, most launched first
 KERNEL_MODULES = ("gla", "window", "lizard", "gla_gluon", "window_gluon", "lizard_gluon", "decode_step")
-
-
-@contextlib.contextmanager
-def attention_backend(name: str):
-    """Run the block on our kernels where they apply ("kernels") or on the torch ops ("torch")."""
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "1" if name == "kernels" else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_SWITCH, None)
-        else:
-            os.environ[ENV_SWITCH] = before
 
 
 def our_kernel_names() -> set[str]:
@@ -152,7 +136,7 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
     model = None
     try:
         model, _ = build_model(name, torch.float32, device, layers=layers)
-        with attention_backend(backend):
+        with kernels_switched(backend == "kernels"):
             st, params, config = make_stage(model, stage, method, device)
             if not params:  # a method whose attention has nothing to learn (liger) skips stage 1
                 cell.update(status="nothing_to_train")

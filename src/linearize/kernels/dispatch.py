@@ -57,6 +57,21 @@ def kernels_enabled() -> bool:
     return flag not in ("0", "false", "off", "no") and triton_available()
 
 
+@contextlib.contextmanager
+def kernels_switched(on: bool):
+    """Run the block with the kernels on where they apply (``on``) or forced off, through
+    ``LINEARIZE_KERNELS``, which is put back as it was afterwards (benchmarks run both side by side)."""
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
 def interpreting() -> bool:
     """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
