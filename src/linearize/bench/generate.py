@@ -411,6 +411,22 @@ def run_generate_bench(out_dir, models: Sequence[str] = ("smollm2-135m", "llama3
         del model
         _cleanup(dev)
 
+    env = bench_environment(dev, command)
+    data = {"benchmark": "generate",
+            "settings": {"models": list(models), "contexts": contexts, "batch_size": batch_size, "dtype": dtype,
+                         "device": str(dev), "method": method, "prefill": prefill, "timed_steps": new_tokens,
+                         "eager_steps": eager_steps, "warmup_steps": warmup_steps, "cuda_graph": graph,
+                         "kernel": kernel, "device_memory_bytes": device_memory_bytes, "seed": seed},
+            "notes": _notes(prefill, graph),
+            "models": results, "environment": env}
+    data["targets"] = evaluate_targets(data)
+    write_outputs(out_dir, STEM, data, generate_markdown, generate_figure)
+    return data
+
+
+def bench_environment(dev: torch.device, command: str | None) -> dict:
+    """``eval.common.environment`` with the command given (else argv's), CUDA's and Triton's versions
+    and, on CUDA, the device's memory: where a benchmark's numbers came from."""
     env = environment(dev)
     if command is not None:
         env["command"] = command
@@ -423,16 +439,7 @@ def run_generate_bench(out_dir, models: Sequence[str] = ("smollm2-135m", "llama3
         env["triton"] = None
     if dev.type == "cuda":
         env["device_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
-    data = {"benchmark": "generate",
-            "settings": {"models": list(models), "contexts": contexts, "batch_size": batch_size, "dtype": dtype,
-                         "device": str(dev), "method": method, "prefill": prefill, "timed_steps": new_tokens,
-                         "eager_steps": eager_steps, "warmup_steps": warmup_steps, "cuda_graph": graph,
-                         "kernel": kernel, "device_memory_bytes": device_memory_bytes, "seed": seed},
-            "notes": _notes(prefill, graph),
-            "models": results, "environment": env}
-    data["targets"] = evaluate_targets(data)
-    write_outputs(out_dir, STEM, data, generate_markdown, generate_figure)
-    return data
+    return env
 
 
 def _notes(prefill: str, graph: bool) -> list[str]:

@@ -33,12 +33,11 @@ from typing import Sequence
 
 import torch
 
-from ..eval.common import environment, markdown_table, write_outputs
+from ..eval.common import markdown_table, write_outputs
 from ..kernels.dispatch import kernels_switched
-from .generate import _cleanup, _is_oom, _sync, build_model
+from .generate import _cleanup, _is_oom, _sync, bench_environment, build_model, check_layers
 
 STEM = "train"
-STAGES = ("teacher", "stage1", "stage2")
 BACKENDS = ("kernels", "torch")
 TOP_KERNELS = 25  # the profiled step's kernels listed, most launched first
 KERNEL_MODULES = ("gla", "window", "lizard", "gla_gluon", "window_gluon", "lizard_gluon", "decode_step")
@@ -78,8 +77,7 @@ def make_stage(model, stage: str, method: str, device: torch.device):
 
     config = TrainConfig(method=method, progress=False)
     if stage != "teacher":
-        linearize.convert(model, method)
-        model.to(device)
+        linearize.convert(model, method)  # (the new modules on the device of the layers they replace)
     for p in model.parameters():
         p.requires_grad_(False)
     if stage == "stage1":
@@ -181,7 +179,6 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
 def _check_args(models, seq_lens, methods, backends, batch_size, steps, warmup, device, layers) -> torch.device:
     from ..methods import methods as known_methods
     from ..models.encoder import is_lion_method
-    from .generate import check_layers
 
     for m in models:
         check_layers(m, layers)
@@ -215,15 +212,7 @@ def run_train_bench(out_dir, models: Sequence[str] = ("smollm2-135m-random",), s
         backends = BACKENDS if str(device).startswith("cuda") else ("torch",)
     dev = _check_args(models, seq_lens, methods, backends, batch_size, steps, warmup, device, layers)
     ours = our_kernel_names() if dev.type == "cuda" else set()
-    env = environment(dev)
-    if command is not None:
-        env["command"] = command
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        env["triton"] = None
+    env = bench_environment(dev, command)
     plan = [(m, t, "teacher", None, "torch") for m in models for t in seq_lens]
     plan += [(m, t, s, meth, b) for m in models for t in seq_lens for meth in methods for s in ("stage1", "stage2")
              for b in backends]
