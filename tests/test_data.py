@@ -158,6 +158,26 @@ def test_bad_record_names_file_record_and_expected_keys(tmp_path, tok):
         load_documents(str(_write(tmp_path / "broken.jsonl", '{"text": "ok"}\n{"text": \n')), tok)
 
 
+@pytest.mark.parametrize("name, raw, where", [
+    ("latin1.txt", "Señor Bañez\n".encode("latin-1"), "byte 0xf1 at offset 2, line 1"),
+    ("cp1251.md", "ok\n".encode() + "Привет".encode("cp1251"), "byte 0xcf at offset 3, line 2"),
+    ("records.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "line 2"),
+    ("records.json", b'[{"text": "\xd1"}]', "byte 0xd1 at offset 11"),
+])
+def test_non_utf8_file_is_named(tmp_path, name, raw, where):
+    """A data file that is not UTF-8 is named, with where it breaks and that it must be UTF-8 (issue 40),
+    read alone or from a folder."""
+    (tmp_path / "data").mkdir()
+    path = tmp_path / "data" / name
+    path.write_bytes(raw)
+    for source in (path, tmp_path / "data"):
+        with pytest.raises(ValueError) as err:
+            load_documents(str(source), CharTokenizer())
+        msg = str(err.value)
+        assert str(path) in msg and "not UTF-8 text" in msg and "must be UTF-8" in msg and where in msg, msg
+        assert "codec can't decode" not in msg
+
+
 @pytest.mark.parametrize("source", ["no/such/dir", "missing.json", "./data", "/tmp/definitely-not-here-42.txt"])
 def test_missing_path_is_file_not_found_with_accepted_forms(tmp_path, tok, source):
     with pytest.raises(FileNotFoundError) as err:

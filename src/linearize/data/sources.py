@@ -96,12 +96,32 @@ def _texts_from_file(path: Path, tokenizer, text_field: str) -> Iterator[tuple[s
     """Yield ``(text, is_chat)`` pairs; ``is_chat`` texts already hold the template's special tokens."""
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
-        yield path.read_text(encoding="utf-8"), False
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+        yield text, False
     elif suffix in RECORD_SUFFIXES:
-        for number, record in _records(path):
-            yield _render_record(record, tokenizer, text_field, f"{path}: record {number}")
+        try:
+            for number, record in _records(path):
+                yield _render_record(record, tokenizer, text_field, f"{path}: record {number}")
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
     else:
         raise ValueError(f"unsupported file type {suffix!r} for {str(path)!r}: use one of {', '.join(SUFFIXES)}")
+
+
+def _not_utf8(path: Path) -> ValueError:
+    """The error for a data file that does not decode as UTF-8: the file, where, and what to do."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+        where = ""
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        where = f" (byte 0x{raw[e.start]:02x} at offset {e.start}, line {line})"
+    return ValueError(f"data file {path} is not UTF-8 text{where}: data files must be UTF-8; convert it "
+                      f"first, e.g. iconv -f latin1 -t utf-8 {path} > {path.with_name(path.stem + '.utf8' + path.suffix)}")
 
 
 def _records(path: Path) -> Iterator[tuple[int, object]]:
