@@ -31,19 +31,6 @@ DEFAULT_PROMPTS = (
     "Explain what a linear function is.",
 )
 
-# Learning rates, chosen by measurement (SmolLM2-135M, lizard, shakespeare, seq_len 256, batch 2,
-# 60 stage-1 steps then 20 stage-2 steps, warmup 5, 4 validation rows, CPU fp32, seed 0):
-#   stage 1, sum of the 30 layers' validation transfer MSE at step 0 -> 60, and the student's
-#   validation perplexity after stage 1 alone (teacher: 48.8):
-#     lr 3e-3: 8.48 -> 1.29, ppl 17,162    lr 1e-2: 8.48 -> 0.95, ppl 2,638    lr 3e-2: 8.48 -> 0.78, ppl 153
-#     (lr 1e-1 was behind 3e-2 at step 10, 1.29 vs 1.14, and was not run further)
-#   stage 2, the student's validation perplexity after 20 LoRA steps:
-#     after stage 1 at 1e-2: lr 3e-4: 577, 1e-3: 140, 3e-3: 63, 1e-2: 89
-#     after stage 1 at 3e-2: lr 1e-3: 60.9, 3e-3: 50.1
-# The papers' rates (Lizard: 1e-3 and 5e-4) are for 20M tokens per stage; this demo sees ~650x fewer.
-STAGE1_LR = 3e-2
-STAGE2_LR = 3e-3
-
 # Seconds per optimizer step measured on the 2-core CPU this demo targets (SmolLM2-135M, lizard,
 # seq_len 256, batch 2), used only for the printed estimate.
 CPU_STAGE1_STEP_S = 1.8
@@ -110,7 +97,7 @@ def _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_
     return TrainConfig(
         method="lizard", model=model, data="shakespeare", out=str(out), seq_len=seq_len,
         batch_size=batch_size, stage1_tokens=stage1_steps * batch_size * seq_len,
-        stage2_tokens=stage2_steps * batch_size * seq_len, stage1_lr=STAGE1_LR, stage2_lr=STAGE2_LR,
+        stage2_tokens=stage2_steps * batch_size * seq_len,
         warmup_steps=max(1, min(stage1_steps, stage2_steps) // 4), eval_every=every, save_every=every,
         val_rows=4, device=device)
 

@@ -36,13 +36,13 @@ class TrainConfig:
 
     # stage 1: attention transfer
     stage1_tokens: int = 1_000_000
-    stage1_lr: float = 1e-2
+    stage1_lr: float = 3e-2              # measured: docs/results/lr-defaults-smollm2.md
     transfer_target: str = "heads"       # heads: per head before o_proj (LoLCATs) | output: after o_proj
     block_size: int | None = None        # layers trained together; None = all jointly
 
     # stage 2: LoRA
     stage2_tokens: int = 1_000_000
-    stage2_lr: float = 1e-4
+    stage2_lr: float = 3e-3
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0

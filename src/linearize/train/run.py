@@ -74,7 +74,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
         for key in ("teacher", "student"):
             summary[f"{key}_val_ppl"] = math.exp(summary[f"{key}_val_loss"])
 
-    save(model, out, tokenizer=tokenizer)
+    save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     _write_json(out / "summary.json", summary)
     from .plots import plot_metrics
 
