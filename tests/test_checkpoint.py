@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import linearize
-from linearize.models.checkpoint import ADAPTER_FILE, META_FILE
+from linearize.models.checkpoint import ADAPTER_FILE, MERGED_FILE, META_FILE
 
 
 def _tiny_base(path, seed=0):
@@ -59,8 +59,104 @@ def test_merged_export_is_self_contained_and_reproduces_logits(trained):
 def test_save_overwrites_atomically_and_leaves_no_temporaries(trained):
     model, tmp = trained
     linearize.save(model, tmp / "ck")
-    linearize.save(model, tmp / "ck")
+    linearize.save(model, tmp / "ck", overwrite=True)
     assert sorted(p.name for p in tmp.iterdir()) == ["base", "ck"]
+
+
+def _snapshot(folder):
+    """Every file under ``folder``: its bytes, mtime and mode."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _fake_run(folder):
+    """The files ``linearize train`` leaves beside its checkpoint (train/run.py)."""
+    (folder / "state").mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"method": "lizard", "model": "smollm2-135m", "seq_len": 256}))
+    (folder / "metrics.jsonl").write_text('{"stage": "stage2", "split": "val", "step": 10, "loss": 2.5}\n')
+    (folder / "summary.json").write_text(json.dumps({"student_val_loss": 2.5}))
+    (folder / "stage2_loss.png").write_bytes(b"\x89PNG\r\n\x1a\n curves")
+    (folder / "state" / "stage2.pt").write_bytes(b"resume state")
+
+
+def test_save_refuses_a_training_run_or_checkpoint_and_changes_nothing(trained):
+    """issue 40: saving over a finished run replaced its trained adapter. Now it is refused, naming
+    the folder and what is in it, with every byte left as it was; overwrite=True replaces only the
+    checkpoint."""
+    model, tmp = trained
+    run = tmp / "run"
+    _fake_run(run)
+    linearize.save(model, run, overwrite=True)  # as the trainer does, into its own directory
+    before = _snapshot(run)
+    assert set(before) >= {META_FILE, ADAPTER_FILE, "config.json", "metrics.jsonl", "summary.json"}
+    with pytest.raises(FileExistsError) as err:
+        linearize.save(model, run)
+    msg = str(err.value)
+    assert msg.startswith(f"{run} holds a training run (config.json, metrics.jsonl, summary.json, state/, "
+                          f"stage2_loss.png) and a checkpoint ({META_FILE}, {ADAPTER_FILE})"), msg
+    assert "overwrite=True" in msg
+    assert _snapshot(run) == before
+    assert sorted(p.name for p in tmp.iterdir()) == ["base", "run"], "a temporary folder was left"
+
+    linearize.save(model, tmp / "ck")  # a bare checkpoint is refused too
+    with pytest.raises(FileExistsError, match=rf"holds a checkpoint \({META_FILE}, {ADAPTER_FILE}\); pass overwrite"):
+        linearize.save(model, tmp / "ck", merged=True)
+    assert not (tmp / "ck" / "model.safetensors").exists()
+
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if ".hybrid." in n).add_(1.0)
+    linearize.save(model, run, overwrite=True)
+    after = _snapshot(run)
+    assert after[ADAPTER_FILE][0] != before[ADAPTER_FILE][0]
+    assert {k: v for k, v in after.items() if k not in (META_FILE, ADAPTER_FILE)} == \
+        {k: v for k, v in before.items() if k not in (META_FILE, ADAPTER_FILE)}, "the run's own files changed"
+
+
+def test_save_into_a_file_is_refused_by_name(trained):
+    model, tmp = trained
+    (tmp / "notes.txt").write_text("keep me")
+    with pytest.raises(NotADirectoryError, match=f"{tmp / 'notes.txt'} is a file, not a directory"):
+        linearize.save(model, tmp / "notes.txt", overwrite=True)
+    with pytest.raises(NotADirectoryError, match=f"{tmp / 'notes.txt'} is a file"):
+        linearize.save(model, tmp / "notes.txt" / "ck")
+    assert (tmp / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("merged", [False, True])
+def test_checkpoint_files_get_the_usual_permissions(trained, umask, merged):
+    """Not 0600 (safetensors' own mode, issue 40): 0666 less the umask, as any file the user writes."""
+    import os
+    import stat
+
+    model, tmp = trained
+    old = os.umask(umask)
+    try:
+        out = linearize.save(model, tmp / "ck", merged=merged)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert (MERGED_FILE if merged else ADAPTER_FILE) in modes and META_FILE in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+@pytest.mark.parametrize("key", ["method", "softmax_layers", "overrides", "base"])
+def test_checkpoint_without_a_required_key_is_named(trained, key):
+    model, tmp = trained
+    linearize.save(model, tmp / "ck")
+    meta_path = tmp / "ck" / META_FILE
+    meta = json.loads(meta_path.read_text())
+    del meta[key]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as err:
+        linearize.load(tmp / "ck")
+    assert str(err.value) == (f"corrupted checkpoint: {meta_path} has no {key!r} key "
+                              "(required: method, softmax_layers, overrides, base)")
+    meta[key] = "x"
+    meta["base"] = {"fingerprint": "0"}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"has no 'base.name' key"):
+        linearize.load(tmp / "ck")
 
 
 def test_wrong_base_fingerprint_is_refused(trained):

@@ -28,6 +28,10 @@ META_FILE = "linearize.json"
 ADAPTER_FILE = "adapter.safetensors"
 MERGED_FILE = "model.safetensors"
 ADDED_MARKERS = (".hybrid.", ".lion.", "lora_")  # new attention modules (causal, LION encoder) and LoRA
+REQUIRED_META_KEYS = ("method", "softmax_layers", "overrides", "base")  # what load() reads
+# What ``linearize train`` writes beside its checkpoint (train/run.py: CONFIG_FILE, metrics.jsonl,
+# summary.json, state/; train/plots.py: the *.png curves): a folder holding them is a training run.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "state")
 
 
 def _is_added(name: str) -> bool:
@@ -72,6 +76,7 @@ def _write_atomically(directory: Path, write) -> None:
     created = not directory.exists()
     try:
         write(tmp)
+        _usual_permissions(tmp)
         directory.mkdir(exist_ok=True)
         old_meta = directory / META_FILE
         stale = set()
@@ -96,11 +101,109 @@ def _write_atomically(directory: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save(model: nn.Module, directory: str | os.PathLike, merged: bool = False, tokenizer=None) -> Path:
-    """Write a checkpoint of a converted (and possibly trained) model; returns the directory."""
+def _usual_permissions(folder: Path) -> None:
+    """Give the files in ``folder`` the mode a plain ``open()`` would (0666 less the umask, 0644
+    normally): safetensors writes its files 0600, which would hide a checkpoint from other users."""
+    probe = folder / ".mode-probe"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies, as to any file
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
+def _listed(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit] + ([f"... {len(names) - limit} more"] if len(names) > limit else []))
+
+
+def _is_run_config(path: Path) -> bool:
+    """A training run's config.json (a TrainConfig), not a Hugging Face model's config.json."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(values, dict) and "model_type" not in values and "method" in values
+
+
+def directory_contents(directory: str | os.PathLike) -> dict[str, list[str]]:
+    """What in ``directory`` a new checkpoint would replace or leave describing another model:
+    ``{"a training run": [names], "a checkpoint": [names]}``, only the kinds present (empty for a
+    missing or unrelated folder). A checkpoint is its linearize.json and the files it lists (or a
+    stray adapter.safetensors); a run is what ``linearize train`` writes beside it (``RUN_FILES``
+    and the *.png curves)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    checkpoint = []
+    meta = directory / META_FILE
+    if meta.is_file():
+        checkpoint.append(META_FILE)
+        try:
+            listed = json.loads(meta.read_text()).get("files", [])
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            listed = [ADAPTER_FILE, MERGED_FILE]
+        checkpoint += [n for n in listed if isinstance(n, str) and "/" not in n and (directory / n).is_file()]
+    elif (directory / ADAPTER_FILE).is_file():
+        checkpoint.append(ADAPTER_FILE)
+    run = []
+    for name in RUN_FILES:
+        path = directory / name
+        if name in checkpoint or not path.exists():
+            continue
+        if name == "config.json" and not _is_run_config(path):
+            continue  # e.g. a Hugging Face model's own config
+        run.append(name + "/" if path.is_dir() else name)
+    run += sorted(p.name for p in directory.glob("*.png") if p.is_file())
+    if run and "config.json" not in run and (directory / "config.json").is_file() and "config.json" not in checkpoint:
+        run.insert(0, "config.json")  # metrics and curves make a config beside them the run's
+    return {kind: names for kind, names in (("a training run", run), ("a checkpoint", checkpoint)) if names}
+
+
+def check_directory_path(directory: str | os.PathLike, label: str | None = None) -> None:
+    """Fail, naming it, when ``directory`` or a folder above it is a file (a directory cannot be
+    made there). ``label`` names it in the message (default: the path itself)."""
+    directory = Path(directory)
+    label = label or str(directory)
+    for path in (directory, *directory.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            if path == directory:
+                raise NotADirectoryError(f"{label} is a file, not a directory")
+            raise NotADirectoryError(f"{label} cannot be a directory: {path} is a file")
+
+
+def check_out_dir(directory: str | os.PathLike, overwrite: bool = False, *, label: str | None = None,
+                  overwrite_hint: str = "pass overwrite=True to replace it",
+                  other_hint: str = "choose another directory") -> None:
+    """The check ``save`` (and ``linearize convert``) makes before writing into ``directory``:
+    refuse a path that is a file, and, unless ``overwrite``, a folder that holds a training run or
+    another checkpoint, naming the folder and what is in it. Changes nothing."""
+    label = label or str(directory)
+    check_directory_path(directory, label)
+    if overwrite:
+        return
+    found = directory_contents(directory)
+    if found:
+        held = " and ".join(f"{kind} ({_listed(names)})" for kind, names in found.items())
+        raise FileExistsError(f"{label} holds {held}; {overwrite_hint}, or {other_hint}")
+
+
+def save(model: nn.Module, directory: str | os.PathLike, merged: bool = False, tokenizer=None,
+         overwrite: bool = False) -> Path:
+    """Write a checkpoint of a converted (and possibly trained) model; returns the directory.
+
+    A ``directory`` that already holds a checkpoint or a training run is refused (nothing is
+    written) unless ``overwrite=True``; then the old checkpoint's files are replaced and any other
+    files (a run's metrics, curves, resume state) are left as they are."""
     spec = getattr(model, "linearize_spec", None)
     if spec is None:
         raise ValueError("save() takes a model converted with linearize.convert (it has no linearize_spec)")
+    check_out_dir(directory, overwrite)
     base = getattr(model, "linearize_base", None) or getattr(model.config, "_name_or_path", None)
     lora = getattr(model, "linearize_lora", None)
     meta = {"format_version": FORMAT_VERSION, "library": "linearize", **spec, "lora": lora, "merged": merged,
@@ -169,10 +272,23 @@ def read_meta(directory: str | os.PathLike) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"corrupted checkpoint: {path} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"corrupted checkpoint: {path} holds a JSON {type(meta).__name__}, not an object")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(f"checkpoint format_version {version!r} is not supported by this linearize "
                          f"(supported: {FORMAT_VERSION})")
+    required = ", ".join(REQUIRED_META_KEYS)
+    for key in REQUIRED_META_KEYS:
+        if key not in meta:
+            raise ValueError(f"corrupted checkpoint: {path} has no {key!r} key (required: {required})")
+    if not isinstance(meta["base"], dict) or "name" not in meta["base"]:
+        raise ValueError(f"corrupted checkpoint: {path} has no 'base.name' key (the base model; required: {required})")
+    if not meta.get("merged") and "fingerprint" not in meta["base"]:
+        raise ValueError(f"corrupted checkpoint: {path} has no 'base.fingerprint' key (the base weights' "
+                         f"SHA-256, required unless merged)")
+    if not isinstance(meta["overrides"], dict):
+        raise ValueError(f"corrupted checkpoint: {path}: 'overrides' must be an object, got {meta['overrides']!r}")
     return meta
 
 

@@ -358,7 +358,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
         p.requires_grad_(False)
     model.eval()
     summary["val"] = embedding_agreement(model, val_rows, config.batch_size, device)
-    save(model, out, tokenizer=tokenizer)
+    save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     _write_json(out / "summary.json", summary)
     from .plots import plot_metrics
 
