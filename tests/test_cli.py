@@ -78,7 +78,7 @@ def test_version(capsys):
 
 HELP_FLAGS = {
     "methods": ["--verbose"],
-    "convert": ["--model", "--method", "--out", "--softmax-layers", "--set", "--merged"],
+    "convert": ["--model", "--method", "--out", "--softmax-layers", "--set", "--merged", "--overwrite"],
     "train": ["--config", "--set", "--resume"] + ["--" + f.name.replace("_", "-")
                                                   for f in dataclasses.fields(TrainConfig) if f.name != "overrides"]
              + ["--no-progress"],
@@ -202,6 +202,245 @@ def test_convert_refuses_to_replace_a_foreign_directory(capsys, tiny, tmp_path):
     code, _, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", out)
     assert code == 2 and "refusing" in err and str(out) in err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def _snapshot(folder: Path) -> dict:
+    """Every file under ``folder``: its bytes, mtime and mode."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _finished_run(converted: str, folder: Path) -> Path:
+    """What ``linearize train`` leaves in its --out (train/run.py): a checkpoint and the run's files."""
+    import shutil
+
+    from linearize.train.run import CONFIG_FILE
+
+    shutil.copytree(converted, folder)
+    (folder / "state").mkdir()
+    (folder / CONFIG_FILE).write_text(json.dumps(TrainConfig(out=str(folder)).to_dict()))
+    (folder / "metrics.jsonl").write_text('{"stage": "stage2", "split": "val", "step": 4, "loss": 2.5}\n')
+    (folder / "summary.json").write_text(json.dumps({"student_val_loss": 2.5, "teacher_val_loss": 2.4}))
+    for name in ("stage1_layer_mse.png", "stage1_loss.png", "stage2_loss.png"):
+        (folder / name).write_bytes(b"\x89PNG\r\n\x1a\n" + name.encode())
+    (folder / "state" / "stage2.pt").write_bytes(b"resume state")
+    return folder
+
+
+def test_convert_refuses_a_finished_training_run_and_changes_nothing(capsys, monkeypatch, tiny, converted, tmp_path):
+    """issue 40: `convert --out runs/x` over a trained run exited 0 and replaced its adapter. It is
+    refused before any model is loaded, naming the folder and what it holds; every byte stays."""
+    import time
+
+    import linearize.models.teacher as teacher
+
+    run = _finished_run(converted, tmp_path / "runs" / "x")
+    before = _snapshot(run)
+    real_load = teacher.load_teacher
+    monkeypatch.setattr(teacher, "load_teacher", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    start = time.perf_counter()
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--method", "hedgehog", "--out", run)
+    assert time.perf_counter() - start < 5
+    assert code == 2 and stdout == "" and "Traceback" not in err
+    assert err.strip() == (f"linearize: error: --out {run} holds a training run (config.json, metrics.jsonl, "
+                           "summary.json, state/, stage1_layer_mse.png, stage1_loss.png, ... 1 more) and a checkpoint "
+                           f"({META_FILE}, {ADAPTER_FILE}); pass --overwrite to replace it, or choose another --out")
+    assert _snapshot(run) == before, "a refused convert changed the run"
+    assert sorted(p.name for p in run.parent.iterdir()) == ["x"], "a temporary folder was left"
+
+    # an untrained checkpoint alone is refused the same way
+    code, _, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", converted)
+    assert code == 2 and f"--out {converted} holds a checkpoint ({META_FILE}, {ADAPTER_FILE});" in err
+
+    monkeypatch.setattr(teacher, "load_teacher", real_load)
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--method", "hedgehog", "--out", run, "--overwrite")
+    assert code == 0, err
+    assert json.loads((run / META_FILE).read_text())["method"] == "hedgehog"
+    after = _snapshot(run)
+    assert after[ADAPTER_FILE][0] != before[ADAPTER_FILE][0]
+    kept = {k: v for k, v in before.items() if k not in (META_FILE, ADAPTER_FILE)}
+    assert {k: after[k] for k in kept} == kept, "--overwrite replaces the checkpoint only"
+
+
+def test_convert_writes_files_with_the_usual_permissions(capsys, tiny, tmp_path):
+    """Not 0600 (issue 40): adapter.safetensors and linearize.json get 0666 less the umask."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        for merged in ([], ["--merged"]):
+            out = tmp_path / f"ck{len(merged)}"
+            assert run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", out, *merged)[0] == 0
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+            assert modes == dict.fromkeys(modes, 0o644), modes
+    finally:
+        os.umask(old)
+
+
+def test_convert_hint_repeats_the_flags_given(capsys, tiny, tmp_path):
+    """The closing `linearize train ...` hint carries the --softmax-layers and --set just used, quoted
+    for a shell, so that copying it trains the same conversion (issue 40)."""
+    import shlex
+
+    out = tmp_path / "ck"
+    code, stdout, err = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", out,
+                                "--softmax-layers", "0,1", "--set", "window=8", "--set", "gate_init=[0.9,0.99]",
+                                "--set", "rope_window=false", "--set", "gate=mamba2")
+    assert code == 0, err
+    hint = stdout.splitlines()[-1].split("train it with: ", 1)[1]
+    assert hint == (f"linearize train --method lizard --model {tiny} --softmax-layers 0,1 --set window=8 "
+                    "--set 'gate_init=[0.9,0.99]' --set rope_window=false --set gate=mamba2 --out DIR")
+    argv = shlex.split(hint)
+    assert argv[:2] == ["linearize", "train"]
+    config = parse_train(*argv[2:])
+    assert config.softmax_layers == [0, 1] and config.method == "lizard" and config.model == tiny
+    assert config.overrides == {"window": 8, "gate_init": [0.9, 0.99], "rope_window": False, "gate": "mamba2"}
+    code, stdout, _ = run_cli(capsys, "convert", "--model", tiny, "--method", "lizard", "--out", tmp_path / "f",
+                              "--softmax-layers", "0.5")
+    assert code == 0 and "--softmax-layers 0.5 --out DIR" in stdout.splitlines()[-1]
+    assert parse_train(*shlex.split(stdout.splitlines()[-1].split("train it with: ")[1])[2:]).softmax_layers == 0.5
+
+
+def test_checkpoint_missing_a_key_is_named(capsys, converted, tmp_path):
+    """A linearize.json without `method` said only `linearize: error: method` (issue 40)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(converted, broken)
+    meta = json.loads((broken / META_FILE).read_text())
+    del meta["method"]
+    (broken / META_FILE).write_text(json.dumps(meta))
+    code, _, err = run_cli(capsys, "generate", "--model", broken, "--prompt", "hi", "--device", "cpu")
+    assert code == 2 and err.strip() == (f"linearize: error: corrupted checkpoint: {broken / META_FILE} has no "
+                                         "'method' key (required: method, softmax_layers, overrides, base)")
+
+
+# ---------------------------------------------------------------------------- model names
+
+
+MODEL_COMMANDS = {
+    "generate": ["generate", "--prompt", "hi", "--device", "cpu"],
+    "convert": ["convert", "--method", "lizard", "--out", "out"],
+    "eval ppl": ["eval", "ppl", "--data", "shakespeare", "--out", "out", "--device", "cpu"],
+}
+
+
+def _with_model(command: str, model: str) -> list[str]:
+    argv = MODEL_COMMANDS[command]
+    split = 2 if argv[0] == "eval" else 1
+    return argv[:split] + ["--model", model] + argv[split:]
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """A hub that must not be asked: a probe fails the test."""
+    import linearize.models.teacher as teacher
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(teacher, "hub_reachable", lambda *a, **k: pytest.fail("asked the hub about a local path"),
+                        raising=False)
+
+
+@pytest.mark.parametrize("command", list(MODEL_COMMANDS))
+@pytest.mark.parametrize("model", ["runs/doesnotexist", "runs/typo/model", "./runs/lizrd", "~/no-such-linearize-model"])
+def test_mistyped_local_model_path_fails_at_once(capsys, monkeypatch, tmp_path, no_hub, command, model):
+    """issue 40: `--model runs/doesnotexist` was sent to the hub, retried for ~28 s and blamed the
+    connection. A name that is a path (its folder exists, or ./ ~ / prefixes, or deeper than org/name)
+    fails in well under 5 s naming the path and the forms a model takes."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "lizard").mkdir(parents=True)
+    start = time.perf_counter()
+    code, _, err = run_cli(capsys, *_with_model(command, model))
+    assert time.perf_counter() - start < 5
+    assert code == 2 and "Traceback" not in err
+    assert f"model directory {model} does not exist" in err
+    assert "linearize checkpoint directory" in err and "smollm2-135m" in err and "hub id" in err
+    assert "huggingface.co" not in err and not (tmp_path / "out").exists()
+    if model == "runs/doesnotexist":
+        assert "a folder runs/ exists here, so it is read as a local path" in err
+    if model == "./runs/lizrd":
+        assert "did you mean runs/lizard?" in err
+
+
+@pytest.mark.parametrize("command", list(MODEL_COMMANDS))
+def test_hub_id_without_network_fails_in_seconds(capsys, monkeypatch, tmp_path, command):
+    """A hub id (org/name, no local folder org/) with no network: named, with what to use instead,
+    in seconds rather than after transformers' retries."""
+    import time
+
+    import linearize.models.teacher as teacher
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(teacher, "hub_reachable", lambda *a, **k: False, raising=False)
+    model = "linearize-test-org/no-such-model"
+    start = time.perf_counter()
+    code, _, err = run_cli(capsys, *_with_model(command, model))
+    assert time.perf_counter() - start < 5
+    assert code == 2 and "Traceback" not in err
+    assert f"model {model} is read as a Hugging Face hub id, but there is no network" in err
+    assert "not in the local Hugging Face cache" in err and "smollm2-135m" in err and "local Hugging Face model directory" in err
+
+    # HF_HUB_OFFLINE=1: no probe at all
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(teacher, "hub_reachable", lambda *a, **k: pytest.fail("probed the hub while offline"))
+    code, _, err = run_cli(capsys, *_with_model(command, model))
+    assert code == 2 and f"model {model} is read as a Hugging Face hub id, but HF_HUB_OFFLINE" in err
+
+
+def test_hub_probe_is_bounded_and_reads_any_answer(monkeypatch):
+    """hub_reachable itself, against local servers only: a closed port is unreachable at once, a
+    server that answers (even 404) is reachable, one that never answers costs the timeout."""
+    import http.server
+    import socket
+    import threading
+    import time
+
+    from huggingface_hub import constants
+
+    from linearize.models.teacher import hub_reachable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed}")
+    start = time.perf_counter()
+    assert hub_reachable(timeout=2) is False and time.perf_counter() - start < 2.6
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert hub_reachable(timeout=2) is True
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        start = time.perf_counter()
+        assert hub_reachable(timeout=0.5) is False
+        assert time.perf_counter() - start < 1.5
+    finally:
+        silent.close()
+
+
+def test_looks_local(monkeypatch, tmp_path):
+    from linearize.models.loading import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not looks_local("HuggingFaceTB/SmolLM2-135M") and not looks_local("smollm2-135m")
+    assert looks_local("./x") and looks_local("/abs/x") and looks_local("~/x") and looks_local("a/b/c")
+    assert looks_local("a\\b") and looks_local("runs/nope")  # runs/ is a folder here
 
 
 # ---------------------------------------------------------------------------- generate

@@ -21,6 +21,7 @@ import inspect
 import json
 import math
 import re
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -407,16 +408,33 @@ def cmd_methods(args) -> int:
     return 0
 
 
-def _check_out_dir(out: Path) -> None:
-    """Refuse to write into a non-empty directory that is not a linearize checkpoint."""
-    from .models.checkpoint import META_FILE
+def _check_out_dir(out: Path, overwrite: bool = False) -> None:
+    """Before loading anything: refuse an --out that is a file, one that holds a training run or
+    another checkpoint (unless --overwrite; ``checkpoint.check_out_dir``, the check ``save`` makes
+    too), and a non-empty folder of other files."""
+    from .models.checkpoint import check_out_dir, directory_contents
 
-    if out.exists():
-        if not out.is_dir():
-            raise ValueError(f"--out {out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / META_FILE).is_file():
-            raise ValueError(f"--out {out} exists, is not empty and is not a linearize checkpoint; "
-                             "refusing to replace it (choose another directory)")
+    check_out_dir(out, overwrite, label=f"--out {out}", overwrite_hint="pass --overwrite to replace it",
+                  other_hint="choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not directory_contents(out):
+        raise ValueError(f"--out {out} exists, is not empty and is not a linearize checkpoint; "
+                         "refusing to replace it (choose another directory)")
+
+
+def _shell_flags(softmax_layers, overrides: dict) -> str:
+    """``--softmax-layers ... --set KEY=VALUE ...`` as the user gave them, quoted for a shell."""
+    def text(value) -> str:
+        if isinstance(value, bool) or value is None:
+            return json.dumps(value)
+        if isinstance(value, (list, tuple, dict)):
+            return json.dumps(value, separators=(",", ":"))
+        return str(value)
+
+    flags = []
+    if softmax_layers is not None:
+        flags.append("--softmax-layers " + shlex.quote(text(softmax_layers).strip("[]")))
+    flags += ["--set " + shlex.quote(f"{k}={text(v)}") for k, v in overrides.items()]
+    return "".join(" " + f for f in flags)
 
 
 def human_size(n: float) -> str:
@@ -436,13 +454,13 @@ def cmd_convert(args) -> int:
     overrides = _overrides(args.set)
     method_config(args.method, **overrides)  # bad method or override: fail before loading anything
     out = Path(args.out)
-    _check_out_dir(out)
+    _check_out_dir(out, args.overwrite)  # before loading: a refusal is quick and changes nothing
     from .models.loading import check_model_name
 
     check_model_name(args.model)
     model, tokenizer = load_teacher(args.model)
     convert(model, args.method, softmax_layers=args.softmax_layers, **overrides)
-    save(model, out, merged=args.merged, tokenizer=tokenizer)
+    save(model, out, merged=args.merged, tokenizer=tokenizer, overwrite=args.overwrite)
 
     n_layers = len(linearized_layers(model))
     kept = model.linearize_spec["softmax_layers"]
@@ -456,7 +474,7 @@ def cmd_convert(args) -> int:
     for p in files:
         print(f"  {p.name:<24} {human_size(p.stat().st_size):>10}")
     print(f"load it with linearize.load({str(out)!r}); train it with: linearize train --method {args.method} "
-          f"--model {args.model} --out DIR")
+          f"--model {shlex.quote(str(args.model))}{_shell_flags(args.softmax_layers, overrides)} --out DIR")
     return 0
 
 
@@ -657,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", type=_argtype(parse_set), metavar="KEY=VALUE", help=SET_HELP)
     p.add_argument("--merged", action="store_true",
                    help="write a self-contained checkpoint with every weight, config and tokenizer")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint in --out even if it holds one or a training run (the run's "
+                        "other files are left); without it such a directory is refused")
     p.set_defaults(func=cmd_convert)
 
     p = _sub(sub, "train", "two-stage training: attention transfer, then LoRA",

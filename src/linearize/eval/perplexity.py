@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.sources import load_documents
-from ..models.loading import context_length, is_linearized, load_model, model_label
+from ..models.loading import check_model_name, context_length, is_linearized, load_model, model_label
 from .common import environment, markdown_table, write_outputs
 
 STEM = "ppl"
@@ -117,6 +117,8 @@ def run_ppl(models: Sequence[str], data: str, out_dir: str | Path, *, max_tokens
 
     if not models:
         raise ValueError("give at least one model (a checkpoint directory or a teacher name)")
+    for name in models:  # a mistyped path among several: said before the first model is evaluated
+        check_model_name(str(name))
     for name, value in (("max_tokens", max_tokens), ("piece", piece), ("window", window), ("stride", stride)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
             raise ValueError(f"{name} must be an integer >= 2, got {value!r}")

@@ -8,19 +8,53 @@ from pathlib import Path
 import torch
 
 
+MODEL_FORMS = ("a linearize checkpoint directory (it holds linearize.json), a bundled name ({bundled}), "
+               "a local Hugging Face model directory, or a hub id org/name where a network exists")
+
+
+def model_forms() -> str:
+    """The forms a model name takes, for messages."""
+    from .teacher import BUNDLED_TEACHERS
+
+    return MODEL_FORMS.format(bundled=", ".join(BUNDLED_TEACHERS))
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` is meant as a local path rather than a hub id: it starts with ``/``, ``.``
+    or ``~``, holds a backslash or more than one ``/``, or its first component is a folder here
+    (``runs/x`` where ``runs/`` exists: a path, not the hub's org ``runs``)."""
+    if name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1:
+        return True
+    return "/" in name and Path(name.split("/", 1)[0]).is_dir()
+
+
+def _near_names(path: Path) -> str:
+    """'; did you mean ...?' for an existing folder's entries that resemble ``path``'s name."""
+    import difflib
+
+    try:
+        names = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(str(path.parent / n) for n in close)}?" if close else ""
+
+
 def check_model_name(name: str) -> None:
     """Fail fast, before any loading, on a model that is neither bundled nor an existing path
-    but clearly meant as a local path (absolute, ./, ~, or nested deeper than a hub id)."""
+    but clearly meant as a local path (``looks_local``), naming it and the accepted forms."""
     from .teacher import BUNDLED_TEACHERS
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"a model must be a checkpoint directory or a teacher name, got {name!r}")
     if name in BUNDLED_TEACHERS or Path(name).exists():
         return
-    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-    if looks_local:
-        raise FileNotFoundError(f"model directory {name} does not exist "
-                                f"(bundled teachers: {', '.join(BUNDLED_TEACHERS)})")
+    if looks_local(name):
+        org = name.split("/", 1)[0]
+        why = (f" (a folder {org}/ exists here, so it is read as a local path, not a hub id)"
+               if name.count("/") == 1 and not name.startswith(("/", ".", "~")) and "\\" not in name else "")
+        raise FileNotFoundError(f"model directory {name} does not exist{why}{_near_names(Path(name))}. "
+                                f"A model is {model_forms()}")
     if "/" not in name:
         raise ValueError(f"unknown model {name!r}: use a bundled teacher ({', '.join(BUNDLED_TEACHERS)}), "
                          "a linearize checkpoint directory, a local model directory, or a Hugging Face hub id (org/name)")

@@ -19,6 +19,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,15 +101,84 @@ def _dequantized_dir(teacher: BundledTeacher) -> Path:
 
 
 def resolve_teacher_path(name: str) -> str:
-    """Directory or hub id that ``from_pretrained`` can open for a teacher name."""
+    """Directory or hub id that ``from_pretrained`` can open for a teacher name.
+
+    A name meant as a local path that does not exist fails at once (``loading.check_model_name``);
+    a hub id is checked first (``resolve_hub_id``), so that without a network it fails in seconds
+    instead of after transformers' retries."""
     if name in BUNDLED_TEACHERS:
         teacher = BUNDLED_TEACHERS[name]
         return str(teacher.asset_path() if teacher.encoder else _dequantized_dir(teacher))
-    if Path(name).exists() or "/" in name:
+    if Path(name).exists():
         return name
+    if "/" in name:
+        from .loading import check_model_name
+
+        check_model_name(name)  # a mistyped local path: named now, never sent to the hub
+        return resolve_hub_id(name)
     raise ValueError(
         f"unknown teacher {name!r}: use a bundled name ({', '.join(BUNDLED_TEACHERS)}), "
         "a local model directory, or a Hugging Face hub id")
+
+
+HUB_PROBE_TIMEOUT = 3.0  # seconds: how long a hub id waits to learn whether the hub answers
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE asks for no network at all."""
+    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``, proxies as huggingface_hub uses them) answers
+    one request within ``timeout`` seconds; any HTTP answer counts. Bounded even when name
+    resolution hangs: the request runs in a daemon thread."""
+    answered = []
+
+    def probe() -> None:
+        try:
+            from huggingface_hub import constants, get_session
+
+            get_session().head(constants.ENDPOINT, timeout=timeout)
+            answered.append(True)
+        except Exception:  # no route, no name resolution, a timeout: unreachable
+            pass
+
+    thread = threading.Thread(target=probe, name="linearize-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return bool(answered)
+
+
+def cached_hub_snapshot(repo_id: str) -> str | None:
+    """The local Hugging Face cache's snapshot folder of ``repo_id`` (None if it holds no model there)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached, or not a valid repo id
+        return None
+    return folder if (Path(folder) / "config.json").is_file() else None
+
+
+def resolve_hub_id(name: str) -> str:
+    """What ``from_pretrained`` should open for hub id ``name``: the id itself where the hub answers,
+    else the model's folder in the local Hugging Face cache; with neither, fail at once naming the
+    id (no network, or HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set) and what to use instead."""
+    offline = hub_offline()
+    if not offline and hub_reachable():
+        return name
+    cached = cached_hub_snapshot(name)
+    if cached is not None:
+        return cached
+    why = ("HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set" if offline else
+           "there is no network (the Hugging Face hub did not answer)")
+    raise ConnectionError(
+        f"model {name} is read as a Hugging Face hub id, but {why} and it is not in the local Hugging Face "
+        f"cache; without a network use a bundled name ({', '.join(BUNDLED_TEACHERS)}), a linearize checkpoint "
+        f"directory or a local Hugging Face model directory (download the model where a network exists: "
+        f"`hf download {name} --local-dir DIR`, then pass DIR)")
 
 
 def load_teacher(name: str = "smollm2-135m", dtype: torch.dtype | str | None = None,
