@@ -612,6 +612,22 @@ def test_train_bad_values_exit_2_before_running(capsys, monkeypatch, tmp_path, a
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("resume", [[], ["--resume"]])
+def test_train_out_at_a_file_is_named_before_loading(capsys, monkeypatch, tmp_path, resume):
+    """issue 40: `train --out FILE` ended in a raw `[Errno 20] Not a directory` after loading."""
+    import importlib
+
+    run_module = importlib.import_module("linearize.train.run")  # the module (linearize.train.run is also the function)
+    monkeypatch.setattr(run_module, "load_teacher", lambda *a, **k: pytest.fail("loaded a model first"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    code, _, err = run_cli(capsys, "train", "--out", notes, "--no-progress", *resume)
+    assert code == 2 and err.strip() == f"linearize: error: --out {notes} is a file, not a directory"
+    code, _, err = run_cli(capsys, "train", "--out", notes / "run", "--no-progress")
+    assert code == 2 and err.strip() == f"linearize: error: --out {notes / 'run'} cannot be a directory: {notes} is a file"
+    assert notes.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize("args, named", [
     (["--lr-schedule", "sometimes"], "sometimes"),
     (["--stage1-tokens", "lots"], "lots"),

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import load_documents, pack, split_documents
-from ..models.checkpoint import save
+from ..models.checkpoint import check_directory_path, save
 from ..models.convert import convert, linearized_layers
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
@@ -323,6 +323,7 @@ def changed_settings(saved: dict, config: TrainConfig) -> list[str]:
 
 
 def _check_out_dir(out: Path, config: TrainConfig, resume: bool) -> None:
+    check_directory_path(out, f"--out {out}")  # a file there: say so before loading anything
     saved = out / CONFIG_FILE
     if resume:
         before = read_run_config(out)
