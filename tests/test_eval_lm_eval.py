@@ -426,6 +426,50 @@ def test_missing_data_file_is_named(tiny, data, tmp_path, capsys, monkeypatch):
         lm_eval_tasks.load_piqa(data_dir=None)
 
 
+def _outside_git(monkeypatch, tmp_path) -> None:
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: lm-eval's lookup prints nothing anyway")
+    monkeypatch.chdir(tmp_path)
+    if subprocess.run(["git", "rev-parse"], capture_output=True).returncode == 0:
+        pytest.skip(f"{tmp_path} is inside a git repository")
+
+
+def test_eval_lm_eval_prints_no_git_message_outside_a_repository(tiny, data, tmp_path, capfd, monkeypatch):
+    """issue 40: `linearize eval lm-eval` printed git's `fatal: not a git repository` (lm-eval runs
+    `git describe` for its results with git's stderr on the terminal)."""
+    from linearize.cli import main
+
+    _outside_git(monkeypatch, tmp_path)
+    capfd.readouterr()
+    assert main(["eval", "lm-eval", "--model", tiny, "--tasks", "piqa", "--data-dir", str(data), "--limit", "2",
+                 "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err and "fatal:" not in err, err[-2000:]
+
+
+def test_quiet_git_keeps_the_lookup_and_restores_lm_eval(tmp_path, capfd, monkeypatch):
+    from lm_eval import evaluator
+    from lm_eval.loggers import utils as logger_utils
+
+    from linearize.eval.lm_eval_run import quiet_git
+
+    original = evaluator.get_git_commit_hash
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    expected = original()  # inside the repository: the same hash through either
+    with quiet_git():
+        assert evaluator.get_git_commit_hash() == expected
+    _outside_git(monkeypatch, tmp_path)
+    capfd.readouterr()
+    with quiet_git():
+        assert evaluator.get_git_commit_hash() is None
+        assert logger_utils.get_git_commit_hash() is None
+    assert "fatal" not in capfd.readouterr().err
+    assert evaluator.get_git_commit_hash is original
+
+
 def test_unknown_task_and_bad_arguments(tiny, data, tmp_path):
     from linearize.eval.lm_eval_run import run_lm_eval
 

@@ -106,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval.__main__ import cli_evaluate
 
+    from .eval.lm_eval_run import quiet_git
+
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:
-        cli_evaluate()
+        with quiet_git():  # no `fatal: not a git repository` from lm-eval's commit lookup
+            cli_evaluate()
     finally:
         sys.argv = saved
     return 0

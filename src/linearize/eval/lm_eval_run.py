@@ -10,8 +10,11 @@ level marked) and ``lm_eval.md``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
+import subprocess
 import sys
 import time
 from numbers import Integral, Real
@@ -40,6 +43,39 @@ def _check_limit(limit):
     if not 0 < limit < 1:
         raise ValueError(f"limit must be a number of examples (>= 1) or a fraction in (0, 1), got {limit!r}")
     return float(limit)
+
+
+def _quiet_git_commit_hash():
+    """lm-eval's ``get_git_commit_hash`` (the commit of the working directory, recorded in its
+    results) with git's stderr discarded: the same command and fallback, the same result."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):  # not a repository, or no git
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def quiet_git():
+    """Within the block, lm-eval looks up the working directory's git commit without letting git
+    print ``fatal: not a git repository`` on the terminal outside a repository (lm-eval runs
+    ``git describe`` with its stderr inherited). Only git's own stderr is discarded."""
+    patched = []
+    try:
+        from lm_eval import evaluator
+        from lm_eval.loggers import utils as logger_utils
+    except Exception:  # a different lm-eval layout: leave it as it is
+        evaluator = logger_utils = None
+    for module in (evaluator, logger_utils):
+        if module is not None and callable(getattr(module, "get_git_commit_hash", None)):
+            patched.append((module, module.get_git_commit_hash))
+            module.get_git_commit_hash = _quiet_git_commit_hash
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.get_git_commit_hash = original
 
 
 def _task_result(spec: TaskSpec, res: dict) -> dict:
@@ -103,8 +139,9 @@ def run_lm_eval(models: Sequence[str], tasks: Sequence[str] | str | None, data_d
               + (f" (limit {limit})" if limit is not None else ""), file=sys.stderr, flush=True)
         start = time.perf_counter()
         lm = LinearizeLM(path=name, device=device, dtype=dtype or "auto", batch_size=batch_size, max_length=max_length)
-        res = lm_eval.simple_evaluate(model=lm, tasks=[s.name for s in specs], task_manager=manager, limit=limit,
-                                      num_fewshot=num_fewshot, log_samples=False)
+        with quiet_git():
+            res = lm_eval.simple_evaluate(model=lm, tasks=[s.name for s in specs], task_manager=manager, limit=limit,
+                                          num_fewshot=num_fewshot, log_samples=False)
         if res is None:  # pragma: no cover - only on a non-zero rank
             raise RuntimeError("lm-eval returned no results")
         results.append({"model": name, "label": model_label(name), "linearized": lm.linearized,
