@@ -53,7 +53,7 @@ def val_records(out, stage):
 # ----------------------------------------------------------------------------------- the stages
 
 
-def test_stage1_lowers_every_layer_and_stage2_lowers_validation_loss(tiny, text_file, tmp_path):
+def test_stage1_lowers_every_layer_and_stage2_lowers_validation_loss(tiny, text_file, tmp_path, capsys):
     out = run(small(tiny, text_file, tmp_path / "run", stage1_lr=1e-2, stage2_lr=1e-2, softmax_layers=[1]))
     s1 = val_records(out, "stage1")
     assert s1[0]["layers"] == [0, 2]  # the kept softmax layer has nothing to transfer
@@ -65,6 +65,42 @@ def test_stage1_lowers_every_layer_and_stage2_lowers_validation_loss(tiny, text_
     assert {p.name for p in out.glob("*.png")} == {"stage1_layer_mse.png", "stage1_loss.png", "stage2_loss.png"}
     model, _ = linearize.load(out)
     assert model.linearize_lora["rank"] == 8 and model.linearize_spec["softmax_layers"] == [1]
+    # the verdict block, printed with progress off too: both stages against the teacher, and the ratio
+    printed = capsys.readouterr().out
+    ratio = summary["student_val_ppl"] / summary["teacher_val_ppl"]
+    assert summary["val_ppl_ratio"] == pytest.approx(ratio)
+    assert "verdict on 4 held-out rows" in printed and "student after stage 1" in printed
+    stage2_line = next(line for line in printed.splitlines() if "student after stage 2" in line)
+    assert stage2_line.split()[-1] == f"{ratio:.2f}x"
+    assert f"{summary['stage1_val_loss']:.3f}" in printed
+    # the checkpoint says what it was trained on: evals report its row length as its trained context
+    from linearize.models.checkpoint import read_meta
+    from linearize.models.loading import trained_context
+
+    assert read_meta(out)["training"]["seq_len"] == 32
+    assert trained_context(str(out)) == 32
+
+
+def _summary(teacher: float, student: float, stage1: float = 9.0) -> dict:
+    return {"teacher_val_loss": teacher, "stage1_val_loss": stage1, "student_val_loss": student,
+            "val_rows": 16, "val_tokens": 8192, "stages": [{"stage": "stage1"}, {"stage": "stage2"}]}
+
+
+@pytest.mark.parametrize("student, words", [
+    (math.log(63.0 * 127), ["far from its teacher", "--stage1-tokens", "--stage1-lr 0.03", "--stage2-lr 0.003"]),
+    (math.log(63.0 * 1.3), ["close to its teacher (1.30x"]),
+    (math.log(63.0 * 1.02), ["matches its teacher"]),
+    (math.log(60.0), ["at or below the teacher's"]),
+])
+def test_verdict_names_the_ratio_and_what_to_try(student, words):
+    from linearize.train.run import verdict
+
+    text = verdict(_summary(math.log(63.0), student), TrainConfig())
+    rows = {line.split()[0] + " " + line.split()[-1] for line in text.splitlines()[2:5]}
+    assert "teacher 1.00x" in rows and f"student {math.exp(student) / 63.0:.2f}x" in rows, text
+    for w in words:
+        assert w in text, text
+    assert verdict({"teacher_val_loss": None}, TrainConfig(val_fraction=0.0)).startswith("verdict: no validation rows")
 
 
 @pytest.mark.parametrize("target", ["heads", "output"])
@@ -131,7 +167,7 @@ def test_distillation_adds_a_kl_term(tiny, text_file, tmp_path):
 
 
 @pytest.mark.parametrize("kill_at", [4, 11])  # micro-batches: inside stage 1 / inside stage 2
-def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, monkeypatch, kill_at):
+def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, monkeypatch, kill_at, capsys):
     config = dict(stage1_lr=1e-2, stage2_lr=1e-2, lr_schedule="cosine", warmup_steps=2)
     whole = run(small(tiny, text_file, tmp_path / "whole", **config))
 
@@ -149,7 +185,14 @@ def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, mon
         run(small(tiny, text_file, tmp_path / "resumed", **config))
     assert not (tmp_path / "resumed" / "linearize.json").exists()
     monkeypatch.setattr(loop_module, "batch_indices", real)
+    capsys.readouterr()
     resumed = run(small(tiny, text_file, tmp_path / "resumed", **config), resume=True)
+    said = capsys.readouterr().out  # progress is off, and the resume still says what it does
+    assert said.startswith(f"resuming {tmp_path / 'resumed'}: loading"), said
+    if kill_at == 4:  # killed in stage 1 at its 4th step; the last resume state was saved after step 2
+        assert "stage1: resuming at step 2 of 6" in said, said
+    else:  # killed in stage 2: stage 1 had finished
+        assert "stage1: finished before the interruption; skipped" in said and "stage2: resuming at step" in said
 
     a, b = load_file(str(whole / "adapter.safetensors")), load_file(str(resumed / "adapter.safetensors"))
     assert set(a) == set(b)

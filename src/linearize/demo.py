@@ -316,13 +316,8 @@ def _summary(out: Path) -> dict:
 
 
 def _student_ppl_after_stage1(out: Path) -> float | None:
-    """The stage-2 validation at step 0: the student with its trained attention, before LoRA."""
-    from .train.plots import read_metrics
-
-    for rec in read_metrics(out / "metrics.jsonl"):
-        if rec.get("stage") == "stage2" and rec.get("split") == "val" and rec.get("step") == 0:
-            return rec.get("ppl", math.exp(min(rec["loss"], 50.0)))
-    return None
+    loss = _summary(out).get("stage1_val_loss")
+    return None if loss is None else math.exp(min(loss, 50.0))
 
 
 # ------------------------------------------------------------------------- 5. decode memory

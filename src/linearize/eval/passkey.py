@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ..data.passkey import PasskeyExample, make_classic_passkey_example, make_passkey_example
-from ..models.loading import context_length, is_linearized, load_model, model_label
+from ..models.loading import is_linearized, load_model, model_label, trained_context
 from .common import environment, markdown_table, write_outputs
 
 FORMATS = ("classic", "lizard")
@@ -134,7 +134,7 @@ def run_passkey(models: Sequence[str], out_dir: str | Path, *, fmt: str = "class
         with tqdm(total=total, desc=f"passkey {fmt} {name}", unit="ex") as bar:
             scores = evaluate_model(model, tokenizer, fmt, lengths, grid, samples, seed, max_new_tokens, bar)
         results.append({"model": name, "label": model_label(name, model), "linearized": is_linearized(model),
-                        "context_length": context_length(model), "seconds": time.perf_counter() - start,
+                        "context_length": trained_context(name, model), "seconds": time.perf_counter() - start,
                         **scores})
         del model
     data = {"format": fmt, "lengths": lengths, "depths": grid, "samples": samples, "seed": seed,

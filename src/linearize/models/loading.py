@@ -97,5 +97,16 @@ def is_linearized(model) -> bool:
 
 
 def context_length(model) -> int | None:
-    """The teacher's trained context (``max_position_embeddings``), None when unknown."""
+    """The positions the model can address (``max_position_embeddings``), None when unknown."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def trained_context(name: str, model=None) -> int | None:
+    """The longest context the model was trained on, as evals report it: for a checkpoint written by
+    ``linearize train``, its training row length (its teacher saw longer text, the student did not);
+    for any other model, ``context_length``. None when unknown (e.g. an untrained conversion)."""
+    if is_checkpoint(name):
+        from .checkpoint import read_meta
+
+        return (read_meta(name).get("training") or {}).get("seq_len")
+    return context_length(model)

@@ -191,6 +191,9 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         if saved["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
         metrics.truncate_after(stage.name, loop.step)
+        # said with or without progress bars: a resumed run is otherwise silent until its next step
+        print(f"{stage.name}: " + ("finished before the interruption; skipped" if loop.done else
+              f"resuming at step {loop.step} of {stage.steps} from {state_path}"), flush=True)
     if loop.done:
         return _summary(stage, loop, device)
 

@@ -44,6 +44,9 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
+    if resume:
+        print(f"resuming {out}: loading {config.model} and {config.data}, then each stage goes on "
+              "where it stopped", flush=True)
     model, tokenizer = load_teacher(config.model)
     if tokenizer is None:
         raise ValueError(f"model {config.model!r} has no tokenizer files; training needs one to read {config.data!r}")
@@ -70,17 +73,77 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
     if val_rows is not None:
+        summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
         summary["student_val_loss"] = _lm_loss(model, val_rows, config, device)
         for key in ("teacher", "student"):
             summary[f"{key}_val_ppl"] = math.exp(summary[f"{key}_val_loss"])
+        summary["val_ppl_ratio"] = summary["student_val_ppl"] / summary["teacher_val_ppl"]
+        summary["val_rows"], summary["val_tokens"] = len(val_rows), val_rows.num_tokens
 
+    # what the student was trained on, kept in its checkpoint (evals report the row length as its context)
+    model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data,
+                                        "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     _write_json(out / "summary.json", summary)
     from .plots import plot_metrics
 
     plot_metrics(metrics.path, out)
+    print(verdict(summary, config), flush=True)  # the run's result: shown with or without progress bars
     _log(config, f"done: {out} (linearize.load({str(out)!r}) opens it)")
     return out
+
+
+# --------------------------------------------------------------------------------------- verdict
+
+
+def stage1_val_loss(metrics_path: Path) -> float | None:
+    """The student's validation loss after stage 1: stage 2's validation at step 0, before its LoRA
+    (initialised to zero) has changed anything."""
+    from .plots import read_metrics
+
+    for rec in read_metrics(metrics_path):
+        if rec.get("stage") == "stage2" and rec.get("split") == "val" and rec.get("step") == 0:
+            return rec["loss"]
+    return None
+
+
+# Student perplexity over the teacher's on the held-out rows: at most CLOSE is "matches", at most FAR
+# is "close"; above FAR the student is not usable yet and the verdict says what to try.
+CLOSE, FAR = 1.05, 1.5
+
+
+def verdict(summary: dict, config: TrainConfig) -> str:
+    """The block ``linearize train`` ends with: teacher and student validation loss and perplexity
+    after each stage, the ratio to the teacher, and one plain sentence on what it means."""
+    if summary.get("teacher_val_loss") is None:
+        return ("verdict: no validation rows, so no comparison with the teacher "
+                f"(val_fraction is {config.val_fraction}; the data may be too small to split)")
+    teacher = summary["teacher_val_loss"]
+    rows = [("teacher", teacher)]
+    if summary.get("stage1_val_loss") is not None and summary["stages"][0]["stage"].startswith("stage1"):
+        rows.append(("student after stage 1", summary["stage1_val_loss"]))
+    rows.append(("student after stage 2" if config.stage2_tokens else "student", summary["student_val_loss"]))
+    lines = [f"verdict on {summary['val_rows']} held-out rows ({summary['val_tokens']:,} tokens of {config.data}, "
+             "never trained on):",
+             f"  {'':<24}{'loss':>8}{'perplexity':>13}{'vs teacher':>13}"]
+    for name, loss in rows:
+        ppl = math.exp(min(loss, 50.0))
+        lines.append(f"  {name:<24}{loss:>8.3f}{ppl:>13.4g}{ppl / math.exp(teacher):>12.2f}x")
+    ratio = math.exp(min(summary["student_val_loss"], 50.0)) / math.exp(teacher)
+    if ratio <= 1.0:
+        sentence = ("The student's perplexity is at or below the teacher's. The teacher was not fine-tuned on "
+                    "this data and the student's LoRA was, so compare on other text too (linearize eval ppl).")
+    elif ratio <= CLOSE:
+        sentence = f"The student matches its teacher: perplexity within {ratio - 1:.0%} of the teacher's."
+    elif ratio <= FAR:
+        sentence = (f"The student is close to its teacher ({ratio:.2f}x its perplexity); more training tokens "
+                    "(--stage1-tokens, --stage2-tokens) would close the gap.")
+    else:
+        sentence = (f"The student is far from its teacher ({ratio:.3g}x its perplexity): it is not usable yet. "
+                    f"Try more tokens (--stage1-tokens {config.stage1_tokens:,}, --stage2-tokens "
+                    f"{config.stage2_tokens:,} now; the papers use 20M per stage) or other learning rates "
+                    f"(--stage1-lr {config.stage1_lr:g}, --stage2-lr {config.stage2_lr:g} now).")
+    return "\n".join(lines + ["  " + sentence])
 
 
 # ------------------------------------------------------------------------------------------ data
