@@ -366,6 +366,19 @@ def test_mistyped_local_model_path_fails_at_once(capsys, monkeypatch, tmp_path, 
         assert "did you mean runs/lizard?" in err
 
 
+def test_a_mistyped_model_path_is_refused_before_transformers_is_imported(tmp_path):
+    """From a shell, importing transformers costs seconds: a bad --model must be refused before it,
+    by every command that takes one (a fresh interpreter, as a user's shell gives)."""
+    (tmp_path / "runs").mkdir()
+    script = ("import sys; from linearize.cli import main; "
+              "codes = [main(argv) for argv in ARGV]; print(codes, 'transformers' in sys.modules)")
+    argvs = [_with_model(command, "runs/doesnotexist") for command in MODEL_COMMANDS]
+    proc = subprocess.run([sys.executable, "-c", script.replace("ARGV", repr(argvs))], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == f"{[2] * len(argvs)} False", (proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr.count("model directory runs/doesnotexist does not exist") == len(argvs)
+
+
 @pytest.mark.parametrize("command", list(MODEL_COMMANDS))
 def test_hub_id_without_network_fails_in_seconds(capsys, monkeypatch, tmp_path, command):
     """A hub id (org/name, no local folder org/) with no network: named, with what to use instead,
@@ -540,12 +553,24 @@ def test_train_defaults_and_flag_types():
                     "--lr-schedule", "plateau", "--stage2-lr", "3e-4", "--softmax-layers", "0,5,9",
                     "--lora-targets", "q_proj,v_proj", "--block-size", "2", "--early-stop-patience", "none",
                     "--no-progress", "--set", "window=32", "--set", "gate_init=[0.9,0.99]")
-    assert (c.method, c.stage1_tokens, c.stage2_tokens, c.lr_schedule) == ("lolcats", 100_000, 2000, "plateau")
+    assert (c.method, c.stage1_tokens, c.stage2_tokens, c.lr_schedule) == ("lolcats", 102_400, 2000, "plateau")
     assert c.stage2_lr == pytest.approx(3e-4) and c.softmax_layers == [0, 5, 9]
     assert c.lora_targets == ["q_proj", "v_proj"] and c.block_size == 2 and c.early_stop_patience is None
     assert c.progress is False and c.overrides == {"window": 32, "gate_init": [0.9, 0.99]}
     assert parse_train("--softmax-layers", "0.25").softmax_layers == 0.25
     assert parse_train("--progress").progress is True
+
+
+def test_suffixes_mean_the_same_in_every_flag():
+    """K and M are binary in token budgets, context lengths and token caps alike (issue 40)."""
+    from linearize.cli_eval import parse_int_list
+
+    assert cli.parse_int("4K") == parse_int_list("4K")[0] == 4096
+    assert cli.parse_int("2M") == 2 * 1024 * 1024 and cli.parse_int("1.5k") == 1536
+    assert parse_int_list("1K,2k,8192,1M") == [1024, 2048, 8192, 1024**2]
+    assert parse_train("--stage1-tokens", "8K").stage1_tokens == parse_int_list("8K")[0]
+    with pytest.raises(ValueError, match="positive"):
+        parse_int_list("1K,0")
 
 
 def test_train_config_file_yaml_then_flags(tmp_path):

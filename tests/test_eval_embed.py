@@ -139,7 +139,9 @@ def test_run_embed_eval_scores_a_lora_checkpoint_with_its_adapters_merged(tmp_pa
 
 def test_run_embed_eval_rejects_a_causal_checkpoint_and_too_few_sentences(tmp_path):
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "linearize.json").write_text(json.dumps({"format_version": 1, "method": "lizard"}))
+    meta = {"format_version": 1, "method": "lizard", "softmax_layers": [], "overrides": {},
+            "base": {"name": "smollm2-135m", "fingerprint": "0" * 64}}  # a causal checkpoint's required keys
+    (tmp_path / "c" / "linearize.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="holds a 'lizard' model; eval embed takes a LION encoder"):
         run_embed_eval(str(tmp_path / "c"), "shakespeare", tmp_path / "o", timing=False)
     with pytest.raises(ValueError, match="sentences must be an int >= 2, got 1"):

@@ -2,14 +2,30 @@
 
 __version__ = "0.1.0"
 
+import importlib
+
 from .methods import methods  # noqa: E402
-from .models.adapters import ArchAdapter, register_adapter, supported_architectures  # noqa: E402
-from .models.checkpoint import load, save  # noqa: E402
-from .models.convert import convert  # noqa: E402
-from .models.teacher import load_teacher  # noqa: E402
+
+# The model-level API needs transformers, whose import takes seconds: it loads on first use, so that
+# the CLI can refuse a bad argument before paying for it.
+_LAZY = {"ArchAdapter": "models.adapters", "register_adapter": "models.adapters",
+         "supported_architectures": "models.adapters", "load": "models.checkpoint", "save": "models.checkpoint",
+         "convert": "models.convert", "load_teacher": "models.teacher"}
 
 __all__ = ["ArchAdapter", "convert", "load", "load_teacher", "methods", "register_adapter", "save",
            "supported_architectures"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _register_with_lm_eval() -> None:

@@ -48,11 +48,15 @@ def _argtype(fn):
     return parse
 
 
-_SUFFIX = {"k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
+# One meaning everywhere, token counts and context lengths alike: binary, as context lengths are
+# (8K = 8192, the teacher's context; 2M tokens = 2,097,152).
+_SUFFIX = {"k": 2**10, "K": 2**10, "m": 2**20, "M": 2**20, "g": 2**30, "G": 2**30}
+SUFFIX_HELP = "K = 1024, M = 1024^2"
 
 
 def parse_int(text) -> int:
-    """An integer: ``100000``, ``100_000``, ``1e5``, ``100k``, ``2M``."""
+    """An integer: ``100000``, ``100_000``, ``1e5``, ``100k`` (102,400), ``2M`` (2,097,152); the
+    suffixes are binary (``SUFFIX_HELP``)."""
     if isinstance(text, bool):
         raise ValueError(f"expected an integer, got {text!r}")
     if isinstance(text, int):
@@ -72,7 +76,7 @@ def parse_int(text) -> int:
     try:
         value = float(s) * scale
     except ValueError:
-        raise ValueError(f"expected an integer (e.g. 100000, 1e5, 100k), got {text!r}") from None
+        raise ValueError(f"expected an integer (e.g. 100000, 1e5, 100K; K = 1024), got {text!r}") from None
     if not math.isfinite(value) or not value.is_integer():
         raise ValueError(f"expected an integer, got {text!r}")
     return int(value)
@@ -219,7 +223,7 @@ _EXTRA_HELP = {
     "seq_len": "tokens per training row",
     "val_fraction": "share of the data held out for validation",
     "seed": "random seed (data split, initialisation, order)",
-    "stage1_tokens": "training tokens for stage 1 (attention transfer); 0 skips it; 100k, 2M accepted",
+    "stage1_tokens": f"training tokens for stage 1 (attention transfer); 0 skips it; 100K, 2M accepted ({SUFFIX_HELP})",
     "stage1_lr": "stage-1 learning rate",
     "stage2_tokens": "training tokens for stage 2 (LoRA); 0 skips it",
     "stage2_lr": "stage-2 learning rate",
@@ -447,17 +451,17 @@ def human_size(n: float) -> str:
 
 def cmd_convert(args) -> int:
     from .methods import method_config
-    from .models.checkpoint import save
-    from .models.convert import convert, linearized_layers
-    from .models.teacher import load_teacher
+    from .models.loading import check_model_name
 
     overrides = _overrides(args.set)
     method_config(args.method, **overrides)  # bad method or override: fail before loading anything
     out = Path(args.out)
     _check_out_dir(out, args.overwrite)  # before loading: a refusal is quick and changes nothing
-    from .models.loading import check_model_name
-
     check_model_name(args.model)
+    from .models.checkpoint import save
+    from .models.convert import convert, linearized_layers
+    from .models.teacher import load_teacher
+
     model, tokenizer = load_teacher(args.model)
     convert(model, args.method, softmax_layers=args.softmax_layers, **overrides)
     save(model, out, merged=args.merged, tokenizer=tokenizer, overwrite=args.overwrite)
@@ -520,9 +524,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-    from transformers import GenerationConfig
+    from .models.loading import check_model_name
 
+    check_model_name(args.model)  # before transformers' import (seconds) and any loading
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     if not (args.temperature >= 0 and math.isfinite(args.temperature)):
@@ -531,10 +535,13 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    import torch
+    from transformers import GenerationConfig
+
+    from .models.loading import load_model
     from .train.loop import resolve_device
 
     device = str(resolve_device(args.device))
-    from .models.loading import load_model
 
     model, tokenizer = load_model(args.model, device=device)
     if tokenizer is None:
@@ -626,7 +633,9 @@ SET_HELP = ("an AttentionConfig setting, repeatable; VALUE is parsed as YAML: wi
             "gate_init=[0.9,0.99], feature_dim=null (see `linearize methods -v` for the settings)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; with ``command`` given, the training flags (which import the trainer and so
+    transformers, seconds) are built only when that command is ``train``."""
     parser = argparse.ArgumentParser(
         prog="linearize", formatter_class=_Formatter,
         description=_fill("Convert a pretrained Transformer LLM into a subquadratic linear-attention model, "
@@ -640,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
               linearize generate --model runs/lizard --chat --prompt "What is a sonnet?"
               linearize demo
 
-            Run `linearize COMMAND --help` for a command's settings."""))
+            Run `linearize COMMAND --help` for a command's settings. Counts and lengths take K and M
+            suffixes, binary everywhere: K = 1024, M = 1024^2 (2M tokens = 2,097,152; 8K = 8192)."""))
     parser.add_argument("--version", action="version", version=f"linearize {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -708,7 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from its last checkpoint in --out; the settings recorded in "
                         "the run directory are the base, so `--resume --out DIR` alone is enough")
-    _add_train_flags(p)
+    if command in (None, "train"):
+        _add_train_flags(p)
     p.set_defaults(func=cmd_train)
 
     p = _sub(sub, "generate", "complete prompts with a teacher or a linearized checkpoint",
@@ -777,7 +788,8 @@ def _message(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, usage errors: argparse has printed them

@@ -18,17 +18,15 @@ MODEL_HELP = ("a linearize checkpoint directory, a bundled teacher (smollm2-135m
 
 
 def parse_int_list(text) -> list[int]:
-    """``1024,2048,4K`` (K = 1024) -> [1024, 2048, 4096]."""
+    """``1024,2048,4K`` -> [1024, 2048, 4096]: positive integers, suffixes as in ``parse_int``."""
     values = []
     for part in str(text).split(","):
-        part = part.strip()
-        mult = 1024 if part[-1:].lower() == "k" else 1
         try:
-            n = int(part[:-1] if mult > 1 else part) * mult
+            n = parse_int(part)
         except ValueError:
             raise ValueError(f"expected comma-separated token counts such as 1024,2048,4K, got {text!r}") from None
         if n <= 0:
-            raise ValueError(f"token counts must be positive, got {part!r} in {text!r}")
+            raise ValueError(f"token counts must be positive, got {part.strip()!r} in {text!r}")
         values.append(n)
     return values
 
@@ -46,6 +44,15 @@ def _device(args) -> str:
     return str(resolve_device(args.device))
 
 
+def _check_models(args) -> None:
+    """Every --model named, checked before an evaluation imports its heavy modules, so a mistyped
+    path fails at once rather than after the first model's evaluation."""
+    from .models.loading import check_model_name
+
+    for name in args.model:
+        check_model_name(name)
+
+
 def _finish(out: Path, stem: str) -> int:
     md = Path(out) / f"{stem}.md"
     print(md.read_text())
@@ -54,6 +61,7 @@ def _finish(out: Path, stem: str) -> int:
 
 
 def cmd_eval_passkey(args) -> int:
+    _check_models(args)
     from .eval.passkey import run_passkey
 
     run_passkey(args.model, args.out, fmt=args.format, lengths=args.lengths, depths=args.depths,
@@ -63,6 +71,7 @@ def cmd_eval_passkey(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
+    _check_models(args)
     from .eval.perplexity import run_ppl
 
     run_ppl(args.model, args.data, args.out, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
@@ -71,16 +80,18 @@ def cmd_eval_ppl(args) -> int:
 
 
 def cmd_eval_report(args) -> int:
-    from .eval.report import run_report
-
     if len(args.model) != 1:
         raise ValueError(f"eval report takes one linearized checkpoint (--model DIR), got {len(args.model)}")
+    _check_models(args)
+    from .eval.report import run_report
+
     run_report(args.model[0], args.data, args.out, rows=args.rows, seq_len=args.seq_len, layers=args.layers,
                heads=args.heads, map_tokens=args.map_tokens, device=_device(args), text_field=args.text_field)
     return _finish(args.out, "report")
 
 
 def cmd_eval_lm_eval(args) -> int:
+    _check_models(args)
     run = _optional("linearize.eval.lm_eval_run", "run_lm_eval", "lm-eval", "pip install 'linearize[eval]'")
     run(args.model, args.tasks, args.data_dir, args.out, limit=args.limit, device=_device(args),
         batch_size=args.batch_size, num_fewshot=args.num_fewshot)
@@ -88,10 +99,11 @@ def cmd_eval_lm_eval(args) -> int:
 
 
 def cmd_eval_embed(args) -> int:
-    from .eval.embed import run_embed_eval
-
     if len(args.model) != 1:
         raise ValueError(f"eval embed takes one LION checkpoint (--model DIR), got {len(args.model)}")
+    _check_models(args)
+    from .eval.embed import run_embed_eval
+
     kwargs = {"lengths": tuple(args.lengths)} if args.lengths else {}
     run_embed_eval(args.model[0], args.data, args.out, sentences=args.sentences, timing=not args.no_timing,
                    device=_device(args), **kwargs)
@@ -162,7 +174,7 @@ def add_eval_parser(sub) -> None:
     _common(p, "runs/eval")
     p.add_argument("--format", choices=("classic", "lizard"), default="classic", help="(default: %(default)s)")
     p.add_argument("--lengths", type=_argtype(parse_int_list), default=[1024, 2048, 4096, 8192, 16384, 32768],
-                   metavar="N,N,...", help="context lengths in tokens, K = 1024 (default: 1K..32K)")
+                   metavar="N,N,...", help="context lengths in tokens, K = 1024 as everywhere (default: 1K..32K)")
     p.add_argument("--depths", type=_argtype(parse_int), default=5, metavar="N",
                    help="depths from 0%% to 100%% (default: %(default)s)")
     p.add_argument("--samples", type=_argtype(parse_int), default=5, metavar="N",
@@ -245,7 +257,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--data", required=True, metavar="PATH", help="local text (held-out sentences are taken from it)")
     p.add_argument("--sentences", type=_argtype(parse_int), default=1000, metavar="N", help="(default: %(default)s)")
     p.add_argument("--lengths", type=_argtype(parse_int_list), default=None, metavar="N,N,...",
-                   help="sequence lengths for the timing table, K = 1024 (default: 512..32K)")
+                   help="sequence lengths for the timing table, K = 1024 as everywhere (default: 512..32K)")
     p.add_argument("--no-timing", action="store_true", help="skip the attention timing table")
     p.set_defaults(func=cmd_eval_embed)
 
@@ -269,7 +281,7 @@ def add_bench_parser(sub) -> None:
              "examples:\n  linearize bench generate --out docs/results --model llama3-8b-random")
     p.add_argument("--model", action="append", metavar="NAME", help="model shapes to run (default: all)")
     p.add_argument("--contexts", type=_argtype(parse_int_list), default=None, metavar="N,N,...",
-                   help="context lengths, K = 1024 (default: 1K..128K)")
+                   help="context lengths, K = 1024 as everywhere (default: 1K..128K)")
     p.add_argument("--batch-size", type=_argtype(parse_int), default=16, metavar="N", help="(default: %(default)s)")
     _common(p, "runs/bench", models=False)
     p.set_defaults(func=cmd_bench_generate)
@@ -285,7 +297,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", type=_argtype(parse_list), default=None, metavar="M,M,...",
                    help="causal methods (default: lizard)")
     p.add_argument("--seq-lens", type=_argtype(parse_int_list), default=None, metavar="N,N,...",
-                   help="sequence lengths, K = 1024 (default: 1K,2K)")
+                   help="sequence lengths, K = 1024 as everywhere (default: 1K,2K)")
     p.add_argument("--batch-size", type=_argtype(parse_int), default=8, metavar="N", help="(default: %(default)s)")
     p.add_argument("--steps", type=_argtype(parse_int), default=10, metavar="N",
                    help="timed steps per cell, after 3 warm-up steps (default: %(default)s)")
