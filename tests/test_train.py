@@ -79,6 +79,8 @@ def test_stage1_lowers_every_layer_and_stage2_lowers_validation_loss(tiny, text_
 
     assert read_meta(out)["training"]["seq_len"] == 32
     assert trained_context(str(out)) == 32
+    linearize.save(model, tmp_path / "copy")  # the loaded model's save keeps it
+    assert trained_context(str(tmp_path / "copy")) == 32 and trained_context("smollm2-135m") is None
 
 
 def _summary(teacher: float, student: float, stage1: float = 9.0) -> dict:

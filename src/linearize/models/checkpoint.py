@@ -342,6 +342,8 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         model.load_state_dict(state, strict=False)
     model.linearize_base = meta["base"]["name"] if base is None else base
+    if meta.get("training"):  # what the student was trained on survives a load and a save
+        model.linearize_spec["training"] = meta["training"]
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
     model.eval()
