@@ -1,10 +1,16 @@
-"""The delta rule (DeltaNet) and DeltaProduct, the global rule of LiZA / TPTT.
+"""The delta rule (DeltaNet), the gated delta rule (Gated DeltaNet) and DeltaProduct, the global
+rule of LiZA / TPTT and the decaying global memory for recall.
 
-Delta rule, per head, with keys L2-normalised by the caller and beta_t in [0, 1]:
+Gated delta rule, per head, with keys L2-normalised by the caller, beta_t in [0, 1] and a decay
+alpha_t = exp(log_alpha_t) in [0, 1]:
 
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T
-        = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T       (Dk x Dv)
-    o_t = S_t^T q_t                                                (read after the update)
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T         (Dk x Dv)
+        = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T
+    o_t = S_t^T q_t                                                      (read after the update)
+
+The write replaces what the state held for k_t instead of adding to it, and the decay lets the
+state forget. ``log_alpha=None`` (the default) is alpha = 1, the plain delta rule, computed exactly
+as without a decay; log_alpha = -inf (alpha = 0) clears the state before token t's update.
 
 DeltaProduct of order n runs the same rule over n virtual tokens per real token, t-major and
 m-minor, and reads o_t after the n-th one. The virtual tokens are finite differences of the raw
@@ -14,10 +20,15 @@ keys and values,
 
 with x before the sequence start taken from the carried state (zeros at the very start); the
 differenced keys (m >= 1) are renormalised, see ``l2_renormalize``. Order 1 is the delta rule.
+With a decay, alpha_t applies once per real token, to the state before its first virtual update.
 
 Layout: q, k (B, H, T, Dk), v (B, H, T, Dv), beta (B, H, T) or, for DeltaProduct only,
-(B, H, T, n) per virtual token; outputs (B, H, T, Dv) in v's dtype; states in the compute dtype
-of ``ops.common``. Every op has a parallel (reference), chunk and recurrent form with one meaning.
+(B, H, T, n) per virtual token; log_alpha (B, H, T) or None, every value in [-inf, 0] (positive
+values and NaN are rejected); outputs (B, H, T, Dv) in v's dtype; states in the compute dtype of
+``ops.common`` (fp32, or fp64 when an input is fp64), the same shapes with or without a decay.
+Every op has a parallel (reference), chunk and recurrent form with one meaning; the chunk form
+takes every decay factor as exp of a within-chunk segment sum of log_alpha, never above 1, so
+bf16 inputs with any gates in [-inf, 0] give no inf/NaN.
 """
 
 from .chunk import delta_product_chunk, delta_rule_chunk
