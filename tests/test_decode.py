@@ -256,7 +256,7 @@ _INTERPRET = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     import fixtures, linearize
-    from linearize.kernels import decode_step
+    from linearize.ops.lizard_attn import decode as decode_step
     from linearize.models.decode import StudentDecoder
     torch.set_num_threads(1)
     # the one-kernel RMSNorm against HF's

@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..kernels.dispatch import kernels_switched
+from ..ops.backend.dispatch import kernels_switched
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -194,8 +194,8 @@ def _with_kernels(flag: str, fn: Callable):
 def _with_configs(fn: Callable, gla: dict, window: dict):
     """fn run with kernels.gla.CONFIG and kernels.window.CONFIG changed (the ops keep the
     configs of their forward for their backward)."""
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     def run(*args, **kwargs):
         old_g, old_w = kgla.set_config(**gla), kwin.set_config(**window)
@@ -231,10 +231,10 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
 
 def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
     """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
-    from ..kernels import gla as kgla
-    from ..kernels.gla import gla_chunk_triton
-    from ..kernels.lizard import LizardKernelConfig, lizard_attention
-    from ..ops.gla import gla_chunk
+    from ..ops.gla import triton as kgla
+    from ..ops.gla.triton import gla_chunk_triton
+    from ..ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from ..ops.gla.chunk import gla_chunk
 
     def leaves(*names):
         return [x[n].detach().requires_grad_() for n in names]
@@ -330,8 +330,8 @@ def run_kernel_bench(
     prog = Path(sys.argv[0]).name if sys.argv else ""
     prog = "python -m linearize.bench.kernels" if prog == "kernels.py" else prog
     command = " ".join([prog] + sys.argv[1:]) if prog else "run_kernel_bench"
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     result = {"env": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
               "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
@@ -565,8 +565,8 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
         raise ValueError(f"unknown tune kinds {unknown}; allowed: {list(TUNE_KINDS)}")
     import dataclasses
 
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     jobs = _tune_jobs([tuple(s) for s in shapes], kinds)[part::parts]
@@ -619,8 +619,8 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     tune.json): GLA forward by the Lizard-mode forward, GLA backward by the Lizard-mode
     backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by the longest shape's fwd+bwd.
     Returns the chosen settings."""
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     if not isinstance(rows, (list, tuple)):
         rows = json.loads(Path(rows).read_text())

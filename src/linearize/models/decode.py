@@ -23,7 +23,7 @@ Step modules, from fast to general:
               ``z``, the ring write and the sink-softmax over the window; a "state" kernel per
               (row, head, block of value channels) for ``S = g S + k v^T`` and the readout, which
               reads the state once and writes it once, and the ``y_g + alpha * y_w`` combine
-              (the kernels live in ``kernels.decode_step``). Elsewhere (CPU, no Triton) the
+              (the kernels live in ``ops.lizard_attn.decode``). Elsewhere (CPU, no Triton) the
               same math runs as torch ops (``torch``).
   ``torch``   the same layout and math as torch ops (any feature map, gate, sink kind, soft-cap).
   ``generic`` every other method: ``HybridAttention``'s own recurrent step on the static state,
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.decode_step import fused_norms_ok, launch_rmsnorm, lizard_step_launcher
 from ..layers.gates import SigmoidGate
+from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_launcher
 from ..ops.window_attn import soft_cap
 from .adapters import adapter_for
 from .cache import StateLayer, iter_tensors

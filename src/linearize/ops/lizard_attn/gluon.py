@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dispatch import sm_major
-from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
+from ..backend.dispatch import sm_major
+from ..gla.gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
                         _tick, chunk_gates, model_layout_bits, segment_plan, smem_layout, state_slots, tma_readable,
                         view2d)
 
@@ -392,7 +392,7 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                        window_state: bool = False, paired: bool = False, final: bool = True):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
-    from .gla_gluon import _compile, _compile_args
+    from ..gla.gluon import _compile, _compile_args
 
     d, sc_d, f32, _ = _compile_args()
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, og_d=d, ow_d=d, BL=f32, SINK=f32, ALPHA=f32,

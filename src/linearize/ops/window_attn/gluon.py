@@ -52,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .dispatch import sm_major
-from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _store_tile, _tick, model_layout_bits, tma_readable, tma_tiles
+from ..backend.dispatch import sm_major
+from ..gla.gluon import _load_pair, _prof_init, _qkv_rows, _store_tile, _tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -601,7 +601,7 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, from the
     scores with ``scores_delta``, with cycle counters with ``nprof``) for sm_90a without a GPU (CI,
     probes); returns Triton's compiled kernel."""
-    from .gla_gluon import _compile, _compile_args
+    from ..gla.gluon import _compile, _compile_args
 
     d, _, f32, bf = _compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, T=256, H=4, qk_scale=0.1,

@@ -64,9 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import common
-from ..ops.gla.naive import GLAState
-from .dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
+from .. import common
+from .naive import GLAState
+from ..backend.dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
                        pow2, sm_major, strides_bht, unit_last)
 
 patch_interpreter()
@@ -786,7 +786,7 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("gla_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    mod = gluon_kernels("gla.gluon") if cfg.gluon_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
@@ -977,7 +977,7 @@ def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: fl
     or None where it does not apply (off Hopper, log-space features, outside its scope)."""
     if not cfg.gluon_fwd or log_space or not q.is_cuda:
         return None
-    gla_gluon = gluon_kernels("gla_gluon")
+    gla_gluon = gluon_kernels("gla.gluon")
     if gla_gluon is None or not gla_gluon.supports_fwd_fused(q, k, v, log_g):
         return None
     B, H, T, DK = q.shape

@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dispatch import sm_major
+from ..backend.dispatch import sm_major
 
 BT = 64  # tokens per chunk
 WIDTH = 128  # the one feature and value width the kernels take
@@ -1425,7 +1425,7 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
     """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
     start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
     segment's state from zero, the last segment's not needed) and its scan (``kernels.gla``)."""
-    from . import gla as kgla
+    from . import triton as kgla
 
     B, H, T, F = phi_k.shape
     DV = v.shape[-1]

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import common
-from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
-from .dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
+from .. import common
+from .naive import WindowState, check_pos, check_sinks, check_window, keep_last
+from ..backend.dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -552,7 +552,7 @@ def _head_sums(dsink, dalpha, d_sinks, d_alpha, B: int, H: int, nmb: int, nsink:
 
 def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
     """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("window_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    mod = gluon_kernels("window_attn.gluon") if cfg.gluon_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd(q, k, v, window, kmin) else None
 
 
