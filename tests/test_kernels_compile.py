@@ -256,7 +256,7 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     o_w among what it stores, compiles for sm_90a within
     one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
     partitions, their register limits included) without spilling in inference, and at most 4
-    words a thread in training: its MMAs read single tiles through ``gla_gluon._here``, else their
+    words a thread in training: its MMAs read single tiles through ``gla_gluon.tile_at_step``, else their
     hoisted descriptors spilled (up to 47 words a thread in inference, 71 in training, reloaded
     every chunk), also keeping the gated states of even chunks only (``paired``). What it computes is
     checked on a GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
@@ -291,7 +291,7 @@ def test_gluon_lizard_training_forward_without_final_state(tmp_path):
 def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
     """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for
     sm_90a within one block's shared memory, its two warp-specialised partitions (the state one
-    shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon._here``;
+    shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon.tile_at_step``;
     10 words a thread before).
     What it computes is checked on a GPU (test_gpu_gla_fused_forward_matches_reference)."""
     from linearize.ops.gla import gluon as gla_gluon
