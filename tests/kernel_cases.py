@@ -1,4 +1,4 @@
-"""Kernel-vs-reference cases, shared by tests/test_kernels.py.
+"""Kernel-vs-reference cases, shared by tests/ops/test_kernels.py.
 
 Each case runs the Triton path (forward and backward) and the torch reference on the same
 inputs and returns the relative RMS error of every output and gradient. The GPU tests call the

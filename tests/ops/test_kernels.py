@@ -25,7 +25,7 @@ import torch
 
 from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, gla_case, hybrid_case, lizard_case, rel_rms, window_case
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where kernel_cases.py lives
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
