@@ -22,7 +22,8 @@ from torch.overrides import TorchFunctionMode
 import fixtures
 import linearize
 from linearize.methods import AttentionConfig, method_config
-from linearize.models.decode import StudentDecoder, TeacherDecoder, fast_generate
+from linearize.bench.teacher_decode import TeacherDecoder
+from linearize.models.decode import StudentDecoder, fast_generate
 
 SMALL = {"window": 4, "chunk_size": 8}
 CUDA = torch.cuda.is_available()
