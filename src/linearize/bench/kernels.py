@@ -7,8 +7,8 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   fla gla              fla.ops.gla.chunk_gla (per-channel gates), where fla imports
   torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
                        (positive features, scalar log-gates, unnormalised)
-  triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
-                       the whole backward is one Gluon kernel (kernels.gla_gluon, bwd_fused)
+  triton gla (ours)    ops.gla.triton.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
+                       the whole backward is one Gluon kernel (ops.gla.gluon, bwd_fused)
   triton gla two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False): the Triton
                        reverse state pass, then the Gluon chunk pass (the default until 2026-11-26)
   triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
@@ -16,11 +16,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0; its
                        inference forward returns the states (a prefill), its training step none (as the
                        model's layers run it without a cache: return_state=False)
-  triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
-                       gets it: on Hopper the forward is the fused Gluon kernel (kernels.lizard_gluon;
+  triton lizard (ours) the same through the kernels (ops.lizard_attn.lizard_attention), as a user
+                       gets it: on Hopper the forward is the fused Gluon kernel (ops.lizard_attn.gluon;
                        in training it also stores what the backward reads), the window's backward is
-                       the walking Gluon kernel (kernels.window_gluon) and the gated backward the one
-                       fused Gluon kernel (kernels.gla_gluon)
+                       the walking Gluon kernel (ops.window_attn.gluon) and the gated backward the one
+                       fused Gluon kernel (ops.gla.gluon)
   triton lizard two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False) and
                        WindowKernelConfig(gluon_bwd_walk=False): the backward of the defaults until
                        2026-11-26 (the window kernel of one program per chunk, the Triton reverse
@@ -192,7 +192,7 @@ def _with_kernels(flag: str, fn: Callable):
 
 
 def _with_configs(fn: Callable, gla: dict, window: dict):
-    """fn run with kernels.gla.CONFIG and kernels.window.CONFIG changed (the ops keep the
+    """fn run with ops.gla.triton.CONFIG and ops.window_attn.triton.CONFIG changed (the ops keep the
     configs of their forward for their backward)."""
     from ..ops.gla import triton as kgla
     from ..ops.window_attn import triton as kwin
@@ -507,7 +507,7 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=2),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
-)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
+)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see ops.gla.triton);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring). Splitting
 # the normaliser pass's features over programs (blocks of 64 or 32, parts of den added atomically) lost
 # too (sweep3: 0.748-1.135 ms against 0.709 for Lizard's gated forward at B16 T2048)

@@ -3,7 +3,7 @@ whole backward in one kernel (``bwd_fused``, below), and the whole inference for
 (``fwd_fused``, at the end: Lizard's fused forward without the window, whose state partition,
 ``state_partition``, both kernels run).
 
-Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``kernels.gla``'s docstring):
+Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``ops.gla.triton``'s docstring):
 one program per (chunk, batch x head), no loop, from the state S (z) entering the chunk and the
 state gradient dS (dz) leaving it, with b_t the gates' cumulative sum from the chunk start,
 p_ts = e^{b_t - b_s} (s <= t), dn = do / (den + eps), dd from the reverse state pass:
@@ -1310,7 +1310,7 @@ def chunk_gates(log_g: torch.Tensor) -> torch.Tensor:
 def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, dlog_g, *, normalize: bool,
                eps: float, dv_add: bool) -> None:
     """The chunk pass into dq, dk, dv ((B, H, T, .) contiguous; dv accumulated into with ``dv_add``)
-    and dlog_g ((B*H, T) fp32), from the reverse pass's outputs (``kernels.gla.bwd_states``): do
+    and dlog_g ((B*H, T) fp32), from the reverse pass's outputs (``ops.gla.triton.bwd_states``): do
     (B, H, T, Dv) contiguous, den, dden (B*H, T) fp32, sc (B*H, NC+1, F, Dv) and dsc (B*H, NC, F, Dv)
     in q's dtype, zc, dzc, yc fp32 (ignored where not ``normalize``, but for yc)."""
     B, H, T, F = q.shape
@@ -1424,7 +1424,7 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
     """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
     start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
-    segment's state from zero, the last segment's not needed) and its scan (``kernels.gla``)."""
+    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``)."""
     from . import triton as kgla
 
     B, H, T, F = phi_k.shape

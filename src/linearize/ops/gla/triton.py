@@ -49,7 +49,7 @@ When the main pass's (batch*head, V-block) programs are fewer than the GPU's mul
 the sequence is cut into segments: a pre-pass computes each segment's own state (normalised, z in
 a launch of its own), a scan turns them into the state entering each segment, and the segments
 run in parallel (the backward does the same for dS from the end). ``fwd_prologue``/``fwd_main``
-and ``bwd_states``/``bwd_chunks`` are those passes in two halves, for ``kernels.lizard``, which
+and ``bwd_states``/``bwd_chunks`` are those passes in two halves, for ``ops.lizard_attn.fused``, which
 runs the sequential half beside the window branch on a second CUDA stream.
 """
 
@@ -705,7 +705,7 @@ class GLAKernelConfig:
     features and descriptors (Lizard's gated forward 0.925 against 0.908 with its own pass, so
     the main pass is bound by its instructions, not by reading q and k twice).
     ``gluon_bwd``: on Hopper, the backward's chunk pass is the hand-written Gluon kernel
-    (``kernels.gla_gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
+    (``ops.gla.gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
     multiple of 64, plain features); else this module's Triton pass.
     ``gluon_fused_bwd``: on Hopper, in that same scope and with ``gluon_bwd``, the whole backward is ONE Gluon kernel
     (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in

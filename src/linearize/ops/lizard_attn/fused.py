@@ -81,7 +81,7 @@ class LizardKernelConfig:
     (``gla.fwd_prologue``'s ``z_stream``), both beside the window (H200, forward: 1.50 -> 1.46 ms
     at B1 T32768, 1.47 -> 1.40 at B2 T16384; docs/results/kernels-h200-split-prologue.json).
     ``fused_fwd``: where no gradient is recorded, on Hopper (sm_90), the whole forward runs as ONE
-    hand-written Gluon kernel (``kernels.lizard_gluon``: a warpgroup for the window and the output
+    hand-written Gluon kernel (``ops.lizard_attn.gluon``: a warpgroup for the window and the output
     beside one carrying the state), when its scope holds (bf16/fp16, widths 128, T a multiple of
     64, window 65..129, no padding, normalised plain features). H200, bf16, 32 heads, median ms,
     against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at

@@ -25,7 +25,7 @@ Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decrea
     y     = num / (den + eps) + alpha_h * o_w
 
 Only factors <= 1 are ever formed (DESIGN.md, Lizard's factorisation). The Triton kernels
-(``kernels.lizard``) run the same forward as three passes, about twice as long; a fused walk
+(``ops.lizard_attn.fused``) run the same forward as three passes, about twice as long; a fused walk
 needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper
 (docs/results/kernels-h200.md has the versions, their profiles and timings).
 
@@ -316,7 +316,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     ``final_state``: the kernel then writes no final state, 34 MB at B16 T2048 and 32 heads, and with
     ``store`` keeps no S leaving the last chunk in sc, which only a backward given a gradient for the
     final state reads, or one in segments: only for a backward of one segment with none), and with ``store``
-    what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
+    what the backward reads (``ops.lizard_attn.fused``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
     dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk and the one leaving the

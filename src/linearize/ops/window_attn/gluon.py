@@ -1,7 +1,7 @@
 """The sliding window's backward (dq, dk, dv) as one hand-written Hopper kernel (Gluon).
 
 Same math as ``window._win_bwd_dq_kernel`` and ``window._win_bwd_dkdv_kernel`` (see
-``kernels.window``'s docstring), for windows of at most 129 keys, so that a chunk of 64 queries
+``ops.window_attn.triton``'s docstring), for windows of at most 129 keys, so that a chunk of 64 queries
 sees keys in its own chunk and the two before, and a chunk of 64 keys is seen from its own chunk
 and the two after. With p_ts = exp2(s_ts - lse_t) (s = q k^T * scale * log2 e, masked to
 t - w < s <= t) and D_t = alpha_h * (dy_t . o_t) from ``window``'s delta pre-pass:

@@ -322,7 +322,7 @@ class WindowKernelConfig:
     (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key. (On an H200
     with Triton 3.6 a kv_bm of 16 gave dk 5% off in bf16, right under the interpreter: keep query
     blocks at 32 or more.)
-    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``kernels.window_gluon``,
+    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``ops.window_attn.gluon``,
     after a small Triton pass for D and the sink and alpha sums) where its scope holds (bf16/fp16,
     head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here.
     ``gluon_bwd_walk``: that backward as the *walking* Gluon kernel instead (one program per segment
