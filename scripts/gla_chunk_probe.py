@@ -15,7 +15,7 @@ import torch
 import triton
 
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels import gla as kgla
+from linearize.ops.gla import triton as kgla
 
 CANDIDATES = (dict(), dict(chunk=128, fwd_warps=8), dict(chunk=128, fwd_warps=8, fwd_stages=1),
               dict(chunk=128, fwd_warps=8, fwd_bv=32), dict(chunk=128, fwd_warps=4),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from linearize.kernels import gla_gluon
+from linearize.ops.gla import gluon as gla_gluon
 from probe_common import alt_modules, write_rows
 
 # the partitions' phases (see the kernel's NPROF counters)

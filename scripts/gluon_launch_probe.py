@@ -23,7 +23,7 @@ import torch
 
 from lizard_launch_overhead import NAMES, cpu_us
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels import lizard_gluon
+from linearize.ops.lizard_attn import gluon as lizard_gluon
 from probe_common import host_probe_parser, parse_shape, write_rows
 
 

@@ -22,12 +22,13 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _env, _shape_inputs
-from linearize.kernels import gla as kgla
-from linearize.kernels import lizard as kliz
-from linearize.kernels import window as kwin
-from linearize.kernels import window_gluon
+from linearize.ops.gla import triton as kgla
+from linearize.ops.lizard_attn import fused as kliz
+from linearize.ops.window_attn import triton as kwin
+from linearize.ops.window_attn import gluon as window_gluon
 
-KERNELS = ["gla.py", "gla_gluon.py", "window.py", "window_gluon.py", "lizard.py", "lizard_gluon.py"]
+KERNELS = ["gla/triton.py", "gla/gluon.py", "window_attn/triton.py", "window_attn/gluon.py", "lizard_attn/fused.py",
+           "lizard_attn/gluon.py"]
 
 
 def _variants(B: int, T: int) -> dict:
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="16x2048,1x32768")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    src = Path(kgla.__file__).parent
+    src = Path(kgla.__file__).parent.parent  # linearize/ops
     res = {"env": _env("python scripts/lizard_bwd_probe.py " + f"--shapes {a.shapes} --rounds {a.rounds}"),
            "kernel_sha256": {n: hashlib.sha256((src / n).read_bytes()).hexdigest()[:16] for n in KERNELS},
            "shapes": {}}

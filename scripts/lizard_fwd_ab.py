@@ -18,8 +18,8 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels import lizard_gluon
-from linearize.kernels.lizard import lizard_attention
+from linearize.ops.lizard_attn import gluon as lizard_gluon
+from linearize.ops.lizard_attn.fused import lizard_attention
 from probe_common import alt_modules, probe_args, write_rows
 
 

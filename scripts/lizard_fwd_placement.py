@@ -64,7 +64,7 @@ def main() -> None:
 
 
 def modes(a, B: int, T: int) -> None:
-    from linearize.kernels.lizard import LizardKernelConfig
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig
 
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     kept = torch.empty_like(x["v"])

@@ -25,7 +25,7 @@ def compile_only(has_init=False, nsink=4, nprof=0) -> dict:
     """Compile the kernel for sm_90a without a GPU: shared memory, registers and spills (ptxas -v)."""
     import triton
 
-    from linearize.kernels import lizard_gluon as L
+    from linearize.ops.lizard_attn import gluon as L
 
     k = L.compile_for_hopper(has_init=has_init, nsink=nsink, nprof=nprof)
     out = {"shared_bytes": k.metadata.shared}
@@ -47,14 +47,14 @@ def inputs(B, T, H=32, D=128, sinks=4, seed=0):
 
 
 def triton_fwd(x, window=128):
-    from linearize.kernels.lizard import lizard_attention
+    from linearize.ops.lizard_attn.fused import lizard_attention
     return lizard_attention(x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"],
                             window=window, sink_logits=x["sinks"])
 
 
 def fused_fwd(x, nseg=1, window=128, prof=None, store=False, store_og=False):
-    from linearize.kernels import gla_gluon as G
-    from linearize.kernels import lizard_gluon as L
+    from linearize.ops.gla import gluon as G
+    from linearize.ops.lizard_attn import gluon as L
     nseg, seg_len = G.segment_plan(x["v"].shape[2], nseg)
     s_in = z_in = None
     if nseg > 1:
@@ -66,7 +66,7 @@ def fused_fwd(x, nseg=1, window=128, prof=None, store=False, store_og=False):
 
 def reference(x, window=128):
     """The torch path in fp32 (LINEARIZE_KERNELS=0)."""
-    from linearize.kernels.lizard import lizard_attention
+    from linearize.ops.lizard_attn.fused import lizard_attention
     old = os.environ.get("LINEARIZE_KERNELS")
     os.environ["LINEARIZE_KERNELS"] = "0"
     try:
@@ -143,8 +143,8 @@ def sweep_segments(rows, rounds=3):
 def window_state_copy(rows, rounds=3):
     """lizard_attention in inference (fused forward + the window's state for decoding): the state's
     copy on a stream of its own (overlap_fwd) or after the kernel on the same stream."""
-    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
-    from linearize.kernels.window import _new_state
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from linearize.ops.window_attn.triton import _new_state
     for B, T in [(16, 2048), (1, 32768)]:
         x = inputs(B, T)
         args = (x["phi_q"], x["phi_k"], x["v"], x["log_g"], x["q_w"], x["k_w"], x["alpha"])
@@ -159,7 +159,7 @@ def window_state_copy(rows, rounds=3):
 def model_layout(rows, rounds=3):
     """lizard_attention in inference with q_w, k_w, v contiguous or as a model gives them ((B, T, H, D)
     projections seen as (B, H, T, D)), read in place by the fused forward either way."""
-    from linearize.kernels.lizard import lizard_attention
+    from linearize.ops.lizard_attn.fused import lizard_attention
     for B, T in [(16, 2048), (1, 32768)]:
         x = inputs(B, T)
         bthd = {n: x[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("q_w", "k_w", "v")}
@@ -240,7 +240,7 @@ if __name__ == "__main__":
             import hashlib
             # (the device copy's git HEAD can be stale: the kernel source's hash says what ran)
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-            src = os.path.join(os.path.dirname(__file__), "..", "src", "linearize", "kernels", "lizard_gluon.py")
+            src = os.path.join(os.path.dirname(__file__), "..", "src", "linearize", "ops", "lizard_attn", "gluon.py")
             kernel_sha = hashlib.sha256(open(src, "rb").read()).hexdigest()[:16]
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                        "commit": commit, "lizard_gluon_sha256": kernel_sha, "command": " ".join(sys.argv),

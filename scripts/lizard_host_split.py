@@ -24,8 +24,8 @@ import torch
 from lizard_bwd_split_probe import _backward_inputs, _gated, _plan, _window
 from lizard_launch_overhead import NAMES, cpu_us, fused_forward
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels import window as kwin
-from linearize.kernels.lizard import lizard_attention
+from linearize.ops.window_attn import triton as kwin
+from linearize.ops.lizard_attn.fused import lizard_attention
 from probe_common import host_probe_parser, parse_shape, write_rows
 
 
@@ -33,7 +33,7 @@ def _step_breakdown(leaves: list, dy: torch.Tensor, calls: int, rounds: int, con
     """The training step's host time by stage, queued behind a sleeping GPU: the forward call, the
     backward() call and, inside it, the op's own backward function, the gradients cleared, the
     graph freed. Medians over rounds of the mean microseconds per step."""
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.lizard_attn import fused as kliz
 
     inside = []
     run = kliz._LizardFunction.backward
@@ -153,7 +153,7 @@ def main() -> None:
         "one small Triton kernel (head sums)": lambda: kwin._sink_alpha_grads(sums, sums[:, :, 0], bwd["sinks"],
                                                                             bwd["alpha"], B, 32, 2, 4, 4),
     }
-    from linearize.kernels.lizard import LizardKernelConfig
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig
 
     rows = []
     for name, cfg in (("defaults", None), ("overlap_bwd=False", LizardKernelConfig(overlap_bwd=False))):

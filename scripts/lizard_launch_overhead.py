@@ -27,8 +27,8 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _graph_replay, _host_us, _shape_inputs
-from linearize.kernels import lizard_gluon
-from linearize.kernels.lizard import lizard_attention
+from linearize.ops.lizard_attn import gluon as lizard_gluon
+from linearize.ops.lizard_attn.fused import lizard_attention
 from lizard_train_ab import _variant
 from probe_common import write_rows
 

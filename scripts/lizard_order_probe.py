@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default="two,0:0:0:-1,0:1:1:-1,1:1:1:-1,a:1:1:-1")
     a = ap.parse_args(argv)
     from linearize.bench.kernels import _cell, _fwd_bwd, _shape_inputs
-    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     configs = []

@@ -32,9 +32,9 @@ import torch
 from triton.testing import do_bench
 
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels import gla as kgla
-from linearize.kernels import window as kwin
-from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+from linearize.ops.gla import triton as kgla
+from linearize.ops.window_attn import triton as kwin
+from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
 from probe_common import write_rows
 
 NAMES = ("lq", "lk", "v", "log_g", "q", "k", "alpha", "sinks")

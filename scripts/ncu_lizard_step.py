@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from linearize.bench.kernels import _shape_inputs
-from linearize.kernels.lizard import lizard_attention
+from linearize.ops.lizard_attn.fused import lizard_attention
 
 
 def main() -> None:

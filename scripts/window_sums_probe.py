@@ -16,7 +16,7 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from linearize.kernels import window as kwin
+from linearize.ops.window_attn import triton as kwin
 from probe_common import write_rows
 
 H, NSINK = 32, 4

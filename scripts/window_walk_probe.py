@@ -20,8 +20,8 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from linearize.kernels import window as kwin
-from linearize.kernels import window_gluon
+from linearize.ops.window_attn import triton as kwin
+from linearize.ops.window_attn import gluon as window_gluon
 from probe_common import alt_modules, probe_args, write_rows
 
 PHASES = ["wait tiles", "wait slot free, load", "score MMAs", "elementwise", "accumulate MMAs", "store",

@@ -38,11 +38,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import linearize
     from linearize.bench.kernels import _cell, _fwd_bwd, _shape_inputs, _with_kernels
-    from linearize.kernels import window as kwin
-    from linearize.kernels.gla import gla_chunk_triton
-    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
-    from linearize.ops.gla import gla_chunk
-    from linearize.ops.window_attn import window_attn_chunk
+    from linearize.ops.window_attn import triton as kwin
+    from linearize.ops.gla.triton import gla_chunk_triton
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from linearize.ops.gla.chunk import gla_chunk
+    from linearize.ops.window_attn.chunk import window_attn_chunk
 
     res = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__,
            "command": " ".join(sys.argv), "package": os.path.dirname(linearize.__file__),

@@ -1,4 +1,4 @@
-"""Kernel-vs-reference cases, shared by tests/test_kernels.py.
+"""Kernel-vs-reference cases, shared by tests/ops/test_kernels.py.
 
 Each case runs the Triton path (forward and backward) and the torch reference on the same
 inputs and returns the relative RMS error of every output and gradient. The GPU tests call the
@@ -108,7 +108,7 @@ class _emulated_fused_bwd:
         self.on, self.calls, self.sides = on, [], []
 
     def __enter__(self):
-        from linearize.kernels import gla as kgla
+        from linearize.ops.gla import triton as kgla
 
         self.old = kgla._gluon_fused_bwd
         if self.on:
@@ -122,7 +122,7 @@ class _emulated_fused_bwd:
                 emu if cfg.gluon_fused_bwd and not log_space else None)
 
     def __exit__(self, exc_type, *exc):
-        from linearize.kernels import gla as kgla
+        from linearize.ops.gla import triton as kgla
 
         kgla._gluon_fused_bwd = self.old
         assert exc_type is not None or not self.on or self.calls, "the backward did not take the fused path"
@@ -164,7 +164,7 @@ class _emulated_window_walk:
         self.on, self.own, self.calls, self.scores = on, own, [], []
 
     def __enter__(self):
-        from linearize.kernels import window as kwin
+        from linearize.ops.window_attn import triton as kwin
 
         self.old = kwin._gluon_bwd
         if self.on:
@@ -177,7 +177,7 @@ class _emulated_window_walk:
             kwin._gluon_bwd = lambda cfg, q, k, v, window, kmin: emu if kmin is None else None
 
     def __exit__(self, exc_type, *exc):
-        from linearize.kernels import window as kwin
+        from linearize.ops.window_attn import triton as kwin
 
         kwin._gluon_bwd = self.old
         assert exc_type is not None or not self.on or self.calls == [self.own], (self.calls, self.own)
@@ -195,7 +195,7 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     ``gla_cfg``: more GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
     ``fused_bwd_emulated``; the default alone leaves the interpreter on the Triton passes)."""
     import dataclasses
-    from linearize.kernels import gla as kgla
+    from linearize.ops.gla import triton as kgla
     from linearize.ops.gla import GLAState, gla_parallel
 
     g = _gen(seed)
@@ -270,7 +270,7 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
     ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...);
     ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
     ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
-    from linearize.kernels import window as kwin
+    from linearize.ops.window_attn import triton as kwin
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
     g = _gen(seed)
@@ -340,9 +340,9 @@ def hybrid_case(device: str, dtype: torch.dtype, *, padded: bool, T: int = 40, s
         valid[0, :5] = False  # left padding
         valid[1, -3:] = False  # right padding
     dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels import window as kwin
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.window_attn import triton as kwin
 
     calls = {"0": 0, "1": 0}
     flag = "0"
@@ -396,7 +396,7 @@ def model_autocast_case(device: str, dtype: torch.dtype, *, T: int = 48, seed: i
     Errors: the logits and the attention parameters' gradients against the torch path in fp32."""
     import linearize
     from linearize.bench.generate import build_model
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.lizard_attn import fused as kliz
 
     model = linearize.convert(build_model("tiny-random", torch.float32, device)[0], "lizard", window=8,
                               chunk_size=16)
@@ -459,8 +459,8 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     dy . o_w from its scores, the forward keeping no o_w (asserted); ``sums_beside`` (with
     ``emulate_walk``): whether the backward must have formed the sink and alpha sums after the gated
     backward (``overlap_sums``; inline here, off CUDA) rather than in the window's (asserted)."""
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.lizard_attn import fused as kliz
     from linearize.ops.gla import GLAState, gla_parallel
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
@@ -556,8 +556,8 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
     gla_parallel + alpha * window_attn_parallel in fp64: y and both states. Lizard's widths (128);
     ``segments`` forces LizardKernelConfig.fused_segments; ``bthd``: q_w, k_w and v come as a model
     gives them, (B, T, H, D) projections transposed to (B, H, T, D)."""
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
     from linearize.ops.gla import GLAState, gla_parallel
     from linearize.ops.window_attn import window_attn_parallel
 
@@ -615,9 +615,9 @@ def gla_fused_case(dtype: torch.dtype, *, T: int, normalize: bool, state: bool =
     state. Widths 128; ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections transposed."""
     import dataclasses
 
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import gla_gluon
-    from linearize.kernels.gla import gla_chunk_triton
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.gla import gluon as gla_gluon
+    from linearize.ops.gla.triton import gla_chunk_triton
     from linearize.ops.gla import GLAState, gla_parallel
 
     g = _gen(seed)

@@ -130,7 +130,7 @@ def test_bench_train_method_with_nothing_to_transfer(tmp_path):
 
 
 def test_kernels_switched_restores_the_switch(monkeypatch):
-    from linearize.kernels.dispatch import ENV_SWITCH, kernels_enabled, kernels_switched
+    from linearize.ops.backend.dispatch import ENV_SWITCH, kernels_enabled, kernels_switched
 
     monkeypatch.delenv(ENV_SWITCH, raising=False)
     with kernels_switched(False):

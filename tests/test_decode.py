@@ -22,7 +22,8 @@ from torch.overrides import TorchFunctionMode
 import fixtures
 import linearize
 from linearize.methods import AttentionConfig, method_config
-from linearize.models.decode import StudentDecoder, TeacherDecoder, fast_generate
+from linearize.bench.teacher_decode import TeacherDecoder
+from linearize.models.decode import StudentDecoder, fast_generate
 
 SMALL = {"window": 4, "chunk_size": 8}
 CUDA = torch.cuda.is_available()
@@ -256,7 +257,7 @@ _INTERPRET = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     import fixtures, linearize
-    from linearize.kernels import decode_step
+    from linearize.ops.lizard_attn import decode as decode_step
     from linearize.models.decode import StudentDecoder
     torch.set_num_threads(1)
     # the one-kernel RMSNorm against HF's

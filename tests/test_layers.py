@@ -4,8 +4,8 @@ import torch
 from linearize.layers import (
     GATES, GLAGate, HedgehogFeatureMap, Mamba2Gate, PoolGate, SigmoidGate, Sinks, T2RFeatureMap,
 )
-from linearize.ops.gla import gla_chunk
-from linearize.ops.window_attn import window_attn_chunk
+from linearize.ops.gla.chunk import gla_chunk
+from linearize.ops.window_attn.chunk import window_attn_chunk
 
 B, H, T, D, HIDDEN = 2, 3, 11, 8, 24
 
@@ -213,7 +213,7 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
     that on to lizard_attention's return_state, and y does not depend on it."""
     import fixtures
     import linearize
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.lizard_attn import fused as kliz
     from linearize.layers import hybrid
 
     torch.manual_seed(0)
@@ -230,8 +230,8 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
         returned.append(return_state)
         return real(*a, return_state=return_state, config=kliz.LizardKernelConfig(one_op=False), **k)
 
-    monkeypatch.setattr(kliz, "one_op_applies", lambda *a, **k: True)
-    monkeypatch.setattr(kliz, "lizard_attention", op)
+    monkeypatch.setattr(hybrid, "one_op_applies", lambda *a, **k: True)  # the layer calls the op's public names
+    monkeypatch.setattr(hybrid, "lizard_attention", op)
     ids = torch.randint(3, fixtures.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         y_train = model(input_ids=ids, use_cache=False).logits

@@ -85,7 +85,7 @@ def test_probe_alt_modules_load_kernel_copies_with_relative_imports(tmp_path):
     beside the current module, as the GPU probes' --alt NAME=FILE needs; a bad spec is refused by
     name."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     common = _load_probe("probe_common")
     copy = tmp_path / "window_gluon_copy.py"
@@ -106,8 +106,8 @@ def test_train_ab_variants_set_each_config_for_their_own_call_only(monkeypatch):
     reads the configs its forward saw), or (prefixed op.) to lizard_attention's own keywords; a spec
     without NAME= is refused."""
     pytest.importorskip("triton")
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import window as kwin
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.window_attn import triton as kwin
 
     ab = _load_probe("lizard_train_ab")
     name, cfg = ab._variant("a=og_from_y=False;gla.fused_whole=0.25;window.gluon_walk_delta=False;"

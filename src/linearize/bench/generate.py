@@ -226,7 +226,7 @@ def _steps_needed(eager_steps, warmup, timed, graph) -> int:
 
 def _teacher_cell(model, info, L, *, batch, device, prefill, steps, eager_steps, warmup, timed, graph,
                   budget, seed) -> dict:
-    from ..models.decode import TeacherDecoder
+    from .teacher_decode import TeacherDecoder
 
     cfg = model.config
     Hkv = cfg.num_key_value_heads
@@ -606,7 +606,8 @@ def profile_decode(name: str, context: int = 32768, batch_size: int = 16, dtype:
     import linearize
     from torch.profiler import ProfilerActivity, profile
 
-    from ..models.decode import StudentDecoder, TeacherDecoder
+    from ..models.decode import StudentDecoder
+    from .teacher_decode import TeacherDecoder
 
     dev = torch.device(device)
     model, info = build_model(name, DTYPES[dtype], dev)

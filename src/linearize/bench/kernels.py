@@ -7,8 +7,8 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   fla gla              fla.ops.gla.chunk_gla (per-channel gates), where fla imports
   torch gla (ours)     ops.gla.gla_chunk, gated linear attention alone on fla simple_gla's inputs
                        (positive features, scalar log-gates, unnormalised)
-  triton gla (ours)    kernels.gla.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
-                       the whole backward is one Gluon kernel (kernels.gla_gluon, bwd_fused)
+  triton gla (ours)    ops.gla.triton.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
+                       the whole backward is one Gluon kernel (ops.gla.gluon, bwd_fused)
   triton gla two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False): the Triton
                        reverse state pass, then the Gluon chunk pass (the default until 2026-11-26)
   triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
@@ -16,11 +16,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0; its
                        inference forward returns the states (a prefill), its training step none (as the
                        model's layers run it without a cache: return_state=False)
-  triton lizard (ours) the same through the kernels (kernels.lizard.lizard_attention), as a user
-                       gets it: on Hopper the forward is the fused Gluon kernel (kernels.lizard_gluon;
+  triton lizard (ours) the same through the kernels (ops.lizard_attn.lizard_attention), as a user
+                       gets it: on Hopper the forward is the fused Gluon kernel (ops.lizard_attn.gluon;
                        in training it also stores what the backward reads), the window's backward is
-                       the walking Gluon kernel (kernels.window_gluon) and the gated backward the one
-                       fused Gluon kernel (kernels.gla_gluon)
+                       the walking Gluon kernel (ops.window_attn.gluon) and the gated backward the one
+                       fused Gluon kernel (ops.gla.gluon)
   triton lizard two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False) and
                        WindowKernelConfig(gluon_bwd_walk=False): the backward of the defaults until
                        2026-11-26 (the window kernel of one program per chunk, the Triton reverse
@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..kernels.dispatch import kernels_switched
+from ..ops.backend.dispatch import kernels_switched
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,10 +192,10 @@ def _with_kernels(flag: str, fn: Callable):
 
 
 def _with_configs(fn: Callable, gla: dict, window: dict):
-    """fn run with kernels.gla.CONFIG and kernels.window.CONFIG changed (the ops keep the
+    """fn run with ops.gla.triton.CONFIG and ops.window_attn.triton.CONFIG changed (the ops keep the
     configs of their forward for their backward)."""
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     def run(*args, **kwargs):
         old_g, old_w = kgla.set_config(**gla), kwin.set_config(**window)
@@ -231,10 +231,10 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
 
 def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
     """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
-    from ..kernels import gla as kgla
-    from ..kernels.gla import gla_chunk_triton
-    from ..kernels.lizard import LizardKernelConfig, lizard_attention
-    from ..ops.gla import gla_chunk
+    from ..ops.gla import triton as kgla
+    from ..ops.gla.triton import gla_chunk_triton
+    from ..ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from ..ops.gla.chunk import gla_chunk
 
     def leaves(*names):
         return [x[n].detach().requires_grad_() for n in names]
@@ -330,8 +330,8 @@ def run_kernel_bench(
     prog = Path(sys.argv[0]).name if sys.argv else ""
     prog = "python -m linearize.bench.kernels" if prog == "kernels.py" else prog
     command = " ".join([prog] + sys.argv[1:]) if prog else "run_kernel_bench"
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     result = {"env": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
               "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
@@ -507,7 +507,7 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=128, fwd_warps=8, fwd_stages=2, den_warps=2),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
-)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see kernels.gla);
+)  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see ops.gla.triton);
 # so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring). Splitting
 # the normaliser pass's features over programs (blocks of 64 or 32, parts of den added atomically) lost
 # too (sweep3: 0.748-1.135 ms against 0.709 for Lizard's gated forward at B16 T2048)
@@ -565,8 +565,8 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
         raise ValueError(f"unknown tune kinds {unknown}; allowed: {list(TUNE_KINDS)}")
     import dataclasses
 
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     jobs = _tune_jobs([tuple(s) for s in shapes], kinds)[part::parts]
@@ -619,8 +619,8 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     tune.json): GLA forward by the Lizard-mode forward, GLA backward by the Lizard-mode
     backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by the longest shape's fwd+bwd.
     Returns the chosen settings."""
-    from ..kernels import gla as kgla
-    from ..kernels import window as kwin
+    from ..ops.gla import triton as kgla
+    from ..ops.window_attn import triton as kwin
 
     if not isinstance(rows, (list, tuple)):
         rows = json.loads(Path(rows).read_text())

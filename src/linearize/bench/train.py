@@ -34,23 +34,24 @@ from typing import Sequence
 import torch
 
 from ..eval.common import markdown_table, write_outputs
-from ..kernels.dispatch import kernels_switched
+from ..ops.backend.dispatch import kernels_switched
 from .generate import _cleanup, _is_oom, _sync, bench_environment, build_model, check_layers
 
 STEM = "train"
 BACKENDS = ("kernels", "torch")
 TOP_KERNELS = 25  # the profiled step's kernels listed, most launched first
-KERNEL_MODULES = ("gla", "window", "lizard", "gla_gluon", "window_gluon", "lizard_gluon", "decode_step")
+KERNEL_MODULES = ("gla.triton", "window_attn.triton", "lizard_attn.fused", "gla.gluon", "window_attn.gluon",
+                  "lizard_attn.gluon", "lizard_attn.decode")
 
 
 def our_kernel_names() -> set[str]:
-    """The names of the Triton and Gluon kernels of ``linearize.kernels`` (as a profiler lists them)."""
+    """The names of the Triton and Gluon kernels of the ops' GPU backends (as a profiler lists them)."""
     import importlib
 
     names = set()
     for mod in KERNEL_MODULES:
         try:
-            m = importlib.import_module(f"linearize.kernels.{mod}")
+            m = importlib.import_module(f"linearize.ops.{mod}")
         except ImportError:  # a Triton without Gluon
             continue
         names |= {n for n, obj in vars(m).items() if type(obj).__name__ in ("JITFunction", "GluonJITFunction")}

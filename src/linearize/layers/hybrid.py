@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
 from ..methods import AttentionConfig
 from ..ops.delta import delta_product_chunk, delta_product_recurrent
-from ..ops.gla import gla_recurrent
+from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
+from ..ops.lizard_attn import lizard_attention, one_op_applies
 from ..ops.window_attn import (
-    WindowState, cache_len, check_softcap, soft_cap, window_attn_recurrent,
+    WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent, window_attn_sum,
 )
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from .gates import GLAGate, Mamba2Gate, PoolGate, SigmoidGate
@@ -177,8 +177,8 @@ class HybridAttention(nn.Module):
                 lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
                 if lizard is not None:
                     return lizard
-                # kernels.gla_chunk: the Triton kernels on CUDA where they apply, else ops.gla.gla_chunk
-                fn = gla_recurrent if step else kernels.gla_chunk
+                # ops.gla.gla_chunk picks the backend: the kernels on CUDA where they apply, else torch
+                fn = gla_recurrent if step else gla_chunk
                 y_g, state["global"] = fn(fq, fk, v_lin, log_g,
                                           state=state.get("global"), **({} if step else chunk))
             else:
@@ -197,14 +197,14 @@ class HybridAttention(nn.Module):
                 zeros, pos = self._fresh_window_state(lk, valid)
                 state["local"] = WindowState(zeros, zeros.new_zeros(*zeros.shape[:3], v.shape[-1]), pos)
             if not step and c.combine == "sum":  # Lizard: the Triton window kernel with the combine fused
-                fused = kernels.window_attn_sum(lq, lk, v, y_g, self.alpha, state=state["local"],
-                                                fresh_state=fresh, **self._window_kwargs(), **chunk)
+                fused = window_attn_sum(lq, lk, v, y_g, self.alpha, state=state["local"],
+                                        fresh_state=fresh, **self._window_kwargs(), **chunk)
                 if fused is not None:
                     y, state["local"] = fused
                     if valid is not None:  # padding queries get no window part, as below
                         y = torch.where(valid[:, None, :, None], y, y_g.to(y.dtype))
                     return y.to(v.dtype), state
-            fn = window_attn_recurrent if step else functools.partial(kernels.window_attn_chunk, fresh_state=fresh)
+            fn = window_attn_recurrent if step else functools.partial(window_attn_chunk, fresh_state=fresh)
             y_w, state["local"] = fn(lq, lk, v, state=state["local"], **self._window_kwargs(),
                                      **({} if step else chunk))
             if valid is not None:  # padding queries see no keys; give them zeros, not NaN
@@ -227,8 +227,6 @@ class HybridAttention(nn.Module):
         if (step or valid is not None or "local" in state or c.local_rule != "window" or c.combine != "sum"
                 or wkw["softcap"] is not None or "sink_k" in wkw):
             return None
-        from ..kernels.lizard import lizard_attention, one_op_applies
-
         sinks = wkw.get("sink_logits")
         if not one_op_applies(fq, fk, v, log_g, lq, lk, self.alpha, sinks, state.get("global")):
             return None

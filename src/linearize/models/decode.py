@@ -23,7 +23,7 @@ Step modules, from fast to general:
               ``z``, the ring write and the sink-softmax over the window; a "state" kernel per
               (row, head, block of value channels) for ``S = g S + k v^T`` and the readout, which
               reads the state once and writes it once, and the ``y_g + alpha * y_w`` combine
-              (the kernels live in ``kernels.decode_step``). Elsewhere (CPU, no Triton) the
+              (the kernels live in ``ops.lizard_attn.decode``). Elsewhere (CPU, no Triton) the
               same math runs as torch ops (``torch``).
   ``torch``   the same layout and math as torch ops (any feature map, gate, sink kind, soft-cap).
   ``generic`` every other method: ``HybridAttention``'s own recurrent step on the static state,
@@ -31,8 +31,8 @@ Step modules, from fast to general:
 Models with kept softmax layers decode through HF's cache (eager, no graph). On CUDA, both
 decoders also run HF's Llama-style RMSNorms as one Triton kernel each (eight kernels in HF).
 
-``TeacherDecoder`` is the matching baseline for an unconverted model (used by ``bench generate``):
-a preallocated static KV cache, each step writes its key/value at a device-side slot index and
+``bench.teacher_decode.TeacherDecoder``, the matching baseline for an unconverted model, builds on
+``StaticDecoder`` here: a preallocated static KV cache, each step writes its key/value at a device-side slot index and
 attends with SDPA over the whole buffer under a validity mask, the query heads of each KV group
 laid out as query rows (no repeated K/V is ever materialised), captured in a CUDA graph the same way.
 """
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.decode_step import fused_norms_ok, launch_rmsnorm, lizard_step_launcher
 from ..layers.gates import SigmoidGate
+from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_launcher
 from ..ops.window_attn import soft_cap
 from .adapters import adapter_for
 from .cache import StateLayer, iter_tensors
@@ -66,7 +66,7 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _layers(model: nn.Module):
+def decoder_layers(model: nn.Module):
     adapter = adapter_for(model)
     return adapter, adapter.layers(model)
 
@@ -77,7 +77,7 @@ _NORM_ATTRS = ("input_layernorm", "post_attention_layernorm")
 
 def _norm_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every Llama-style RMSNorm around the decoder layers (and the final one)."""
-    adapter, layers = _layers(model)
+    adapter, layers = decoder_layers(model)
     slots = [(layer, name) for layer in layers for name in _NORM_ATTRS
              if type(getattr(layer, name, None)).__name__ in _LLAMA_NORMS]
     parent = model
@@ -92,7 +92,7 @@ def _norm_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def _swapped_attention(model: nn.Module, modules: dict[int, nn.Module], fuse_norms: bool = False):
     """Replace layer i's attention module with ``modules[i]`` (and, with ``fuse_norms``, each
     Llama-style RMSNorm with the one-kernel version) for the duration of the block."""
-    adapter, layers = _layers(model)
+    adapter, layers = decoder_layers(model)
     originals = []
     try:
         for i, module in modules.items():
@@ -155,7 +155,7 @@ def _is_capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _sdpa(q, k, v, mask, scale, enable_gqa=False):
+def static_sdpa(q, k, v, mask, scale, enable_gqa=False):
     """SDPA restricted to the fused kernels on CUDA (the math backend would upcast and materialise);
     all backends where none of those can run."""
     if q.is_cuda:
@@ -170,7 +170,7 @@ def _sdpa(q, k, v, mask, scale, enable_gqa=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -208,7 +208,7 @@ def _triton_ok(hybrid, device: torch.device, dtype: torch.dtype) -> bool:
             and (sinks is None or sinks.kind == "logits"))
 
 
-class _Static(nn.Module):
+class StaticLayer(nn.Module):
     """Base for the step modules: holds the wrapped attention without registering it."""
 
     def __init__(self, attn: nn.Module, decoder):
@@ -217,7 +217,7 @@ class _Static(nn.Module):
         object.__setattr__(self, "decoder", decoder)
 
 
-class _FastStudentAttention(_Static):
+class _FastStudentAttention(StaticLayer):
     """One linearized layer's decode step on static buffers (ring-buffer window)."""
 
     def __init__(self, attn, decoder, state: dict, use_triton: bool):
@@ -356,7 +356,7 @@ class _FastStudentAttention(_Static):
         return y.unsqueeze(2)
 
 
-class _GenericStudentAttention(_Static):
+class _GenericStudentAttention(StaticLayer):
     """``HybridAttention``'s own recurrent step on a static state, copied back in place."""
 
     def __init__(self, attn, decoder, state: dict):
@@ -379,42 +379,7 @@ class _GenericStudentAttention(_Static):
         return attn._output(y, hidden_states.dtype), None
 
 
-class _TeacherAttention(_Static):
-    """Softmax attention over a preallocated KV cache: write at the slot index, attend under a mask."""
-
-    def __init__(self, attn, decoder, k_cache: torch.Tensor, v_cache: torch.Tensor, config):
-        super().__init__(attn, decoder)
-        object.__setattr__(self, "k_cache", k_cache)
-        object.__setattr__(self, "v_cache", v_cache)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = k_cache.shape[-1]
-        object.__setattr__(self, "rotary", decoder.adapter.rotary_fn(attn))
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        attn, dec = self.attn, self.decoder
-        B = hidden_states.shape[0]
-        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = dec.adapter.project(attn, hidden_states, H, Hkv, d)
-        cos, sin = position_embeddings
-        q, k = self.rotary(q, k, cos, sin)
-        self.k_cache.index_copy_(2, dec.slot, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, dec.slot, v.to(self.v_cache.dtype))
-        if dec.attention == "sliced":  # eager only: the filled slots, no mask (flash), GQA in the kernel
-            n = dec.host_slot + 1
-            y = _sdpa(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n], None, attn.scaling, enable_gqa=H != Hkv)
-        else:
-            G = H // Hkv
-            qg = q.reshape(B, Hkv, G, d)  # the G query heads of a KV head as G query rows
-            y = _sdpa(qg, self.k_cache, self.v_cache, dec.valid[:, None, None, :], attn.scaling)
-        y = y.reshape(B, 1, H * d)
-        return attn.o_proj(y), None
-
-
-# ---------------------------------------------------------------------------------- decoders
-
-
-class _StaticDecoder:
+class StaticDecoder:
     """Static token/position buffers and the step that feeds the model one token per sequence."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_steps: int, *, temperature: float = 0.0,
@@ -527,7 +492,7 @@ class _StaticDecoder:
         self.steps_done += 1
 
 
-class StudentDecoder(_StaticDecoder):
+class StudentDecoder(StaticDecoder):
     """Decode a converted model (every attention layer linearized) from static state buffers.
 
     ``kernel``: "auto" (the fused Triton step where the layer config and device allow it, else
@@ -542,7 +507,7 @@ class StudentDecoder(_StaticDecoder):
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         from .attention import LinearizedAttention
 
-        adapter, layers = _layers(model)
+        adapter, layers = decoder_layers(model)
         attns = [getattr(layer, adapter.attention_attr) for layer in layers]
         kept = [i for i, a in enumerate(attns) if not isinstance(a, LinearizedAttention)]
         if kept:
@@ -623,7 +588,7 @@ class StudentDecoder(_StaticDecoder):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 chunk_size: int | None = None) -> torch.Tensor:
         """Run the prompt through the model's chunk forms; load the state; returns the last logits (B, V)."""
-        logits, cache, pos = _prefill(self.model, input_ids, attention_mask, chunk_size)
+        logits, cache, pos = prefill_model(self.model, input_ids, attention_mask, chunk_size)
         states = []
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, StateLayer):
@@ -658,122 +623,15 @@ class StudentDecoder(_StaticDecoder):
         self.ids.random_(0, int(self.model.config.vocab_size), generator=gen)
 
     def state_bytes(self) -> int:
-        return _nbytes(t for st in (self.states or []) for t in iter_tensors(st)) + _nbytes([self.pos])
+        return nbytes(t for st in (self.states or []) for t in iter_tensors(st)) + nbytes([self.pos])
 
     def step_bytes(self) -> int:
         """Bytes of state one step must move at least: S and z read and written, the ring read."""
         total = 0
         for st in self.states or []:
-            total += 2 * _nbytes([st["S"], st["z"]]) if "S" in st else 2 * _nbytes(iter_tensors(st))
-            total += _nbytes([st[k] for k in ("ring_k", "ring_v") if k in st])
+            total += 2 * nbytes([st["S"], st["z"]]) if "S" in st else 2 * nbytes(iter_tensors(st))
+            total += nbytes([st[k] for k in ("ring_k", "ring_v") if k in st])
         return total
-
-
-class TeacherDecoder(_StaticDecoder):
-    """Decode an unconverted model from a preallocated KV cache of ``max_len`` slots per layer.
-
-    All rows share one slot index (the number of tokens fed so far); left padding is kept out by
-    a per-row validity mask; RoPE positions are per row. Full-attention models only (no sliding
-    window, no soft-capping, no kept state layers).
-
-    ``attention``: "masked" (SDPA over the whole buffer under the validity mask, the query heads
-    of a KV group as query rows; capturable in a CUDA graph) or "sliced" (SDPA over the filled
-    slots only, no mask, so flash attention with GQA can run; the length is a host-side count, so
-    eager only, and every row must be unpadded).
-    """
-
-    def __init__(self, model, batch_size: int, max_steps: int, max_len: int, *, attention: str = "masked",
-                 **kwargs):
-        super().__init__(model, batch_size, max_steps, **kwargs)
-        self.attention = attention
-        if attention not in ("masked", "sliced"):
-            raise ValueError(f"attention must be 'masked' or 'sliced', got {attention!r}")
-        if getattr(model, "linearize_spec", None) is not None:
-            raise ValueError("TeacherDecoder decodes an unconverted model; this one is converted")
-        cfg = model.config
-        if getattr(cfg, "sliding_window", None) is not None or getattr(cfg, "attn_logit_softcapping", None):
-            raise ValueError("TeacherDecoder supports full causal attention only (no sliding window, no soft-cap)")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-        _, layers = _layers(model)
-        attn0 = getattr(layers[0], self.adapter.attention_attr)
-        H = cfg.num_attention_heads
-        Hkv = getattr(cfg, "num_key_value_heads", None) or H
-        d = getattr(attn0, "head_dim", cfg.hidden_size // H)
-        self.max_len = max_len = -(-max_len // 16) * 16  # SDPA kernels like aligned mask rows
-        shape = (batch_size, Hkv, max_len, d)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=self.device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.host_slot = 0  # the same count on the host, for "sliced" attention
-        self.padded = False
-        self._mods = {i: _TeacherAttention(getattr(layer, self.adapter.attention_attr), self, kc, vc, cfg)
-                      for i, (layer, kc, vc) in enumerate(zip(layers, self.k_cache, self.v_cache))}
-
-    def _modules(self):
-        return self._mods
-
-    def _advance(self) -> None:
-        self.slot.add_(1)
-        self.host_slot += 1
-
-    def _step_body(self) -> None:
-        if self.attention == "sliced" and self.padded:
-            raise ValueError("attention='sliced' needs unpadded rows (it attends to every filled slot)")
-        self.valid.index_fill_(1, self.slot, True)  # the token fed now is visible to itself
-        _StaticDecoder._step_body(self)
-
-    @torch.no_grad()
-    def capture(self) -> None:
-        if self.attention != "masked":
-            raise ValueError("only attention='masked' can be captured in a CUDA graph (sliced shapes change every step)")
-        super().capture()
-
-    @torch.no_grad()
-    def prefill(self, input_ids, attention_mask=None, chunk_size=None) -> torch.Tensor:
-        logits, cache, pos = _prefill(self.model, input_ids, attention_mask, chunk_size)
-        T = input_ids.shape[1]
-        if T + self.max_steps > self.max_len:
-            raise ValueError(f"prompt ({T}) + steps ({self.max_steps}) exceed the cache ({self.max_len} slots)")
-        for layer, kc, vc in zip(cache.layers, self.k_cache, self.v_cache):
-            kc[:, :, :T].copy_(layer.keys)
-            vc[:, :, :T].copy_(layer.values)
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        self.valid.zero_()
-        self.valid[:, :T] = mask.to(self.device)
-        self.padded = not bool(mask.all())
-        self.slot.fill_(T)
-        self.host_slot = T
-        self.pos.copy_(pos)
-        self.graph, self.mode = None, "eager"
-        return logits
-
-    @torch.no_grad()
-    def load_synthetic(self, context: int, seed: int = 0) -> None:
-        """Random keys/values for ``context`` tokens in every row (timing only)."""
-        if context + self.max_steps > self.max_len:
-            raise ValueError(f"context ({context}) + steps ({self.max_steps}) exceed the cache ({self.max_len} slots)")
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        for kc, vc in zip(self.k_cache, self.v_cache):
-            kc.normal_(generator=gen)
-            vc.normal_(generator=gen)
-        self.valid.zero_()
-        self.valid[:, :context] = True
-        self.padded = False
-        self.slot.fill_(int(context))
-        self.host_slot = int(context)
-        self.pos.fill_(int(context))
-        self.ids.random_(0, int(self.model.config.vocab_size), generator=gen)
-        self.graph, self.mode = None, "eager"
-
-    def cache_bytes(self) -> int:
-        return _nbytes(self.k_cache) + _nbytes(self.v_cache) + _nbytes([self.valid])
-
-    def context_cache_bytes(self, context: int) -> int:
-        """Bytes of keys and values for ``context`` tokens (what a cache of exactly that length holds)."""
-        per_slot = sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache) // self.max_len
-        return per_slot * int(context)
 
 
 def _clone_state(state):
@@ -788,7 +646,7 @@ def _clone_state(state):
     return state
 
 
-def _prefill(model, input_ids, attention_mask, chunk_size):
+def prefill_model(model, input_ids, attention_mask, chunk_size):
     """The model's own forward over the prompt (in pieces of ``chunk_size``): (last logits, cache, next positions)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be a 2-D LongTensor (B, T), got "
@@ -823,7 +681,7 @@ def _prefill(model, input_ids, attention_mask, chunk_size):
 def _all_linearized(model) -> bool:
     from .attention import LinearizedAttention
 
-    adapter, layers = _layers(model)
+    adapter, layers = decoder_layers(model)
     return all(isinstance(getattr(layer, adapter.attention_attr), LinearizedAttention) for layer in layers)
 
 
@@ -917,9 +775,9 @@ def _cut_after_all_finished(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
 def _hf_loop(model, input_ids, attention_mask, max_new_tokens, temperature, eos, pad_token_id, chunk_size):
     """Models with kept softmax layers: HF's cache, one eager step at a time."""
     B = input_ids.shape[0]
-    dec = _StaticDecoder(model, B, max_new_tokens, temperature=temperature, eos_token_id=eos,
+    dec = StaticDecoder(model, B, max_new_tokens, temperature=temperature, eos_token_id=eos,
                          pad_token_id=pad_token_id, device=input_ids.device)
-    logits, cache, pos = _prefill(model, input_ids, attention_mask, chunk_size)
+    logits, cache, pos = prefill_model(model, input_ids, attention_mask, chunk_size)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     dec.start(dec._select(logits), pos)
     while dec.steps_done < max_new_tokens and not dec.all_finished():

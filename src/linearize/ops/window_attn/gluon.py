@@ -1,7 +1,7 @@
 """The sliding window's backward (dq, dk, dv) as one hand-written Hopper kernel (Gluon).
 
 Same math as ``window._win_bwd_dq_kernel`` and ``window._win_bwd_dkdv_kernel`` (see
-``kernels.window``'s docstring), for windows of at most 129 keys, so that a chunk of 64 queries
+``ops.window_attn.triton``'s docstring), for windows of at most 129 keys, so that a chunk of 64 queries
 sees keys in its own chunk and the two before, and a chunk of 64 keys is seen from its own chunk
 and the two after. With p_ts = exp2(s_ts - lse_t) (s = q k^T * scale * log2 e, masked to
 t - w < s <= t) and D_t = alpha_h * (dy_t . o_t) from ``window``'s delta pre-pass:
@@ -52,8 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .dispatch import sm_major
-from .gla_gluon import _load_pair, _prof_init, _qkv_rows, _store_tile, _tick, model_layout_bits, tma_readable, tma_tiles
+from ..backend.dispatch import sm_major
+from ..gla.gluon import load_pair, prof_init, qkv_rows, store_tile, prof_tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
 WIDTH = 128
@@ -86,15 +86,15 @@ def _dq_tile(q_t, dy_t, kd, vd, dq, lse, delta, rows, cols, lag: gl.constexpr, c
     Profiling builds (NPROF): the scores' MMAs, the elementwise work and dq's MMA as phases 2, 3, 4."""
     s, dp = _score_pair(q_t, kd, dy_t, vd, C, mma_s)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 2)
+        pacc, pt = prof_tick(pacc, pt, 2)
     p = _probs(s, lse, rows, cols, lag, c, qk_scale, W, C)
     ds = gl.convert_layout((p * (dp * alpha - delta[:, None])).to(q_t.dtype), dot_o)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 3)
+        pacc, pt = prof_tick(pacc, pt, 3)
     dq = warpgroup_mma(ds, kd, dq, is_async=True)
     dq, _, _ = warpgroup_mma_wait(0, deps=(dq, ds, kd))
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 4)
+        pacc, pt = prof_tick(pacc, pt, 4)
     return dq, pacc, pt
 
 
@@ -107,18 +107,18 @@ def _dkdv_tile(k0, v0, qd, dyd, dk, dv, lse, delta, keys, qry, d: gl.constexpr, 
     key > query + d C - W (and c + d < nc). Profiling builds: phases as ``_dq_tile``'s."""
     st, dpt = _score_pair(k0, qd, v0, dyd, C, mma_s)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 2)
+        pacc, pt = prof_tick(pacc, pt, 2)
     vis = (keys[:, None] <= qry[None, :] + d * C) & (keys[:, None] > qry[None, :] + (d * C - W)) & (c + d < nc)
     pt_ = gl.where(vis, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
     dst = gl.convert_layout((pt_ * (dpt * alpha - delta[None, :])).to(k0.dtype), dot_o)
     pt_ = gl.convert_layout(pt_.to(k0.dtype), dot_o)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 3)
+        pacc, pt = prof_tick(pacc, pt, 3)
     dv = warpgroup_mma(pt_, dyd, dv, is_async=True)
     dk = warpgroup_mma(dst, qd, dk, is_async=True)
     dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, pt_, dst, dyd, qd))
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 4)
+        pacc, pt = prof_tick(pacc, pt, 4)
     return dk, dv, pacc, pt
 
 
@@ -183,7 +183,7 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
     i_bh = gl.program_id(1)
     i_h = i_bh % H
     nc = T // C
-    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
     tok = row0 + c * C
     dt: gl.constexpr = q_d.dtype
     q_s = gl.allocate_shared_memory(dt, [3, C, D], q_d.layout)  # queries of chunks c, c+1, c+2
@@ -199,8 +199,8 @@ def _win_bwd_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, DQ, DK, DV_, T, H, q
     for d in gl.static_range(3):  # in the order the two warpgroups need them
         cq = gl.minimum(c + d, nc - 1)
         ck = gl.maximum(c - d, 0)
-        _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_q.index(d), q_s.index(d), dy_s.index(d))
-        _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(d), k_s.index(d), v_s.index(d))
+        load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_q.index(d), q_s.index(d), dy_s.index(d))
+        load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(d), k_s.index(d), v_s.index(d))
     if HAS_ALPHA:
         alpha = gl.load(ALPHA + i_h)
     else:
@@ -302,7 +302,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
     pacc = 0
     pt = 0
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     FROM_O: gl.constexpr = OWN_DELTA and not D_SCORES
     n_keys = n  # key tiles this partition brings: with D_SCORES also the one after the segment
     if D_SCORES:
@@ -312,7 +312,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
                       0, alpha, C, blk)
         o_next = _o_rows(O, row0 + gl.minimum(c0 + 1, nc - 1) * C, C, DV, blk)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 6)
+            pacc, pt = prof_tick(pacc, pt, 6)
     for j in range(n):
         c = c0 + j
         tok = row0 + c * C
@@ -324,7 +324,7 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
             lse, delta = _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0,
                                          c0, j, alpha, qk_scale, W, C, mma_s)
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 6)
+                pacc, pt = prof_tick(pacc, pt, 6)
         mbarrier.wait(bar_qdy.index(sq), (j // 3) & 1)
         if FROM_O:
             lse = ls_s.index(sq).load(gl.SliceLayout(1, mma_s))
@@ -334,10 +334,10 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
             m = j - 2 + d
             sk = (m + 2) % 3
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
+                pacc, pt = prof_tick(pacc, pt, 7)
             mbarrier.wait(bar_kv.index(sk), ((m + 2) // 3) & 1)
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 0)
+                pacc, pt = prof_tick(pacc, pt, 0)
             dq, pacc, pt = _dq_tile(q_s.index(sq), dy_s.index(sq), k_s.index(sk), v_s.index(sk), dq, lse, delta,
                                     rows, cols, 2 - d, c, alpha, qk_scale, W, C, mma_s, dot_o, pacc, pt, NPROF)
             if d == 0:
@@ -346,10 +346,10 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
                 if m + 3 < n_keys:
                     mbarrier.wait(kv_free.index(sk), ((m + 2) // 3) & 1)
                     ck = c0 + m + 3
-                    _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
+                    load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk),
                                v_s.index(sk))
                 if NPROF > 0:
-                    pacc, pt = _tick(pacc, pt, 1)
+                    pacc, pt = prof_tick(pacc, pt, 1)
                 if FROM_O:
                     if c + 1 < nc:
                         _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, o_next, LSE, DELTA, row0, c0, j + 1, alpha,
@@ -358,13 +358,13 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
                     # was still waited for here (ncu, 2026-11-26)
                     o_next = _o_rows(O, row0 + gl.minimum(c + 2, nc - 1) * C, C, DV, blk)
                     if NPROF > 0:
-                        pacc, pt = _tick(pacc, pt, 6)
+                        pacc, pt = prof_tick(pacc, pt, 6)
         # by TMA through a staging tile of its own (written once its store of the chunk before has left)
-        _store_tile(dq_d, tok, dq * sm_scale, out_s.index(1), 0)
+        store_tile(dq_d, tok, dq * sm_scale, out_s.index(1), 0)
         gl.thread_barrier()
         mbarrier.arrive(qdy_free.index(sq))
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = prof_tick(pacc, pt, 5)
     if FROM_O:
         if c0 + n + 1 < nc:  # the query tile after next, which the segment's last key chunk sees
             _publish_rows(dy_s, bar_qdy, dl_s, ls_s, d_ready, _o_rows(O, row0 + (c0 + n + 1) * C, C, DV, blk), LSE,
@@ -379,12 +379,12 @@ def _walk_dq_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv, 
             mbarrier.arrive(kv_free.index(sk))
             mbarrier.wait(kv_free.index(sk), (n // 3) & 1)
             ck = c0 + n + 1
-            _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
+            load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(sk), k_s.index(sk), v_s.index(sk))
             _publish_scores(q_s, dy_s, k_s, v_s, bar_qdy, bar_kv, dl_s, ls_s, d_ready, LSE, DELTA, row0, c0, n + 1,
                             alpha, qk_scale, W, C, mma_s)
     tma.store_wait(0)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 6)
+        pacc, pt = prof_tick(pacc, pt, 6)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
@@ -407,7 +407,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
     pacc = 0
     pt = 0
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     # the key tiles before the segment (m = -2, -1) are no key chunk of this partition's
     mbarrier.arrive(kv_free.index(0))
     mbarrier.arrive(kv_free.index(1))
@@ -422,7 +422,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
             m = i + d
             sq = m % 3
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
+                pacc, pt = prof_tick(pacc, pt, 7)
             mbarrier.wait(bar_qdy.index(sq), (m // 3) & 1)
             if OWN_DELTA:
                 real = c + d < nc
@@ -435,7 +435,7 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
                 lse = gl.load(LSE + i_tok + qry)
                 delta = gl.load(DELTA + i_tok + qry)
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 0)
+                pacc, pt = prof_tick(pacc, pt, 0)
             dk, dv, pacc, pt = _dkdv_tile(k_s.index(sk), v_s.index(sk), q_s.index(sq), dy_s.index(sq), dk, dv, lse,
                                           delta, keys, qry, d, c, nc, alpha, qk_scale, W, C, mma_s, dot_o, pacc, pt,
                                           NPROF)
@@ -445,19 +445,19 @@ def _walk_dkdv_partition(q_s, dy_s, k_s, v_s, dl_s, ls_s, out_s, bar_qdy, bar_kv
                 if i + 3 <= n + 1:
                     mbarrier.wait(qdy_free.index(sq), (i // 3) & 1)
                     cq = gl.minimum(c + 3, nc - 1)
-                    _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
+                    load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(sq), q_s.index(sq),
                                dy_s.index(sq))
                 if NPROF > 0:
-                    pacc, pt = _tick(pacc, pt, 1)
+                    pacc, pt = prof_tick(pacc, pt, 1)
         # by TMA through one staging tile, each written once the store before it has left
-        _store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 0)
-        _store_tile(dv_d, tok, dv * alpha, out_s.index(0), 0)
+        store_tile(dk_d, tok, dk * sm_scale, out_s.index(0), 0)
+        store_tile(dv_d, tok, dv * alpha, out_s.index(0), 0)
         mbarrier.arrive(kv_free.index(sk))
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = prof_tick(pacc, pt, 5)
     tma.store_wait(0)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 7)
+        pacc, pt = prof_tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
@@ -480,7 +480,7 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, dk_d, dv_d, dq_
     i_bh = gl.program_id(1)
     i_h = i_bh % H
     nc = T // C
-    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = qkv_rows(MODEL_LAYOUT, i_bh, H, T, D, DV)
     c0 = i_s * SEG_CHUNKS
     n = gl.minimum(SEG_CHUNKS, nc - c0)
     dt: gl.constexpr = q_d.dtype
@@ -507,8 +507,8 @@ def _win_bwd_walk_kernel(q_d, k_d, v_d, dy_d, LSE, DELTA, ALPHA, dk_d, dv_d, dq_
     for m in gl.static_range(3):  # key tiles -2, -1, 0 (slots 0, 1, 2) and query tiles 0, 1, 2 (clamped)
         ck = gl.maximum(c0 + m - 2, 0)
         cq = gl.minimum(c0 + m, nc - 1)
-        _load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(m), k_s.index(m), v_s.index(m))
-        _load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(m), q_s.index(m), dy_s.index(m))
+        load_pair(k_d, v_d, r_k + ck * C, c_k, r_v + ck * C, c_v, bar_kv.index(m), k_s.index(m), v_s.index(m))
+        load_pair(q_d, dy_d, r_q + cq * C, c_q, row0 + cq * C, 0, bar_qdy.index(m), q_s.index(m), dy_s.index(m))
     if HAS_ALPHA:
         alpha = gl.load(ALPHA + i_h)
     else:
@@ -601,9 +601,9 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     """Compile the kernel (``walk``: the walking one, forming D itself with ``own_delta``, from the
     scores with ``scores_delta``, with cycle counters with ``nprof``) for sm_90a without a GPU (CI,
     probes); returns Triton's compiled kernel."""
-    from .gla_gluon import _compile, _compile_args
+    from ..gla.gluon import compile_gluon, compile_args
 
-    d, _, f32, bf = _compile_args()
+    d, _, f32, bf = compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, dy_d=d, LSE=f32, DELTA=f32, ALPHA=f32, T=256, H=4, qk_scale=0.1,
                 sm_scale=0.1)
     if walk:
@@ -613,4 +613,4 @@ def compile_for_hopper(window: int = 128, has_alpha: bool = True, model_layout: 
     consts = dict(MODEL_LAYOUT=model_layout, HAS_ALPHA=has_alpha, W=window, C=BT, D=WIDTH, DV=WIDTH)
     if walk:
         consts.update(OWN_DELTA=own_delta or scores_delta, NPROF=nprof, D_SCORES=scores_delta)
-    return _compile(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)
+    return compile_gluon(_win_bwd_walk_kernel if walk else _win_bwd_kernel, args, consts, num_warps=4)

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import common
-from ..ops.window_attn.naive import WindowState, check_pos, check_sinks, check_window, keep_last
-from .dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
+from .. import common
+from .naive import WindowState, check_pos, check_sinks, check_window, keep_last
+from ..backend.dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -322,7 +322,7 @@ class WindowKernelConfig:
     (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key. (On an H200
     with Triton 3.6 a kv_bm of 16 gave dk 5% off in bf16, right under the interpreter: keep query
     blocks at 32 or more.)
-    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``kernels.window_gluon``,
+    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``ops.window_attn.gluon``,
     after a small Triton pass for D and the sink and alpha sums) where its scope holds (bf16/fp16,
     head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here.
     ``gluon_bwd_walk``: that backward as the *walking* Gluon kernel instead (one program per segment
@@ -552,7 +552,7 @@ def _head_sums(dsink, dalpha, d_sinks, d_alpha, B: int, H: int, nmb: int, nsink:
 
 def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
     """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("window_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    mod = gluon_kernels("window_attn.gluon") if cfg.gluon_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd(q, k, v, window, kmin) else None
 
 

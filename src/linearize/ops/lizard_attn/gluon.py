@@ -10,7 +10,7 @@ One program per (segment, batch x head) walks its chunks of 64 tokens in order, 
 warpgroups (``gl.warp_specialize``) that hand over through shared memory and mbarriers: the
 *output* warpgroup (the window, the gated output from the state's copy, the combine, y out by
 TMA; it issues every load but phi_k's) and the *state* warpgroup (A and the normaliser, K~, S and
-z in fp32 registers, S's bf16 copy, the next phi_k: ``gla_gluon._state_partition``, which GLA's
+z in fp32 registers, S's bf16 copy, the next phi_k: ``gla.gluon.state_partition``, which GLA's
 own fused forward runs too). Each warpgroup owns whole rows of its tiles,
 so no reduction or layout change crosses warpgroups. Every tile is read from HBM once: the
 window's keys and values of the two chunks before stay in a ring of three shared-memory slots,
@@ -25,7 +25,7 @@ Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decrea
     y     = num / (den + eps) + alpha_h * o_w
 
 Only factors <= 1 are ever formed (DESIGN.md, Lizard's factorisation). The Triton kernels
-(``kernels.lizard``) run the same forward as three passes, about twice as long; a fused walk
+(``ops.lizard_attn.fused``) run the same forward as three passes, about twice as long; a fused walk
 needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper
 (docs/results/kernels-h200.md has the versions, their profiles and timings).
 
@@ -45,9 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dispatch import sm_major
-from .gla_gluon import (_gated_smem, _here, _load_pair, _load_tile, _prof_init, _row_col, _state_partition, _store_tile,
-                        _tick, chunk_gates, model_layout_bits, segment_plan, smem_layout, state_slots, tma_readable,
+from ..backend.dispatch import sm_major
+from ..gla.gluon import (gated_smem, tile_at_step, load_pair, load_tile, prof_init, row_col, state_partition, store_tile,
+                        prof_tick, chunk_gates, model_layout_bits, segment_plan, smem_layout, state_slots, tma_readable,
                         view2d)
 
 BT = 64  # tokens per chunk
@@ -88,7 +88,7 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
     NST: gl.constexpr = (1 + STORE_OG + STORE_OW) if TRAIN else 1  # tiles stored a chunk
 
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     for ci in range(nc):
         c = c0 + ci
         ph = ci & 1
@@ -99,15 +99,15 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
 
         # ---- window: scores against the three key tiles, softmax with the sinks, P V (async)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(q_bar.index(0), ph)
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 0)
+            pacc, pt = prof_tick(pacc, pt, 0)
         k0 = k_s.index((j - 2) % 3)
         k1 = k_s.index((j - 1) % 3)
         k2 = k_s.index(j % 3)
-        qv = _here(q_s, ci)
+        qv = tile_at_step(q_s, ci)
         s0 = warpgroup_mma(qv, k0.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
         s1 = warpgroup_mma(qv, k1.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
@@ -117,9 +117,9 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
         s0, s1, s2, _, _, _, _ = warpgroup_mma_wait(0, deps=(s0, s1, s2, qv, k0, k1, k2))
         gl.thread_barrier()
         if more:
-            _load_tile(qw_d, r_q + (c + 1) * C, c_q, q_bar.index(0), q_s)
+            load_tile(qw_d, r_q + (c + 1) * C, c_q, q_bar.index(0), q_s)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 1)
+            pacc, pt = prof_tick(pacc, pt, 1)
         # The visible keys of the chunk two back (col > row + 128 - W) and of the chunk itself
         # (col <= row) never overlap: one merged tile takes both, so a query pays two tiles of
         # exponentials for its three key tiles.
@@ -142,38 +142,38 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
 
         # ---- gated: e^{b_t} phi_q S + A V, from the state partition's copies of S, z and A
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 2)
+            pacc, pt = prof_tick(pacc, pt, 2)
         mbarrier.wait(q_bar.index(1), ph)
         mbarrier.wait(st_ready, ph)
         mbarrier.wait(a_ready, ph)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
+            pacc, pt = prof_tick(pacc, pt, 3)
         # P V done first: the three P operands' registers are free before the gated products'
         # (queuing these behind P V instead spills: 0.82 against 0.75 ms at B16 T2048, v5's JSON)
         o_w, _, _, _, _, _ = warpgroup_mma_wait(0, deps=(o_w, p0, p1, p2, v0, v1))
-        fqv = _here(fq_s, ci)
-        stv = _here(st_s, ci)
+        fqv = tile_at_step(fq_s, ci)
+        stv = tile_at_step(st_s, ci)
         o_i = warpgroup_mma(fqv, stv, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
         o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fqv, stv))
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 4)
-        av = _here(a_s, ci)
+            pacc, pt = prof_tick(pacc, pt, 4)
+        av = tile_at_step(a_s, ci)
         num = warpgroup_mma(av, v2, o_i * e_t[:, None], is_async=True)
         den = den_s.load(row_o)
         num, _, _ = warpgroup_mma_wait(0, deps=(num, av, v2))
         gl.thread_barrier()
         mbarrier.arrive(st_free)  # the copies of S, z and A are read: the state partition may write the next
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = prof_tick(pacc, pt, 5)
         if more:  # phi_q (the state partition's A is done: a_ready)
-            _load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
+            load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
         if more:  # the oldest key/value slot: the state partition is past its chunk (st_ready)
-            _load_pair(kw_d, v_d, r_k + (c + 1) * C, c_k, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3),
+            load_pair(kw_d, v_d, r_k + (c + 1) * C, c_k, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3),
                      k_s.index((j + 1) % 3), v_s.index((j + 1) % 3))
 
         # ---- combine and store
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 6)
+            pacc, pt = prof_tick(pacc, pt, 6)
         # one division per row, not per element
         # The tiles go out by TMA through two staging slots in turn: store k of the walk through slot
         # k % 2, once the store before it in that slot (k - 2) has left. (With o_g into slot 0 after
@@ -186,16 +186,16 @@ def _output_partition(qw_d, kw_d, v_d, fq_d, y_d, BL, SINK, ALPHA, og_d, ow_d, L
             gl.store(LSE + tok + rows_s, m + gl.log2(l_w))
             o_g = num * (1.0 / (den + eps))[:, None]
             if STORE_OG:
-                _store_tile(og_d, tok, o_g, y_s.index(k % 2), 1)
+                store_tile(og_d, tok, o_g, y_s.index(k % 2), 1)
                 k += 1
             y = o_g + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
             if STORE_OW:
-                _store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(k % 2), 1)
+                store_tile(ow_d, tok, o_w * (1.0 / gl.convert_layout(l_w, row_o))[:, None], y_s.index(k % 2), 1)
                 k += 1
-            _store_tile(y_d, tok, y, y_s.index(k % 2), 1)
+            store_tile(y_d, tok, y, y_s.index(k % 2), 1)
         else:
             y = num * (1.0 / (den + eps))[:, None] + o_w * (alpha / gl.convert_layout(l_w, row_o))[:, None]
-            _store_tile(y_d, row0 + c * C, y, y_s.index(k % 2), 1)
+            store_tile(y_d, row0 + c * C, y, y_s.index(k % 2), 1)
     if WSTATE:
         if i_s == nseg - 1:
             _window_state_out(WK, WV, k_s, v_s, i_bh, nc, T, W - 1, C)
@@ -240,11 +240,11 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     # each input's first row and its column in its own 2-D view (``gla_gluon.view2d``): bit i of
     # MODEL_LAYOUT set for input i (q_w, k_w, v, phi_q, phi_k) read from (B*T, H*D) rows
     i_b = i_bh // H
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
-    r_fq, c_fq = _row_col(MODEL_LAYOUT, 3, i_b, i_h, row0, T, F)
-    r_fk, c_fk = _row_col(MODEL_LAYOUT, 4, i_b, i_h, row0, T, F)
+    r_q, c_q = row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, D)
+    r_k, c_k = row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, D)
+    r_v, c_v = row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    r_fq, c_fq = row_col(MODEL_LAYOUT, 3, i_b, i_h, row0, T, F)
+    r_fk, c_fk = row_col(MODEL_LAYOUT, 4, i_b, i_h, row0, T, F)
     c0 = i_s * (seg_len // C)
     nc = gl.minimum(seg_len // C, T // C - c0)
     dt: gl.constexpr = qw_d.dtype
@@ -256,16 +256,16 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
-    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = _gated_smem(fq_d, fk_d, y_d, F, DV, C)
+    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = gated_smem(fq_d, fk_d, y_d, F, DV, C)
 
     # ---- the key/value tiles of the two chunks before the first, and the first chunk's tiles
     for r in gl.static_range(3):
         # (rows before the tensor's first hold nothing a query sees: clamped, they are masked out)
-        _load_pair(kw_d, v_d, gl.maximum(r_k + (c0 + r - 2) * C, 0), c_k, gl.maximum(r_v + (c0 + r - 2) * C, 0),
+        load_pair(kw_d, v_d, gl.maximum(r_k + (c0 + r - 2) * C, 0), c_k, gl.maximum(r_v + (c0 + r - 2) * C, 0),
                  c_v, kv_bar.index(r), k_s.index(r), v_s.index(r))
-    _load_tile(qw_d, r_q + c0 * C, c_q, q_bar.index(0), q_s)
-    _load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
-    _load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
+    load_tile(qw_d, r_q + c0 * C, c_q, q_bar.index(0), q_s)
+    load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
+    load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.wait(kv_bar.index(0), 0)
@@ -279,7 +279,7 @@ def _lizard_fwd_kernel(qw_d, kw_d, v_d, fq_d, fk_d, y_d, sc_d, og_d, ow_d, BL, S
                              fq_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready, st_free, a_ready, row0, r_q, c_q,
                              r_k, c_k, r_v, c_v, r_fq, c_fq, c0, nc, i_h, i_bh, i_s, nseg, qk_scale, eps, T, PROF, W,
                              NSINK, F, DV, C, NPROF, TRAIN, STORE_OG, STORE_OW, WSTATE)),
-        (_state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
+        (state_partition, (fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL,
                             S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T, HAS_INIT,
                             F, DV, C, NPROF, TRAIN, PAIRED, FINAL)),
@@ -316,7 +316,7 @@ def lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks: Optional[to
     ``final_state``: the kernel then writes no final state, 34 MB at B16 T2048 and 32 heads, and with
     ``store`` keeps no S leaving the last chunk in sc, which only a backward given a gradient for the
     final state reads, or one in segments: only for a backward of one segment with none), and with ``store``
-    what the backward reads (``kernels.lizard``'s intermediates, the Triton passes' conventions):
+    what the backward reads (``ops.lizard_attn.fused``'s intermediates, the Triton passes' conventions):
     dict(o_g, o_w (B, H, T, Dv) in v's dtype: the gated output over its den and the window's
     normalised; den, lse (B*H, T) fp32, lse base 2 with the sinks; sc (B*H, NC+1, F, Dv) in v's
     dtype and zc (B*H, NC+1, F) fp32: the state entering every chunk and the one leaving the
@@ -392,13 +392,13 @@ def compile_for_hopper(has_init: bool = False, nsink: int = 4, window: int = 128
                        window_state: bool = False, paired: bool = False, final: bool = True):
     """Compile the kernel for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel
     (``.metadata.shared``: bytes of shared memory per block; ``.asm["ptx"]``)."""
-    from .gla_gluon import _compile, _compile_args
+    from ..gla.gluon import compile_gluon, compile_args
 
-    d, sc_d, f32, _ = _compile_args()
+    d, sc_d, f32, _ = compile_args()
     args = dict(qw_d=d, kw_d=d, v_d=d, fq_d=d, fk_d=d, y_d=d, sc_d=sc_d, og_d=d, ow_d=d, BL=f32, SINK=f32, ALPHA=f32,
                 S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, PROF=f32, LSE=f32, DEN=f32, ZC=f32, WK=f32, WV=f32,
                 T=256, H=4, seg_len=256, nseg=1, qk_scale=0.1, eps=1e-6)
     consts = dict(W=window, NSINK=nsink, HAS_INIT=has_init, NPROF=nprof, D=128, F=128, DV=128, C=BT,
                   MODEL_LAYOUT=model_layout, TRAIN=train, STORE_OG=store_og, STORE_OW=store_ow, WSTATE=window_state,
                   PAIRED=paired, FINAL=final)
-    return _compile(_lizard_fwd_kernel, args, consts, num_warps=4)
+    return compile_gluon(_lizard_fwd_kernel, args, consts, num_warps=4)

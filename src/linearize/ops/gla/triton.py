@@ -49,7 +49,7 @@ When the main pass's (batch*head, V-block) programs are fewer than the GPU's mul
 the sequence is cut into segments: a pre-pass computes each segment's own state (normalised, z in
 a launch of its own), a scan turns them into the state entering each segment, and the segments
 run in parallel (the backward does the same for dS from the end). ``fwd_prologue``/``fwd_main``
-and ``bwd_states``/``bwd_chunks`` are those passes in two halves, for ``kernels.lizard``, which
+and ``bwd_states``/``bwd_chunks`` are those passes in two halves, for ``ops.lizard_attn.fused``, which
 runs the sequential half beside the window branch on a second CUDA stream.
 """
 
@@ -64,9 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import common
-from ..ops.gla.naive import GLAState
-from .dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
+from .. import common
+from .naive import GLAState
+from ..backend.dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
                        pow2, sm_major, strides_bht, unit_last)
 
 patch_interpreter()
@@ -705,7 +705,7 @@ class GLAKernelConfig:
     features and descriptors (Lizard's gated forward 0.925 against 0.908 with its own pass, so
     the main pass is bound by its instructions, not by reading q and k twice).
     ``gluon_bwd``: on Hopper, the backward's chunk pass is the hand-written Gluon kernel
-    (``kernels.gla_gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
+    (``ops.gla.gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
     multiple of 64, plain features); else this module's Triton pass.
     ``gluon_fused_bwd``: on Hopper, in that same scope and with ``gluon_bwd``, the whole backward is ONE Gluon kernel
     (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in
@@ -786,7 +786,7 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("gla_gluon") if cfg.gluon_bwd and q.is_cuda else None
+    mod = gluon_kernels("gla.gluon") if cfg.gluon_bwd and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
@@ -977,7 +977,7 @@ def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: fl
     or None where it does not apply (off Hopper, log-space features, outside its scope)."""
     if not cfg.gluon_fwd or log_space or not q.is_cuda:
         return None
-    gla_gluon = gluon_kernels("gla_gluon")
+    gla_gluon = gluon_kernels("gla.gluon")
     if gla_gluon is None or not gla_gluon.supports_fwd_fused(q, k, v, log_g):
         return None
     B, H, T, DK = q.shape

@@ -33,12 +33,13 @@ from typing import Optional
 
 import torch
 
-from ..ops import common
-from ..ops.gla import GLAState
-from ..ops.window_attn import WindowState
-from ..ops.window_attn import window_attn_chunk as _window_chunk_torch
-from . import gla_applies, gla_chunk, window_applies, window_attn_sum
-from .dispatch import fork_stream, fused_segment_count, gluon_kernels, join_stream, unit_last
+from .. import common
+from ..gla import GLAState
+from ..window_attn import WindowState
+from ..gla import gla_applies, gla_chunk
+from ..window_attn import window_applies, window_attn_sum
+from ..window_attn.chunk import window_attn_chunk as _window_chunk_torch
+from ..backend.dispatch import fork_stream, fused_segment_count, gluon_kernels, join_stream, unit_last
 
 
 @dataclass
@@ -80,7 +81,7 @@ class LizardKernelConfig:
     (``gla.fwd_prologue``'s ``z_stream``), both beside the window (H200, forward: 1.50 -> 1.46 ms
     at B1 T32768, 1.47 -> 1.40 at B2 T16384; docs/results/kernels-h200-split-prologue.json).
     ``fused_fwd``: where no gradient is recorded, on Hopper (sm_90), the whole forward runs as ONE
-    hand-written Gluon kernel (``kernels.lizard_gluon``: a warpgroup for the window and the output
+    hand-written Gluon kernel (``ops.lizard_attn.gluon``: a warpgroup for the window and the output
     beside one carrying the state), when its scope holds (bf16/fp16, widths 128, T a multiple of
     64, window 65..129, no padding, normalised plain features). H200, bf16, 32 heads, median ms,
     against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at
@@ -167,7 +168,7 @@ def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.T
     segments, or give the normaliser fewer (batch x head) programs than there are multiprocessors."""
     if cfg.window_first is not None:
         return cfg.window_first
-    from . import gla as kgla
+    from ..gla import triton as kgla
 
     B, H = phi_q.shape[:2]
     nseg = kgla.fwd_blocks(phi_q, v, gcfg, gcfg.fwd_bv)[3]
@@ -178,8 +179,8 @@ def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize
          eps: float, window: int, scale: float, store: bool, cfg: LizardKernelConfig):
     """Returns y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc; o_g, o_w, lse, den, sc and zc are what a
     backward reads, complete only with ``store``."""
-    from . import gla as kgla
-    from . import window as kwin
+    from ..gla import triton as kgla
+    from ..window_attn import triton as kwin
 
     gcfg = kgla.CONFIG
     if _window_first(cfg, gcfg, phi_q, v):
@@ -206,8 +207,8 @@ class _LizardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, S0, z0, kmin, normalize, log_space, eps,
                 window, scale, cfg, grad_mode, state_len, state_dtype, keep_state):
-        from . import gla as kgla
-        from . import window as kwin
+        from ..gla import triton as kgla
+        from ..window_attn import triton as kwin
 
         store = grad_mode and any(ctx.needs_input_grad[:10])
         fused = None
@@ -265,8 +266,8 @@ class _LizardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dS_T, dz_T, dw_k, dw_v):
-        from . import gla as kgla
-        from . import window as kwin
+        from ..gla import triton as kgla
+        from ..window_attn import triton as kwin
 
         phi_q, phi_k, v, log_g, q_w, k_w, sinks, alpha, kmin, y = ctx.saved_tensors
         inter, ctx.inter = ctx.inter, None
@@ -336,7 +337,7 @@ def _sums_beside(events: Optional[tuple], dyo: torch.Tensor, lse: torch.Tensor, 
     0.015 ms and two launches) and would run alone between the window's backward and the gated one;
     queued after the gated one, at the same priority, they take the multiprocessors its last wave
     leaves idle."""
-    from . import window as kwin
+    from ..window_attn import triton as kwin
 
     side = _side_stream(dyo, events is not None, 0, "sums")
     d_sinks, d_alpha = kwin.sink_alpha_sums(dyo, lse, sinks, alpha,
@@ -398,8 +399,8 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
                    log_space_features, state, eps, window_state, config,
                    return_state: bool = True) -> tuple[torch.Tensor, Optional[GLAState], Optional[WindowState]]:
     """The checks of both branches, then ``_LizardFunction``."""
-    from . import window as kwin
-    from .gla import gla_chunk_checks
+    from ..window_attn import triton as kwin
+    from ..gla.triton import gla_chunk_checks
 
     S0, z0 = gla_chunk_checks(phi_q, phi_k, v, log_g, eps, state)  # checks phi_q, phi_k, v too
     B, H = phi_q.shape[:2]
@@ -488,14 +489,14 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
     gated state (S_T, z_T None)."""
     if kmin is not None or not normalize or log_space:
         return None
-    lizard_gluon = gluon_kernels("lizard_gluon")
+    lizard_gluon = gluon_kernels("lizard_attn.gluon")
     if lizard_gluon is None or not lizard_gluon.supports(phi_q, phi_k, v, log_g, q_w, k_w, window, sinks, S0):
         return None
-    from .dispatch import device_sms
+    from ..backend.dispatch import device_sms
 
     B, H, T, _ = v.shape
     nseg = 1 if S0 is not None else (cfg.fused_segments or fused_segment_count(B, H, T, device_sms(v)))
-    gla_gluon = gluon_kernels("gla_gluon")
+    gla_gluon = gluon_kernels("gla.gluon")
     nseg, seg_len = gla_gluon.segment_plan(T, nseg)
     s_in = z_in = None
     if S0 is not None:

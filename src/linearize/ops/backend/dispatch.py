@@ -23,7 +23,7 @@ _GLUON_MODULES: dict = {}
 
 
 def gluon_kernels(name: str):
-    """The Gluon kernel module ``kernels.<name>``, or None with a Triton that has no Gluon (any other
+    """The Gluon kernel module ``linearize.ops.<name>`` (e.g. ``"gla.gluon"``), or None with a Triton that has no Gluon (any other
     import error, a misspelt name included, is raised). Remembered per name: the scope checks ask
     several times a call, and each import lookup cost the host microseconds."""
     if name in _GLUON_MODULES:
@@ -31,7 +31,7 @@ def gluon_kernels(name: str):
     import importlib
 
     try:
-        mod = importlib.import_module(f"{__package__}.{name}")
+        mod = importlib.import_module(f"linearize.ops.{name}")
     except ImportError as e:
         if not (e.name or "").startswith("triton"):
             raise
@@ -70,6 +70,11 @@ def kernels_switched(on: bool):
             os.environ.pop(ENV_SWITCH, None)
         else:
             os.environ[ENV_SWITCH] = before
+
+
+def all_tensors(*xs) -> bool:
+    """Whether every argument is a tensor (the kernels take no lists, Nones or numbers there)."""
+    return all(isinstance(x, torch.Tensor) for x in xs)
 
 
 def interpreting() -> bool:

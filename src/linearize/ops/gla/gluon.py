@@ -1,9 +1,9 @@
 """Gated linear attention as hand-written Hopper kernels (Gluon): the backward's chunk pass, the
 whole backward in one kernel (``bwd_fused``, below), and the whole inference forward in one
 (``fwd_fused``, at the end: Lizard's fused forward without the window, whose state partition,
-``_state_partition``, both kernels run).
+``state_partition``, both kernels run).
 
-Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``kernels.gla``'s docstring):
+Same math, inputs and outputs as ``gla._gla_bwd_chunk_kernel`` (see ``ops.gla.triton``'s docstring):
 one program per (chunk, batch x head), no loop, from the state S (z) entering the chunk and the
 state gradient dS (dz) leaving it, with b_t the gates' cumulative sum from the chunk start,
 p_ts = e^{b_t - b_s} (s <= t), dn = do / (den + eps), dd from the reverse state pass:
@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dispatch import sm_major
+from ..backend.dispatch import sm_major
 
 BT = 64  # tokens per chunk
 WIDTH = 128  # the one feature and value width the kernels take
@@ -88,7 +88,7 @@ WIDTH = 128  # the one feature and value width the kernels take
 
 
 @gluon.jit
-def _tick(acc, t_prev, k: gl.constexpr):
+def prof_tick(acc, t_prev, k: gl.constexpr):
     """Profiling builds (NPROF): add the cycles since t_prev to phase k of acc ((8,) int64); returns (acc, now)."""
     idx = gl.arange(0, 8, layout=acc.type.layout)
     t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [idx], dtype=gl.int64, is_pure=False, pack=1)
@@ -96,13 +96,13 @@ def _tick(acc, t_prev, k: gl.constexpr):
 
 
 @gluon.jit
-def _prof_init():
+def prof_init():
     acc = gl.zeros([8], gl.int64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    return _tick(acc, acc, 8)
+    return prof_tick(acc, acc, 8)
 
 
 @gluon.jit
-def _here(buf, step):
+def tile_at_step(buf, step):
     """A single shared-memory tile seen at an address that depends on ``step`` (a loop's counter,
     shifted to 0): the MMAs reading this view form their operand descriptors where they run.
     Else the compiler hoists the descriptors of a loop-invariant tile out of the loop (2 registers
@@ -111,13 +111,13 @@ def _here(buf, step):
 
 
 @gluon.jit
-def _load_tile(desc, row, col, bar, dst):
+def load_tile(desc, row, col, bar, dst):
     mbarrier.expect(bar, dst.numel * 2)  # 16-bit elements
     tma.async_copy_global_to_shared(desc, [row, col], bar, dst)
 
 
 @gluon.jit
-def _load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
+def load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
     """Two tiles by TMA on one barrier."""
     mbarrier.expect(bar, (sa.numel + sb.numel) * 2)
     tma.async_copy_global_to_shared(da, [ra, ca], bar, sa)
@@ -125,7 +125,7 @@ def _load_pair(da, db, ra, ca, rb, cb, bar, sa, sb):
 
 
 @gluon.jit
-def _store_tile(desc, row, x, x_s, pending: gl.constexpr):
+def store_tile(desc, row, x, x_s, pending: gl.constexpr):
     """x out by TMA through the staging tile x_s, once at most ``pending`` of this warpgroup's
     stores are still reading their tiles (0: all have left; 1: all but the last, in another slot)."""
     tma.store_wait(pending)
@@ -143,7 +143,7 @@ def _stage_out(desc, row, x, x_s):
 
 
 @gluon.jit
-def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
+def row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: gl.constexpr):
     """(first row, column) of one batch x head in input i's 2-D view (``view2d``): bit i of
     MODEL_LAYOUT set for a (B*T, H*D) view, else (B*H*T, D) with row0 = (batch x head) * T."""
     if (MODEL_LAYOUT >> i) & 1:
@@ -153,15 +153,15 @@ def _row_col(MODEL_LAYOUT: gl.constexpr, i: gl.constexpr, i_b, i_h, row0, T, D: 
 
 
 @gluon.jit
-def _qkv_rows(MODEL_LAYOUT: gl.constexpr, i_bh, H, T, DK: gl.constexpr, DV: gl.constexpr):
+def qkv_rows(MODEL_LAYOUT: gl.constexpr, i_bh, H, T, DK: gl.constexpr, DV: gl.constexpr):
     """A program's batch x head i_bh: its first row in the (B*H*T, .) tensors, and (first row,
-    column) of q, k (width DK) and v (width DV) in their 2-D views (``_row_col``, inputs 0, 1, 2)."""
+    column) of q, k (width DK) and v (width DV) in their 2-D views (``row_col``, inputs 0, 1, 2)."""
     i_b = i_bh // H
     i_h = i_bh % H
     row0 = i_bh * T
-    r_q, c_q = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, DK)
-    r_k, c_k = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, DK)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    r_q, c_q = row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, DK)
+    r_k, c_k = row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, DK)
+    r_v, c_v = row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
     return row0, r_q, c_q, r_k, c_k, r_v, c_v
 
 
@@ -236,7 +236,7 @@ def _gla_bwd_chunk_kernel(q_d, k_d, v_d, do_d, sc_d, dsc_d, BL, DEN, DDEN, ZC, D
     NC, F) fp32; YC (B*H, NC, NVD) fp32; DQ, DK_, DV_ (B*H*T, .) contiguous, DG (B*H*T,) fp32."""
     i_c = gl.program_id(0)
     i_bh = gl.program_id(1)
-    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
     t0 = i_c * C
     dt: gl.constexpr = q_d.dtype
 
@@ -303,7 +303,7 @@ def _gla_bwd_chunk_kernel(q_d, k_d, v_d, do_d, sc_d, dsc_d, BL, DEN, DDEN, ZC, D
                        is_async=True)
     tk, _, _ = warpgroup_mma_wait(0, deps=(tk, v_s, st_s))
     gl.thread_barrier()
-    _load_tile(sc_d, (i_bh * (NC + 1) + i_c) * F, 0, bar.index(2), st_s)
+    load_tile(sc_d, (i_bh * (NC + 1) + i_c) * F, 0, bar.index(2), st_s)
 
     # ---- M = (dn v^T + dd) * p; dphi_k = e^{b_end - b_s} (v dS^T + dz) + M^T phi_q
     m = warpgroup_mma(dn_s, v_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
@@ -398,7 +398,7 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
     # cycles per phase: waits 0 tiles, 1 o, 2 dS, 3 dv formed, 4 S; work 5 dphi_k, 6 dphi_q and d log_g,
     # 7 the rest (dd)
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     c_lo = c_hi - n + 1
     nxt = _chunk_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + c_hi * C, i_bh * (NC + 1) + c_hi, rows_t, rows_b, F, C,
                       NORM, SIDE)
@@ -419,18 +419,18 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
         # registers through the loop)
         out0 = tok.to(gl.int64) * DV
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 0)
+            pacc, pt = prof_tick(pacc, pt, 0)
 
         # ---- dd = -(do . o) / (den + eps) and e^{b_t} dd (dz's operand); then the dv to add to
         if NORM:
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
+                pacc, pt = prof_tick(pacc, pt, 7)
             mbarrier.wait(o_bar, i & 1)
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 1)
+                pacc, pt = prof_tick(pacc, pt, 1)
             # the first half of the rows here, the second in the state partition (before ds_ready)
             _dd_half(dos, o_s, dd_s.index(sl), den0, side0, 0, eps, blk)
             _dz_half(dd_s.index(sl), b_h0, w_s.index(sl), 0)
@@ -438,18 +438,18 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
         # ---- dS (dz) leaving the chunk; the state partition is done with the slot of the chunk before
         # and has formed its half of dd
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(ds_ready, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 2)
+            pacc, pt = prof_tick(pacc, pt, 2)
         if NORM:
             gl.thread_barrier()
             dd_t = dd_s.index(sl).load(row_t)
             if not DV_ADD:
                 if i + 1 < n:
-                    _load_tile(o_d, tok - C, 0, o_bar, o_s)
+                    load_tile(o_d, tok - C, 0, o_bar, o_s)
         if DV_ADD:  # into o's slot (free: o is read by both partitions, or not used; the dv of the chunk before
-            _load_tile(dva_d, tok, 0, dva_bar, o_s)  # is formed)
+            load_tile(dva_d, tok, 0, dva_bar, o_s)  # is formed)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dd_ready)
@@ -496,29 +496,29 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
                 tq_kv = _tq_paired(dos, k_s.index(1 - sl), v_s.index(1 - sl), in_bar.index(1 - sl),
                                    ((i + 1) // 2) & 1, nxt[0], nxt[1], mma_t)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = prof_tick(pacc, pt, 5)
 
         # dv formed: o's slot (the dv added to) is free again; and the next dd_ready cannot complete a
         # phase before the state partition has waited for this one (a parity wait two phases behind
         # would wait for a third)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(dv_done, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
+            pacc, pt = prof_tick(pacc, pt, 3)
         if NORM and DV_ADD:
             if i + 1 < n:
-                _load_tile(o_d, tok - C, 0, o_bar, o_s)
+                load_tile(o_d, tok - C, 0, o_bar, o_s)
 
         # ---- dphi_q = e^{b_t} (dn S^T + dd z^T) + M phi_k
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         if PAIRED:  # (S comes for even chunks only: an odd one and the even one after it share it)
             mbarrier.wait(s_bar, (c_hi // 2 - c // 2) & 1)
         else:
             mbarrier.wait(s_bar, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 4)
+            pacc, pt = prof_tick(pacc, pt, 4)
         tq = warpgroup_mma(dos, st_s.permute((1, 0)), gl.zeros([C, F], gl.float32, layout=mma_t), use_acc=False,
                            is_async=True)
         tq, _, _ = warpgroup_mma_wait(0, deps=(tq, dos, st_s))
@@ -541,10 +541,10 @@ def _bwd_chunk_partition(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, BL, DEN, S
         dlg = gl.associative_scan(gl.convert_layout(db, lin), 0, _sum, reverse=True) + y_c
         gl.store(DG + tok + gl.arange(0, C, layout=lin), dlg)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 6)
+            pacc, pt = prof_tick(pacc, pt, 6)
     tma.store_wait(0)
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 7)
+        pacc, pt = prof_tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
 
 
@@ -657,10 +657,10 @@ def _state_dot(ds_s, st_s, i):
     """<dS, S> from dS's copy (ds_s) and S (st_s), (F, Dv) tiles in shared memory, on the tensor
     cores: the trace of dS_0 S_0^T + dS_1 S_1^T (their halves of feature rows), one (F/2, F/2)
     product. The elementwise product read 128 elements of the swizzled tile into each thread. i:
-    the walk's step (``_here``)."""
+    the walk's step (``tile_at_step``)."""
     FH: gl.constexpr = ds_s.shape[0] // 2
-    ds_v = _here(ds_s, i)
-    st_v = _here(st_s, i)
+    ds_v = tile_at_step(ds_s, i)
+    st_v = tile_at_step(st_s, i)
     mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, FH, 16])
     acc = warpgroup_mma(ds_v.slice(0, FH), st_v.slice(0, FH).permute((1, 0)),
                         gl.zeros([FH, FH], gl.float32, layout=mma_d), use_acc=False, is_async=True)
@@ -751,7 +751,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
     # cycles per phase: waits 0 dS's copy read, 2 S read (its slot free), 3 tiles and the dv to add, 4 dd;
     # work 5 dv, 6 dS's copy, 7 the rest (<dS, S_out> among it); 1 unused
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     c_lo = c_hi - n + 1
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (tokens, width) of half a chunk
     rows_b = gl.arange(0, C // 2, layout=gl.SliceLayout(1, blk))
@@ -777,11 +777,11 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
             bq_lin = b_lin
         # ---- dS (dz) leaving the chunk for the chunk partition (once it has read the chunk before's)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         if i >= 1:
             mbarrier.wait(ds_free, (i - 1) & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 0)
+            pacc, pt = prof_tick(pacc, pt, 0)
         if NORM:
             dz_s.store(_z_col(dz, zc))
         ds_s.slice(0, FH).store(dS0.to(dt))
@@ -792,16 +792,16 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 6)
+            pacc, pt = prof_tick(pacc, pt, 6)
         # ---- <dS, S_out> + <dz, z_out> (the gate gradient's part after the chunk; the segment's last
         # chunk's came from global memory): dS's copy against S entering the chunk after, still in st_s
         # once the chunk partition has read it; then the state entering this chunk comes into st_s
         if i >= 1:
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 7)
+                pacc, pt = prof_tick(pacc, pt, 7)
             mbarrier.wait(tq_done, (i - 1) & 1)
             if NPROF > 0:
-                pacc, pt = _tick(pacc, pt, 2)
+                pacc, pt = prof_tick(pacc, pt, 2)
             s_dot = _state_dot(ds_s, st_s, i)
             if PAIRED:
                 if c % 2 == 0:  # st_s holds S_c (c + 1 is odd): dv's product adds the rest below
@@ -811,19 +811,19 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
             gl.thread_barrier()
             if PAIRED:
                 if c % 2 == 1:
-                    _load_tile(sc_d, _sc_row(i_bh, c - 1, NC, F, True), 0, s_bar, st_s)
+                    load_tile(sc_d, _sc_row(i_bh, c - 1, NC, F, True), 0, s_bar, st_s)
             else:
-                _load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
+                load_tile(sc_d, (i_bh * (NC + 1) + c) * F, 0, s_bar, st_s)
         if not PAIRED:
             sdot_s.index(sl).store(gl.full([C], 0.0, gl.float32, layout=lin) + s_dot)  # read after dv_done
 
         # ---- dv = e^{b_end - b_s} (phi_k dS) + A^T dn, A^T_st = (phi_k . phi_q)_st e^{b_t - b_s} (s <= t),
         # as (A^T / (den_t + eps)) do
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(in_bar.index(sl), (i // 2) & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
+            pacc, pt = prof_tick(pacc, pt, 3)
         at = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s), use_acc=False,
                            is_async=True)
         at, _, _ = warpgroup_mma_wait(0, deps=(at, ks, qs))
@@ -835,18 +835,18 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
         r_end = gl.exp(b_end - b_s.index(0).load(gl.SliceLayout(1, mma_h)))
         out = DV_ + (row0 + c * C).to(gl.int64) * DV + rows_h[:, None] * DV
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 7)
+            pacc, pt = prof_tick(pacc, pt, 7)
         mbarrier.wait(dd_ready, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 4)
+            pacc, pt = prof_tick(pacc, pt, 4)
         if DV_ADD:
             mbarrier.wait(dva_bar, i & 1)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
+            pacc, pt = prof_tick(pacc, pt, 3)
         if PAIRED:
             kdv = 0.0  # <(K~ dS), V>
         for h in gl.static_range(2):
-            ds_h = _here(ds_s, i).slice(h * DH, DH, dim=1)
+            ds_h = tile_at_step(ds_s, i).slice(h * DH, DH, dim=1)
             dv = warpgroup_mma(ks, ds_h, gl.zeros([C, DH], gl.float32, layout=mma_h), use_acc=False, is_async=True)
             dv, _, _ = warpgroup_mma_wait(0, deps=(dv, ks, ds_h))
             dv = dv * r_end[:, None]
@@ -873,7 +873,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
         gl.thread_barrier()
         mbarrier.arrive(dv_done)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 5)
+            pacc, pt = prof_tick(pacc, pt, 5)
         cn = gl.maximum(c - 1, c_lo)  # the next chunk's rows (the last chunk reads its own again)
         nxt = _state_rows(BL, DEN, SIDE_DOT, ZC, alpha, row0 + cn * C, i_bh * (NC + 1) + cn + 1, f_Z, rows_b, lin, C,
                           NORM, SIDE)
@@ -893,7 +893,7 @@ def _bwd_state_partition(sc_d, dv_d, SC, BL, DEN, SIDE_DOT, alpha, ZC, DS_IN, DZ
         else:
             dS0, dS1, _, _, _ = warpgroup_mma_wait(0, deps=(dS0, dS1, qt0, qt1, dos))
     if NPROF > 0:
-        pacc, pt = _tick(pacc, pt, 7)
+        pacc, pt = prof_tick(pacc, pt, 7)
         gl.store(PROF + prof_row * 16 + 8 + gl.arange(0, 8, layout=pacc.type.layout), pacc)
     if STORE_DS0:
         if i_seg == 0:
@@ -924,7 +924,7 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC,
     walked, already in the other slot; ``_tq_paired``, and the dv product's part of <dS, S_out>)."""
     i_seg = gl.program_id(0)
     i_bh = gl.program_id(1)
-    row0, r_q, c_q, r_k, c_k, r_v, c_v = _qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
+    row0, r_q, c_q, r_k, c_k, r_v, c_v = qkv_rows(MODEL_LAYOUT, i_bh, H, T, F, DV)
     c_lo = i_seg * SEG_CHUNKS
     n = gl.minimum(SEG_CHUNKS, NC - c_lo)
     c_hi = c_lo + n - 1  # the first chunk walked
@@ -962,9 +962,9 @@ def _gla_bwd_fused_kernel(q_d, k_d, v_d, do_d, o_d, dva_d, dq_d, dk_d, sc_d, SC,
         c_s = c_hi - c_hi % 2  # an odd chunk's state is formed from the even one's before it
     else:
         c_s = c_hi
-    _load_tile(sc_d, _sc_row(i_bh, c_s, NC, F, PAIRED), 0, bar.index(0), st_s)  # s_bar
+    load_tile(sc_d, _sc_row(i_bh, c_s, NC, F, PAIRED), 0, bar.index(0), st_s)  # s_bar
     if NORM:
-        _load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
+        load_tile(o_d, row0 + c_hi * C, 0, bar.index(1), o_s)  # o_bar
     s_bar, o_bar, dva_bar = bar.index(0), bar.index(1), bar.index(2)
     ds_ready, ds_free, tq_done, dd_ready, dv_done = bar.index(3), bar.index(4), bar.index(5), bar.index(6), bar.index(7)
     prof_row = i_bh * NSEG + i_seg
@@ -1041,7 +1041,7 @@ def _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c, NC, F: gl.constexpr, PAIRE
 
 
 @gluon.jit
-def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
+def state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready, st_free,
                      a_ready, BL,
                      S_IN, Z_IN, S_OUT, Z_OUT, ZC, PROF, row0, r_fk, c_fk, c0, nc, i_bh, i_s, nseg, T,
                      HAS_INIT: gl.constexpr, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr,
@@ -1082,7 +1082,7 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
     if TRAIN:
         _store_state(sc_d, st_s, z, ZC, f_Z, zc, i_bh, c0, T // C, F, PAIRED)
     if NPROF > 0:
-        pacc, pt = _prof_init()
+        pacc, pt = prof_init()
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
     rows_s = gl.arange(0, C, layout=gl.SliceLayout(1, mma_s))
     cols_s = gl.arange(0, C, layout=gl.SliceLayout(0, mma_s))
@@ -1098,17 +1098,17 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
         b_r = gl.load(bl + rows_s)
         b_c = gl.load(bl + cols_s)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 2)
+            pacc, pt = prof_tick(pacc, pt, 2)
         mbarrier.wait(q_bar.index(1), ph)
         mbarrier.wait(q_bar.index(2), ph)
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 0)
+            pacc, pt = prof_tick(pacc, pt, 0)
         # A for the output partition (its copy of the chunk before was read: st_free below)
         # and the normaliser's whole den = rowsum(A) + e^{b_t} phi_q . z (z of the chunk before, as
         # the hi + lo pair in zq_s)
-        fqv = _here(fq_s, ci)  # (views through _here: their descriptors formed here, not hoisted and spilled)
-        fkv = _here(fk_s, ci)
-        zqv = _here(zq_s, ci)
+        fqv = tile_at_step(fq_s, ci)  # (views through tile_at_step: their descriptors formed here, not hoisted and spilled)
+        fkv = tile_at_step(fk_s, ci)
+        zqv = tile_at_step(zq_s, ci)
         a = warpgroup_mma(fqv, fkv.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=mma_s),
                           use_acc=False, is_async=True)
         qz = warpgroup_mma(fqv, zqv, gl.zeros([C, 16], gl.float32, layout=mma_q), use_acc=False,
@@ -1128,19 +1128,19 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
         g = gl.exp(b_end)
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         vj = v_s.index(j % 3)
-        onesv = _here(ones_s, ci)
+        onesv = tile_at_step(ones_s, ci)
         S0 = warpgroup_mma(fkv.slice(0, FH, dim=1).permute((1, 0)), vj, S0 * g, is_async=True)
         S1 = warpgroup_mma(fkv.slice(FH, FH, dim=1).permute((1, 0)), vj, S1 * g, is_async=True)
         z = warpgroup_mma(fkv.permute((1, 0)), onesv, z * g, is_async=True)
         S0, S1, z, _, _, _ = warpgroup_mma_wait(0, deps=(S0, S1, z, fkv, vj, onesv))
         gl.thread_barrier()
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 1)
+            pacc, pt = prof_tick(pacc, pt, 1)
         if ci + 1 < nc:
-            _load_tile(fk_d, r_fk + (c + 1) * C, c_fk, q_bar.index(2), fk_s)
+            load_tile(fk_d, r_fk + (c + 1) * C, c_fk, q_bar.index(2), fk_s)
         mbarrier.wait(st_free, ph)  # the output partition has read the copies of S and A
         if NPROF > 0:
-            pacc, pt = _tick(pacc, pt, 3)
+            pacc, pt = prof_tick(pacc, pt, 3)
         if ci + 1 < nc:
             if TRAIN:
                 tma.store_wait(0)  # the copy of the chunk before has left st_s
@@ -1172,7 +1172,7 @@ def _state_partition(fk_d, sc_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s
 
 
 @gluon.jit
-def _gated_smem(fq_d, fk_d, y_d, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
+def gated_smem(fq_d, fk_d, y_d, F: gl.constexpr, DV: gl.constexpr, C: gl.constexpr):
     """The fused forwards' shared memory for the gated branch and the output: phi_q's and phi_k's
     tiles, the state's copies (S; z as a bf16 hi + lo pair), the ones the normaliser's product
     takes, y's two staging slots, A and den; the barriers of the tiles (q_bar: the window's q_w
@@ -1212,13 +1212,13 @@ def _gla_fwd_output_partition(fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y
         mbarrier.wait(q_bar.index(1), ph)
         mbarrier.wait(st_ready, ph)
         mbarrier.wait(a_ready, ph)
-        fqv = _here(fq_s, ci)
-        stv = _here(st_s, ci)
+        fqv = tile_at_step(fq_s, ci)
+        stv = tile_at_step(st_s, ci)
         o_i = warpgroup_mma(fqv, stv, gl.zeros([C, DV], gl.float32, layout=mma_o), use_acc=False, is_async=True)
         o_i, _, _ = warpgroup_mma_wait(0, deps=(o_i, fqv, stv))
         mbarrier.wait(kv_bar.index(j % 3), (j // 3) & 1)
         vj = v_s.index(j % 3)
-        av = _here(a_s, ci)
+        av = tile_at_step(a_s, ci)
         num = warpgroup_mma(av, vj, o_i * e_t[:, None], is_async=True)
         num, _, _ = warpgroup_mma_wait(0, deps=(num, av, vj))
         if NORM:
@@ -1226,9 +1226,9 @@ def _gla_fwd_output_partition(fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y
         gl.thread_barrier()
         mbarrier.arrive(st_free)  # the copies of S, z and A are read: the state partition may write the next
         if ci + 1 < nc:  # phi_q, and v into the slot of two chunks back (the state partition is past it)
-            _load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
-            _load_tile(v_d, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3), v_s.index((j + 1) % 3))
-        _store_tile(y_d, row0 + c * C, num, y_s.index(ci % 2), 1)
+            load_tile(fq_d, r_fq + (c + 1) * C, c_fq, q_bar.index(1), fq_s)
+            load_tile(v_d, r_v + (c + 1) * C, c_v, kv_bar.index((j + 1) % 3), v_s.index((j + 1) % 3))
+        store_tile(y_d, row0 + c * C, num, y_s.index(ci % 2), 1)
     tma.store_wait(0)
     return (eps,)
 
@@ -1239,16 +1239,16 @@ def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T,
                           DV: gl.constexpr, C: gl.constexpr):
     """GLA's forward in one pass: Lizard's fused forward (``lizard_gluon``) without the window. One
     program per (segment, batch x head) walks its chunks in order in two warpgroups: the output
-    one above, and the state one (``_state_partition``: A, den, S and z in fp32 registers, their
+    one above, and the state one (``state_partition``: A, den, S and z in fp32 registers, their
     bf16 copies). Each tile is read once, by TMA, while the chunk before is computed."""
     i_s = gl.program_id(0)
     i_bh = gl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     row0 = i_bh * T  # y's and b's (B*H*T, .) rows: this batch x head's first
-    r_fq, c_fq = _row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
-    r_fk, c_fk = _row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
-    r_v, c_v = _row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
+    r_fq, c_fq = row_col(MODEL_LAYOUT, 0, i_b, i_h, row0, T, F)
+    r_fk, c_fk = row_col(MODEL_LAYOUT, 1, i_b, i_h, row0, T, F)
+    r_v, c_v = row_col(MODEL_LAYOUT, 2, i_b, i_h, row0, T, DV)
     c0 = i_s * (seg_len // C)
     nc = gl.minimum(seg_len // C, T // C - c0)
     dt: gl.constexpr = v_d.dtype
@@ -1257,14 +1257,14 @@ def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T,
     kv_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(kv_bar.index(i), count=1)
-    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = _gated_smem(fq_d, fk_d, y_d, F, DV, C)
+    fq_s, fk_s, st_s, zq_s, ones_s, y_s, a_s, den_s, q_bar, hs = gated_smem(fq_d, fk_d, y_d, F, DV, C)
     # the ring's first two slots stand for the two chunks before, which only Lizard's window reads:
     # their first phase completes empty, so the walk's ring index and phases are Lizard's
     mbarrier.arrive(kv_bar.index(0))
     mbarrier.arrive(kv_bar.index(1))
-    _load_tile(v_d, r_v + c0 * C, c_v, kv_bar.index(2), v_s.index(2))
-    _load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
-    _load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
+    load_tile(v_d, r_v + c0 * C, c_v, kv_bar.index(2), v_s.index(2))
+    load_tile(fq_d, r_fq + c0 * C, c_fq, q_bar.index(1), fq_s)
+    load_tile(fk_d, r_fk + c0 * C, c_fk, q_bar.index(2), fk_s)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -1274,7 +1274,7 @@ def _gla_fwd_fused_kernel(fq_d, fk_d, v_d, y_d, BL, S_IN, Z_IN, S_OUT, Z_OUT, T,
     gl.warp_specialize([
         (_gla_fwd_output_partition, (fq_d, v_d, y_d, BL, fq_s, v_s, st_s, a_s, den_s, y_s, kv_bar, q_bar, st_ready,
                                      st_free, a_ready, row0, r_v, c_v, r_fq, c_fq, c0, nc, eps, DV, C, NORM)),
-        (_state_partition, (fk_d, fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
+        (state_partition, (fk_d, fk_d, v_s, fq_s, fk_s, st_s, zq_s, a_s, den_s, ones_s, kv_bar, q_bar, st_ready,
                             st_free, a_ready, BL, S_IN, Z_IN, S_OUT, Z_OUT, BL, BL, row0, r_fk, c_fk, c0, nc, i_bh,
                             i_s, nseg, T, HAS_INIT, F, DV, C, 0, False)),
     ], [4], [232])
@@ -1310,7 +1310,7 @@ def chunk_gates(log_g: torch.Tensor) -> torch.Tensor:
 def bwd_chunks(q, k, v, log_g, do, den, dden, sc, zc, dsc, dzc, yc, dq, dk, dv, dlog_g, *, normalize: bool,
                eps: float, dv_add: bool) -> None:
     """The chunk pass into dq, dk, dv ((B, H, T, .) contiguous; dv accumulated into with ``dv_add``)
-    and dlog_g ((B*H, T) fp32), from the reverse pass's outputs (``kernels.gla.bwd_states``): do
+    and dlog_g ((B*H, T) fp32), from the reverse pass's outputs (``ops.gla.triton.bwd_states``): do
     (B, H, T, Dv) contiguous, den, dden (B*H, T) fp32, sc (B*H, NC+1, F, Dv) and dsc (B*H, NC, F, Dv)
     in q's dtype, zc, dzc, yc fp32 (ignored where not ``normalize``, but for yc)."""
     B, H, T, F = q.shape
@@ -1424,8 +1424,8 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
 def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
     """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
     start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
-    segment's state from zero, the last segment's not needed) and its scan (``kernels.gla``)."""
-    from . import gla as kgla
+    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``)."""
+    from . import triton as kgla
 
     B, H, T, F = phi_k.shape
     DV = v.shape[-1]
@@ -1448,7 +1448,7 @@ def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, se
     return s_in, z_in
 
 
-def _compile(kernel, args: dict, consts: dict, num_warps: int):
+def compile_gluon(kernel, args: dict, consts: dict, num_warps: int):
     """Compile a Gluon kernel for sm_90a without a GPU; returns Triton's compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
@@ -1466,8 +1466,8 @@ def _compile(kernel, args: dict, consts: dict, num_warps: int):
     return tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def _compile_args():
-    """Stand-ins of the kernels' arguments for ``_compile``: a tile descriptor, a state descriptor,
+def compile_args():
+    """Stand-ins of the kernels' arguments for ``compile_gluon``: a tile descriptor, a state descriptor,
     fp32 and bf16 pointers."""
     x = torch.empty(2 * 4 * 256, WIDTH, dtype=torch.bfloat16)
     d = TensorDescriptor.from_tensor(x, [BT, WIDTH], gl.NVMMASharedLayout.get_default_for([BT, WIDTH], gl.bfloat16))
@@ -1478,18 +1478,18 @@ def _compile_args():
 
 def compile_for_hopper(normalize: bool = True, dv_add: bool = False, model_layout: int = 0, nvd: int = 1):
     """Compile the chunk pass for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
-    d, ds, f32, bf = _compile_args()
+    d, ds, f32, bf = compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, do_d=d, sc_d=ds, dsc_d=ds, BL=f32, DEN=f32, DDEN=f32, ZC=f32, DZC=f32, YC=f32,
                 DQ=bf, DK_=bf, DV_=bf, DG=f32, T=256, H=4, NC=4, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, NORM=normalize, DV_ADD=dv_add, NVD=nvd, F=WIDTH, DV=WIDTH, C=BT)
-    return _compile(_gla_bwd_chunk_kernel, args, consts, num_warps=4)
+    return compile_gluon(_gla_bwd_chunk_kernel, args, consts, num_warps=4)
 
 
 def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_ds: bool = False,
                              store_ds0: bool = False, model_layout: int = 0, seg_chunks: int = 4, nprof: int = 0,
                              side: bool = False, paired: bool = False):
     """Compile the fused backward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
-    d, ds, f32, bf = _compile_args()
+    d, ds, f32, bf = compile_args()
     args = dict(q_d=d, k_d=d, v_d=d, do_d=d, o_d=d, dva_d=d, dq_d=d, dk_d=d, sc_d=ds, SC=bf, BL=f32, DEN=f32,
                 SIDE_DOT=f32, ALPHA=f32, ZC=f32, DS_IN=f32, DZ_IN=f32, DK_=bf, DV_=bf, DG=f32, DS0=f32, DZ0=f32, PROF=f32, T=256, H=4, NC=4, NSEG=2,
                 SEG_CHUNKS=seg_chunks, eps=1e-6)
@@ -1497,13 +1497,13 @@ def compile_fused_for_hopper(normalize: bool = True, dv_add: bool = False, has_d
                   F=WIDTH, DV=WIDTH, C=BT, SIDE=side, NPROF=nprof, PAIRED=paired)
     if nprof:
         args["PROF"] = torch.empty(16, dtype=torch.int64)
-    return _compile(_gla_bwd_fused_kernel, args, consts, num_warps=4)
+    return compile_gluon(_gla_bwd_fused_kernel, args, consts, num_warps=4)
 
 
 def compile_fwd_fused_for_hopper(normalize: bool = False, has_init: bool = False, model_layout: int = 0):
     """Compile GLA's fused forward for sm_90a without a GPU (CI, probes); returns Triton's compiled kernel."""
-    d, _, f32, _ = _compile_args()
+    d, _, f32, _ = compile_args()
     args = dict(fq_d=d, fk_d=d, v_d=d, y_d=d, BL=f32, S_IN=f32, Z_IN=f32, S_OUT=f32, Z_OUT=f32, T=256, H=4,
                 seg_len=256, nseg=1, eps=1e-6)
     consts = dict(MODEL_LAYOUT=model_layout, HAS_INIT=has_init, NORM=normalize, F=WIDTH, DV=WIDTH, C=BT)
-    return _compile(_gla_fwd_fused_kernel, args, consts, num_warps=4)
+    return compile_gluon(_gla_fwd_fused_kernel, args, consts, num_warps=4)

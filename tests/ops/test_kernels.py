@@ -1,4 +1,4 @@
-"""The Triton kernels (linearize.kernels) against the torch reference.
+"""The Triton kernels (linearize.ops.*.triton, .gluon) against the torch reference.
 
 Three groups:
 - CPU, always: dispatch (env switch, CPU tensors take the torch path), input validation.
@@ -25,7 +25,7 @@ import torch
 
 from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, gla_case, hybrid_case, lizard_case, rel_rms, window_case
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where kernel_cases.py lives
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
@@ -41,10 +41,11 @@ def assert_errors(errors: dict, tol: float, what: str) -> None:
 
 
 def test_env_switch_and_cpu_tensors_take_the_torch_path(monkeypatch):
-    from linearize import kernels
-    from linearize.kernels import dispatch
-    from linearize.ops.gla import gla_chunk
-    from linearize.ops.window_attn import window_attn_chunk
+    from linearize.ops import gla as gla_op
+    from linearize.ops import window_attn as window_op
+    from linearize.ops.backend import dispatch
+    from linearize.ops.gla.chunk import gla_chunk
+    from linearize.ops.window_attn.chunk import window_attn_chunk
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for off in ("0", "false", "off"):
@@ -56,20 +57,20 @@ def test_env_switch_and_cpu_tensors_take_the_torch_path(monkeypatch):
     q, k = torch.rand(2, 1, 2, 9, 8, generator=g)
     v = torch.randn(1, 2, 9, 5, generator=g)
     log_g = -torch.rand(1, 2, 9, generator=g)
-    assert not kernels.gla_applies(q, k, v, log_g)  # CPU tensors, no interpreter
-    o, st = kernels.gla_chunk(q, k, v, log_g, chunk_size=4)
+    assert not gla_op.gla_applies(q, k, v, log_g)  # CPU tensors, no interpreter
+    o, st = gla_op.gla_chunk(q, k, v, log_g, chunk_size=4)
     ref, ref_st = gla_chunk(q, k, v, log_g, chunk_size=4)
     assert torch.equal(o, ref) and torch.equal(st.S, ref_st.S)
-    w, ws = kernels.window_attn_chunk(q, k, q, window=3, sink_logits=torch.zeros(2, 4))
+    w, ws = window_op.window_attn_chunk(q, k, q, window=3, sink_logits=torch.zeros(2, 4))
     ref_w, _ = window_attn_chunk(q, k, q, window=3, sink_logits=torch.zeros(2, 4))
     assert torch.equal(w, ref_w)
-    assert kernels.window_attn_sum(q, k, q, q, torch.ones(2), window=3) is None
+    assert window_op.window_attn_sum(q, k, q, q, torch.ones(2), window=3) is None
 
 
 @needs_triton
 def test_bad_inputs_raise_naming_the_value():
-    from linearize.kernels.gla import gla_chunk_triton
-    from linearize.kernels.window import window_attn_triton
+    from linearize.ops.gla.triton import gla_chunk_triton
+    from linearize.ops.window_attn.triton import window_attn_triton
 
     q = torch.rand(1, 2, 9, 8)
     v = torch.randn(1, 2, 9, 5)
@@ -97,7 +98,7 @@ def test_bad_inputs_raise_naming_the_value():
 def test_tensor_descriptors_only_where_tma_allows_them():
     """TMA needs 16-byte row strides and bases and a unit last stride; anything else keeps the
     pointer loads (the interpreter cases run both paths against the reference)."""
-    from linearize.kernels.gla import GLAKernelConfig, _tma
+    from linearize.ops.gla.triton import GLAKernelConfig, _tma
 
     on, off = GLAKernelConfig(), GLAKernelConfig(tma=False)
     x = torch.zeros(2, 3, 64, 128, dtype=torch.bfloat16)
@@ -112,7 +113,7 @@ def test_sequence_split_follows_the_sweep():
     """Segments per (batch * head) at 32 heads on 132 multiprocessors (an H200), with the main
     pass's 2 V-blocks: the counts the sweeps found fastest (about 9 at B1 T32768, 1 at B4 T8192),
     none where the main pass's programs fill the GPU."""
-    from linearize.kernels import gla as kgla
+    from linearize.ops.gla import triton as kgla
 
     cfg = kgla.GLAKernelConfig()
     assert kgla._segments(2048, 64, 16 * 32, 132, cfg, v_blocks=2) == (1, 2048)
@@ -133,8 +134,8 @@ def test_forwards_store_for_a_backward_only_when_one_can_run(monkeypatch, grad_m
     """The per-chunk states (GLA) and the window's own output (fused into y_g + alpha y_w) exist only
     for a backward; under torch.no_grad none runs, even for inputs that require grad (what autograd's
     needs_input_grad reports). Checked at the point where the kernels' drivers get the flag."""
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import window as kwin
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.window_attn import triton as kwin
 
     seen = {}
 
@@ -165,8 +166,8 @@ def test_tuning_picks_the_reverse_pass_block_per_mode():
     64 faster for the first and 128 for the second, so one setting for both cost one of them. The
     rows here are made up to make the two picks differ."""
     from linearize.bench import kernels as kb
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import window as kwin
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.window_attn import triton as kwin
 
     jobs = kb._tune_jobs([(16, 2048)])
     bwd = {(mode, json.dumps(c, sort_keys=True)) for kind, mode, _, c in jobs if kind == "gla bwd"}
@@ -471,8 +472,8 @@ def test_gpu_gla_fused_forward_matches_reference(variant):
     err = gla_fused_case(dtype, **kw)
     assert_errors(err, KTOL[dtype], f"gla fused forward {variant}")
     if variant == "plain":  # one (batch x head) pair over 4096 tokens: the Triton passes' segments
-        from linearize.kernels import gla_gluon
-        from linearize.kernels.gla import gla_chunk_triton
+        from linearize.ops.gla import gluon as gla_gluon
+        from linearize.ops.gla.triton import gla_chunk_triton
 
         x = [torch.rand(1, 1, 4096, 128, device="cuda").bfloat16() for _ in range(3)]
         calls = []
@@ -494,17 +495,17 @@ def _spy(monkeypatch, module, name: str, key: str) -> list:
 
 
 def _gluon_spy(monkeypatch, module: str, name: str, key: str) -> list:
-    """``_spy`` on a launcher of the Gluon module ``linearize.kernels.<module>``; skips off Hopper."""
+    """``_spy`` on a launcher of the Gluon module ``linearize.ops.<module>``; skips off Hopper."""
     import importlib
 
     _needs_hopper_gluon()
-    return _spy(monkeypatch, importlib.import_module(f"linearize.kernels.{module}"), name, key)
+    return _spy(monkeypatch, importlib.import_module(f"linearize.ops.{module}"), name, key)
 
 
 @pytest.fixture
 def gluon_chunk_calls(monkeypatch):
     """The calls of the Gluon chunk pass (kernels/gla_gluon.py) while the test runs."""
-    return _gluon_spy(monkeypatch, "gla_gluon", "bwd_chunks", "dv_add")
+    return _gluon_spy(monkeypatch, "gla.gluon", "bwd_chunks", "dv_add")
 
 
 @needs_cuda
@@ -532,7 +533,7 @@ def test_gpu_gla_gluon_chunk_pass_matches_reference(variant, gluon_chunk_calls):
 def gluon_fused_calls(monkeypatch):
     """The calls of the fused Gluon backward (kernels/gla_gluon.py, bwd_fused) while the test runs,
     by their segment length in chunks."""
-    return _gluon_spy(monkeypatch, "gla_gluon", "bwd_fused", "seg_chunks")
+    return _gluon_spy(monkeypatch, "gla.gluon", "bwd_fused", "seg_chunks")
 
 
 @needs_cuda
@@ -556,8 +557,8 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
     assert_errors(err, KTOL[dtype], f"gla gluon fused backward {variant}")
     # without fixed segments, the host splits the sequence by its rule for this kernel (few programs
     # here: 2 x 3 heads, so the 16 chunks of T=1024 go in two segments of 8 on a 132-SM H100/H200)
-    from linearize.kernels import gla as kgla
-    from linearize.kernels.dispatch import device_sms
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.backend.dispatch import device_sms
 
     cuda = torch.empty(0, device="cuda")
     auto = kgla._fused_segments(T, 64, 2 * 3, device_sms(cuda), kgla.GLAKernelConfig())[1] // 64
@@ -572,8 +573,8 @@ def test_gpu_gla_gluon_fused_backward_paired_states(normalize, T):
     formed from the even one's before it and that chunk's keys and values) gives the gradients it
     gives from every chunk's state, within bf16 rounding: an even and an odd number of chunks (the
     walk then starts on an odd chunk or an even one), and one chunk."""
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.gla import gluon as gla_gluon
 
     _needs_hopper_gluon()
     B, H, D = 2, 3, 128
@@ -621,13 +622,13 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     Told to ("paired states"), with the gated backward in one segment, the forward keeps the gated
     state of even chunks only (LizardKernelConfig.paired_states). The backward reads the gates'
     sums within chunks that the fused forward kept (``bl``)."""
-    from linearize.kernels import gla_gluon
-    from linearize.kernels import window as kwin
+    from linearize.ops.gla import gluon as gla_gluon
+    from linearize.ops.window_attn import triton as kwin
 
     sides = _spy(monkeypatch, gla_gluon, "bwd_fused", "side_dot")
     paired = _spy(monkeypatch, gla_gluon, "bwd_fused", "paired")
     bls = _spy(monkeypatch, gla_gluon, "bwd_fused", "bl")
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     walk_kw, wbwd = [], window_gluon.bwd
     monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: (walk_kw.append(k) if k.get("walk") else None,
@@ -672,8 +673,8 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
     window's (T a multiple of 64, Lizard's widths); y, both states and every gradient against the
     fp64 reference. Also from an initial state, with the forward in sequence segments, without
     sinks, a window of 100, fp16, and with the Triton forward passes before the Gluon backward."""
-    from linearize.kernels import lizard_gluon
-    from linearize.kernels import window as kwin
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
+    from linearize.ops.window_attn import triton as kwin
 
     calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "store")
     W = 100 if variant == "window 100" else 128
@@ -700,7 +701,7 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
 @pytest.fixture
 def gluon_window_calls(monkeypatch):
     """The calls of the Gluon window backward (kernels/window_gluon.py) while the test runs."""
-    return _gluon_spy(monkeypatch, "window_gluon", "bwd", "window")
+    return _gluon_spy(monkeypatch, "window_attn.gluon", "bwd", "window")
 
 
 @needs_cuda
@@ -738,7 +739,7 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     model's layout. D formed in the kernel (the default), "scores": in the kernel from its scores
     (o not given: what Lizard's op runs, LizardKernelConfig.ow_from_scores), or, "pre-pass", by the
     delta pass."""
-    calls = _gluon_spy(monkeypatch, "window_gluon", "bwd", "walk")
+    calls = _gluon_spy(monkeypatch, "window_attn.gluon", "bwd", "walk")
     own = not variant.startswith("pre-pass")
     scores = variant.startswith("scores")
     variant = variant.removeprefix("pre-pass ").removeprefix("scores ")
@@ -748,7 +749,7 @@ def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
     kw = dict(T=T, D=128, DV=128, W=W, nsink=4 if "sinks" in variant or variant.startswith("window 1 ") else 0,
               fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
               kv=dict(gluon_bwd_walk=True, gluon_walk_delta=own))
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     bwd, seen = window_gluon.bwd, []
 
@@ -778,8 +779,8 @@ def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
     """On Hopper the fused kernel runs the forward in inference (store=False) and, within the one
     autograd op, in training (store=True: the backward's intermediates); each setting turns its
     use off, and the Triton forward agrees."""
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     _needs_hopper_gluon()
     B, H, T, D = 1, 2, 512, 128
@@ -811,9 +812,9 @@ def test_gpu_lizard_without_state(fused, B, H, T, monkeypatch):
     multiprocessors): its backward then reads no state leaving the last chunk, which the kernel
     skips (the allocator's memory is NaN first, so a read of it would show); with segments (2 x 3)
     the training forward keeps it. On the Triton passes (fused off) the same answers."""
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     if fused:
         _needs_hopper_gluon()
@@ -857,8 +858,8 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     in fp32), which lizard_attention hands it buffers for; with paired_states, the same states of
     even chunks and the last one only. The allocator's memory is filled with NaN first, so a slot
     left unwritten shows."""
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     _needs_hopper_gluon()
     B, H, T, D = 2, 3, 1024, 128
@@ -901,7 +902,7 @@ def test_gpu_lizard_backward_side_stream_only_for_reverse_passes(B, H, T, one_se
     backward has reverse passes to run beside the window's: not where the fused gated kernel walks
     one segment (66 (batch x head) programs), where the fork and join cost host time alone; yes
     where it walks segments (2 programs: a segment pre-pass and scan). Gradients flow either way."""
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.lizard_attn import fused as kliz
 
     _needs_hopper_gluon()
     fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, 128)
@@ -931,8 +932,8 @@ def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):
     second backward through one forward says why it cannot run."""
     import warnings
 
-    from linearize.kernels import lizard as kliz
-    from linearize.kernels.lizard import LizardKernelConfig, lizard_attention
+    from linearize.ops.lizard_attn import fused as kliz
+    from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, T, D = 1, 2, 300, 64
@@ -972,21 +973,22 @@ def test_gpu_hybrid_layer_kernels_match_torch_path(padded, dtype):
 
 @needs_cuda
 def test_gpu_dispatch():
-    from linearize import kernels
+    from linearize.ops import gla as gla_op
+    from linearize.ops import window_attn as window_op
 
     q = torch.rand(1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(1, 2, 64, device="cuda")
-    assert kernels.gla_applies(q, q, v, g)
-    assert not kernels.gla_applies(q, q, v, -torch.rand(1, 2, 64, 16, device="cuda"))  # per-channel gates
-    assert not kernels.gla_applies(q.double(), q.double(), v.double(), g)
-    assert kernels.window_applies(q, q, v, sink_logits=torch.zeros(2, 4, device="cuda"))
-    assert not kernels.window_applies(q, q, v, terraced=True)
-    assert not kernels.window_applies(q, q, v, softcap=30.0)
+    assert gla_op.gla_applies(q, q, v, g)
+    assert not gla_op.gla_applies(q, q, v, -torch.rand(1, 2, 64, 16, device="cuda"))  # per-channel gates
+    assert not gla_op.gla_applies(q.double(), q.double(), v.double(), g)
+    assert window_op.window_applies(q, q, v, sink_logits=torch.zeros(2, 4, device="cuda"))
+    assert not window_op.window_applies(q, q, v, terraced=True)
+    assert not window_op.window_applies(q, q, v, softcap=30.0)
     os.environ["LINEARIZE_KERNELS"] = "0"
     try:
-        assert not kernels.gla_applies(q, q, v, g)
-        assert kernels.window_attn_sum(q, q, v, v, torch.ones(2, device="cuda"), window=8) is None
+        assert not gla_op.gla_applies(q, q, v, g)
+        assert window_op.window_attn_sum(q, q, v, v, torch.ones(2, device="cuda"), window=8) is None
     finally:
         del os.environ["LINEARIZE_KERNELS"]
 
@@ -995,9 +997,9 @@ def test_gpu_dispatch():
 def test_gpu_long_bf16_extreme_gates_stay_finite():
     """64K bf16 tokens, Hedgehog-like log-features, gates in runs from log -20 to exactly 0: finite
     outputs, states and gradients, close to the torch chunk form (fp32) on the same inputs."""
-    from linearize.kernels.gla import gla_chunk_triton
-    from linearize.kernels.window import window_attn_triton
-    from linearize.ops.gla import gla_chunk
+    from linearize.ops.gla.triton import gla_chunk_triton
+    from linearize.ops.window_attn.triton import window_attn_triton
+    from linearize.ops.gla.chunk import gla_chunk
 
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, d = 65536, 2, 64
@@ -1030,7 +1032,7 @@ def test_fused_forward_views_map_every_element(layout):
     """gla_gluon.view2d: the 2-D view a TMA descriptor reads, with (sb, sh, sc) such that
     element (b, h, t, d) sits at row b*sb + h*sh + t, column h*sc + d; None for other layouts."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels.gla_gluon import view2d
+    from linearize.ops.gla.gluon import view2d
 
     B, H, T, D = 2, 3, 5, 4
     base = torch.arange(B * H * T * D, dtype=torch.float32)
@@ -1070,7 +1072,7 @@ def test_gla_fused_forward_launch_host_side(bthd, monkeypatch):
     gates' cumulative sum within each chunk), the layout bits, the descriptors over q, k, v and a
     new contiguous o, the initial state's pointers where given."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(gla_gluon, "_gla_fwd_fused_kernel", rec)
@@ -1100,7 +1102,7 @@ def test_fused_forward_launch_host_side(bthd, monkeypatch):
     (WSTATE; a buffer of another dtype refused). (A name the launcher lost
     in a cleanup, 1bac744, went unnoticed until a GPU ran it: this runs every line of it in CI.)"""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(lizard_gluon, "_lizard_fwd_kernel", rec)
@@ -1162,7 +1164,10 @@ def test_gluon_scope_checks_host_side(monkeypatch):
     multiple of 64, contiguous or a model's (B, T, H, D) transposed) and refuses a width, a T, a
     dtype or a layout outside it."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import dispatch, gla_gluon, lizard_gluon, window_gluon
+    from linearize.ops.backend import dispatch
+    from linearize.ops.gla import gluon as gla_gluon
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     B, H, T, D = 2, 3, 128, 128
     x = torch.zeros(B, H, T, D, dtype=torch.bfloat16)
@@ -1191,7 +1196,7 @@ def test_gluon_tma_tiles_host_side():
     sharing one remembered shared-memory layout; None where a tensor is in neither layout or its
     base is not 16-byte aligned."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     B, H, T, D = 2, 3, 128, 128
     x = torch.zeros(B, H, T, D, dtype=torch.bfloat16)
@@ -1211,7 +1216,7 @@ def test_gluon_chunk_pass_launch_host_side(monkeypatch):
     """gla_gluon.bwd_chunks up to its launch, on CPU: the grid, b, the states' 2-D views (one
     (F, Dv) tile per chunk) and the constexprs."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(gla_gluon, "_gla_bwd_chunk_kernel", rec)
@@ -1247,7 +1252,7 @@ def test_gluon_fused_backward_launch_host_side(normalize, monkeypatch):
     the constexprs, dq's and dk's tiles (they leave by TMA), its refusal of layouts TMA cannot read; with side_dot and alpha (y read as o),
     their pointers and SIDE, and its refusal where they do not fit."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(gla_gluon, "_gla_bwd_fused_kernel", rec)
@@ -1328,7 +1333,7 @@ def test_gluon_window_backward_launch_host_side(monkeypatch):
     """window_gluon.bwd up to its launch, on CPU: the grid, scales and constexprs, and its refusal
     of layouts TMA cannot read."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(window_gluon, "_win_bwd_kernel", rec)
@@ -1356,7 +1361,7 @@ def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
     one-chunk kernel, o with scores_delta refused, o of another shape and prof of another size
     refused by name."""
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     rec = _LaunchRecorder()
     monkeypatch.setattr(window_gluon, "_win_bwd_walk_kernel", rec)
@@ -1392,7 +1397,7 @@ def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
 
 def test_window_walk_segment_rule():
     """walk_segments: doubled while batch x heads leave multiprocessors idle, segments at least 8 chunks."""
-    from linearize.kernels.window_gluon import walk_segments
+    from linearize.ops.window_attn.gluon import walk_segments
 
     assert [walk_segments(B * 32, T // 64, 132) for B, T in ((16, 2048), (4, 8192), (1, 32768))] == [1, 2, 8]
     assert walk_segments(2, 16, 132) == 2 and walk_segments(2, 15, 132) == 1 and walk_segments(1, 1, 132) == 1
@@ -1401,7 +1406,7 @@ def test_window_walk_segment_rule():
 def test_fused_forward_segment_rule():
     """fused_segment_count: no split where batch x heads keep half the SMs busy; else powers of two
     up to two programs per SM, segments at least 16 chunks of 64 long (the H200 sweep's optima)."""
-    from linearize.kernels.dispatch import fused_segment_count
+    from linearize.ops.backend.dispatch import fused_segment_count
 
     assert [fused_segment_count(B, 32, T, 132) for B, T in ((16, 2048), (4, 8192), (2, 16384), (1, 32768))] \
         == [1, 1, 4, 8]
@@ -1416,8 +1421,8 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     one-kernel gated backward and the walking window backward off; a name reused in _methods once handed the GLA op a function instead (an
     AttributeError in every cell of the H200 bench)."""
     from linearize.bench import kernels as bk
-    from linearize.kernels import gla as kgla
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.lizard_attn import fused as kliz
 
     x = bk._shape_inputs(1, 64, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
     seen = {}
@@ -1430,7 +1435,7 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
         return (a[2],)
 
     def bk_window():
-        from linearize.kernels import window
+        from linearize.ops.window_attn import triton as window
         return window
 
     monkeypatch.setattr(kliz, "lizard_attention", fake_lizard)
@@ -1456,14 +1461,15 @@ def test_gluon_kernels_import_guard(monkeypatch):
     import builtins
 
     pytest.importorskip("triton.experimental.gluon")
-    from linearize.kernels import dispatch, gla_gluon
+    from linearize.ops.backend import dispatch
+    from linearize.ops.gla import gluon as gla_gluon
 
     # (its answers are remembered per name: start from none, and leave the module's own as they were)
     monkeypatch.setattr(dispatch, "_GLUON_MODULES", {})
-    assert dispatch.gluon_kernels("gla_gluon") is gla_gluon
+    assert dispatch.gluon_kernels("gla.gluon") is gla_gluon
     with pytest.raises(ImportError):
-        dispatch.gluon_kernels("gla_gluon_misspelt")
-    monkeypatch.delitem(sys.modules, "linearize.kernels.window_gluon", raising=False)
+        dispatch.gluon_kernels("gla.gluon_misspelt")
+    monkeypatch.delitem(sys.modules, "linearize.ops.window_attn.gluon", raising=False)
     real_import = builtins.__import__
 
     def no_gluon(name, *a, **k):
@@ -1472,4 +1478,4 @@ def test_gluon_kernels_import_guard(monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_gluon)
-    assert dispatch.gluon_kernels("window_gluon") is None
+    assert dispatch.gluon_kernels("window_attn.gluon") is None

@@ -1,6 +1,6 @@
 """The Triton kernels compile for Hopper (sm_90a) on a machine without a GPU.
 
-The interpreter (tests/test_kernels.py) checks what the kernels compute, but it never compiles
+The interpreter (tests/ops/test_kernels.py) checks what the kernels compute, but it never compiles
 them: a kernel can be right under the interpreter and still fail Triton's type checks or
 ptxas on a GPU (a dummy pointer of the wrong dtype in a branch that the launch never takes did
 exactly that once). Here every launch the host code makes, forward and backward, is captured
@@ -80,7 +80,7 @@ def _backward(out: torch.Tensor, *leaves: torch.Tensor) -> None:
 @pytest.mark.parametrize("log_space,normalize", [(False, False), (True, True)])
 @pytest.mark.parametrize("segments", [False, True])
 def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments):
-    from linearize.kernels import gla as kgla
+    from linearize.ops.gla import triton as kgla
     from linearize.ops.gla import GLAState
 
     B, H, T, D = 1, 2, 256, 128
@@ -107,7 +107,7 @@ def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments
 def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypatch):
     """The default config and every tune candidate with its own dk/dv blocks compile for sm_90a
     within the shared memory a block may have there."""
-    from linearize.kernels import window as kwin
+    from linearize.ops.window_attn import triton as kwin
 
     if candidate is not None:
         monkeypatch.setattr(kwin, "CONFIG", dataclasses.replace(kwin.CONFIG, **WINDOW_CANDIDATES[candidate]))
@@ -130,7 +130,7 @@ def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypat
 def test_lizard_one_op_compiles_for_hopper(compiled, window_first):
     """Lizard's one op in either order (window first: the gated main pass with the combine in its
     epilogue), training and inference forwards, and its backward."""
-    from linearize.kernels import lizard as kliz
+    from linearize.ops.lizard_attn import fused as kliz
 
     B, H, T, D = 1, 2, 256, 128
     fq, fk, v, qw, kw = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(5))
@@ -175,7 +175,7 @@ def test_decode_step_kernels_compile_for_hopper(compiled, arch, method, kw):
     generation runs them on a GPU: the decoder's own launches, captured and compiled."""
     import fixtures
     import linearize
-    from linearize.kernels.decode_step import launch_rmsnorm
+    from linearize.ops.lizard_attn.decode import launch_rmsnorm
     from linearize.models.decode import StudentDecoder
 
     model = linearize.convert(fixtures.ARCHS[arch](num_layers=1), method, window=4, chunk_size=8, **kw)
@@ -201,7 +201,7 @@ def test_gluon_probe_kernels_compile_for_hopper(ws):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gluon_gemm_probe.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gluon_gemm_probe.py"
     spec = importlib.util.spec_from_file_location("gluon_gemm_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
@@ -256,12 +256,12 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     o_w among what it stores, compiles for sm_90a within
     one block's shared memory, and Triton's ptxas assembles it (its two warp-specialised
     partitions, their register limits included) without spilling in inference, and at most 4
-    words a thread in training: its MMAs read single tiles through ``gla_gluon._here``, else their
+    words a thread in training: its MMAs read single tiles through ``gla_gluon.tile_at_step``, else their
     hoisted descriptors spilled (up to 47 words a thread in inference, 71 in training, reloaded
     every chunk), also keeping the gated states of even chunks only (``paired``). What it computes is
-    checked on a GPU (tests/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
+    checked on a GPU (tests/ops/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
     test_gpu_lizard_fused_training_forward)."""
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     k = lizard_gluon.compile_for_hopper(has_init=has_init, nsink=nsink, model_layout=model_layout, train=train,
                                         store_og=store_og, store_ow=store_ow, window_state=window_state,
@@ -277,7 +277,7 @@ def test_gluon_lizard_training_forward_without_final_state(tmp_path):
     """The fused training forward of a caller that keeps no state (``final=False``: a training step,
     ``lizard_attention(return_state=False)``) compiles as the one that does, in no more shared
     memory, less the final state's global stores (S_T in two halves and z_T), and spills no more."""
-    from linearize.kernels import lizard_gluon
+    from linearize.ops.lizard_attn import gluon as lizard_gluon
 
     kw = dict(train=True, store_og=False, store_ow=True)
     with_final, without = (lizard_gluon.compile_for_hopper(final=f, **kw) for f in (True, False))
@@ -291,10 +291,10 @@ def test_gluon_lizard_training_forward_without_final_state(tmp_path):
 def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
     """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for
     sm_90a within one block's shared memory, its two warp-specialised partitions (the state one
-    shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon._here``;
+    shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon.tile_at_step``;
     10 words a thread before).
     What it computes is checked on a GPU (test_gpu_gla_fused_forward_matches_reference)."""
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     k = gla_gluon.compile_fwd_fused_for_hopper(normalize=normalize, has_init=has_init, model_layout=model_layout)
     assert k.metadata.shared <= HOPPER_SMEM, k.metadata.shared
@@ -310,7 +310,7 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
     sm_90a, its shared memory leaves room for two programs per multiprocessor (228 KB each, 1 KB
     reserved per block), and ptxas assembles it without spilling registers (the Triton pass it
     replaces spills). What it computes is checked on a GPU (test_gpu_gla_gluon_chunk_pass_*)."""
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     k = gla_gluon.compile_for_hopper(normalize=normalize, dv_add=dv_add, model_layout=model_layout)
     assert 2 * (k.metadata.shared + 1024) <= 228 * 1024, k.metadata.shared
@@ -337,7 +337,7 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
     ``side``: o read as y with the other branch's part of do . o subtracted (Lizard, og_from_y);
     ``paired``: the states of even chunks only (LizardKernelConfig.paired_states). What it
     computes is checked on a GPU (test_gpu_gla_gluon_fused_backward_*, test_gpu_lizard_one_op_*)."""
-    from linearize.kernels import gla_gluon
+    from linearize.ops.gla import gluon as gla_gluon
 
     k = gla_gluon.compile_fused_for_hopper(normalize=normalize, dv_add=dv_add, has_ds=has_ds, store_ds0=store_ds0,
                                            model_layout=model_layout, side=side, paired=paired)
@@ -354,7 +354,7 @@ def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, ow
     thread, spills a few values: 44, 100, 20 and 68 bytes in these cases as a launch compiles
     them; 116, 120, 20 and 124 with the 248 it had before 2026-11-26). What it computes is checked
     on a GPU (test_gpu_window_gluon_walk_backward_*)."""
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout, walk=True, own_delta=own_delta,
                                         scores_delta=scores)
@@ -367,7 +367,7 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
     sm_90a within one block's shared memory (twelve 64 x 128 tiles), its two warp-specialised
     partitions assembled by ptxas without spilling registers. What it computes is checked on a
     GPU (test_gpu_window_gluon_backward_*)."""
-    from linearize.kernels import window_gluon
+    from linearize.ops.window_attn import gluon as window_gluon
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout)
     _assemble_warp_specialised(k, tmp_path, 12 * 64 * 128 * 2, max_spill=0)
