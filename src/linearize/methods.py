@@ -1,4 +1,4 @@
-"""Named recipes: each method is a choice of layer pieces (see DESIGN.md), one dataclass.
+"""Named recipes: each method is a choice of layer pieces (see docs/design.md), one dataclass.
 
 A method never carries private math: ``layers.hybrid.HybridAttention`` runs every causal method
 from an ``AttentionConfig``.

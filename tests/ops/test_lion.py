@@ -45,7 +45,7 @@ def padding(T=T):
 
 
 def explicit_mask(log_a, T, b=0):
-    """M written out with Python products: the convention of DESIGN.md, entry by entry."""
+    """M written out with Python products: the convention of docs/design.md, entry by entry."""
     M = torch.ones(H, T, T, dtype=torch.float64)
     if log_a is None:
         return M

@@ -6,7 +6,7 @@ with ``log_space_features``), v (B, H, T, Dv), log_g (B, H, T), o (B, H, T, Dv),
 bf16/fp16/fp32 (fp32 uses exact fp32 dot products, for tests); state and accumulation in fp32.
 
 Math (per head, chunks of BT tokens, b = cumulative log-gate counted from the chunk start,
-b_end its last value; DESIGN.md "Chunked gated form and Lizard's factorisation"):
+b_end its last value; docs/design.md "Chunked gated form and Lizard's factorisation"):
 
     Q~_t = phi(q_t) e^{b_t},   K~_s = phi(k_s) e^{b_end - b_s}   (phi(x) = e^x for log-features)
     A_ts = (phi(q_t) . phi(k_s)) e^{b_t - b_s}, masked to s <= t with -inf BEFORE the exp

@@ -24,7 +24,7 @@ Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decrea
     state:  S <- e^{b_end} S + (phi_k * e^{b_end - b_s})^T V,  z likewise
     y     = num / (den + eps) + alpha_h * o_w
 
-Only factors <= 1 are ever formed (DESIGN.md, Lizard's factorisation). The Triton kernels
+Only factors <= 1 are ever formed (docs/design.md, Lizard's factorisation). The Triton kernels
 (``ops.lizard_attn.fused``) run the same forward as three passes, about twice as long; a fused walk
 needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper
 (docs/results/kernels-h200.md has the versions, their profiles and timings).
