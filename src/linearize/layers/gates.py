@@ -28,14 +28,16 @@ from ..ops.common import check_positive_int
 GLA_TEMPERATURE = 16.0
 
 
-def _head_gammas(num_heads: int, init_gamma: tuple[float, float]) -> torch.Tensor:
+def head_gammas(num_heads: int, init_gamma: tuple[float, float]) -> torch.Tensor:
+    """Per-head decay values spread evenly over ``init_gamma = (lo, hi)`` (float64)."""
     lo, hi = init_gamma
     if not (0.0 < lo <= hi < 1.0):
         raise ValueError(f"init_gamma must be (lo, hi) with 0 < lo <= hi < 1, got {init_gamma!r}")
     return torch.linspace(lo, hi, num_heads, dtype=torch.float64)
 
 
-def _logit(p: torch.Tensor) -> torch.Tensor:
+def logit(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of the sigmoid: a gate bias whose sigmoid is ``p``."""
     return (p / (1 - p)).log()
 
 
@@ -53,7 +55,7 @@ class SigmoidGate(nn.Module):
         super().__init__()
         self.hidden_size, self.num_heads = check_positive_int("hidden_size", hidden_size), check_positive_int("num_heads", num_heads)
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size))
-        self.bias = nn.Parameter(_logit(_head_gammas(num_heads, init_gamma)).float())
+        self.bias = nn.Parameter(logit(head_gammas(num_heads, init_gamma)).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden_size)
@@ -71,7 +73,7 @@ class Mamba2Gate(nn.Module):
         self.hidden_size, self.num_heads = check_positive_int("hidden_size", hidden_size), check_positive_int("num_heads", num_heads)
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size))
         # a_h = 0 and softplus(c_h) = -log gamma_h: inverse softplus of the initial step size.
-        step = -_head_gammas(num_heads, init_gamma).log()
+        step = -head_gammas(num_heads, init_gamma).log()
         self.bias = nn.Parameter((step.expm1()).log().float())
         self.log_a = nn.Parameter(torch.zeros(num_heads))
 
@@ -94,8 +96,8 @@ class GLAGate(nn.Module):
         self.down = nn.Parameter(torch.randn(hidden_size, rank) / math.sqrt(hidden_size))
         self.up = nn.Parameter(torch.randn(rank, num_heads * channels) * 1e-2)
         # gamma = sigmoid(c)^(1/16)  =>  c = logit(gamma^16)
-        gammas = _head_gammas(num_heads, init_gamma).repeat_interleave(channels)
-        self.bias = nn.Parameter(_logit(gammas ** GLA_TEMPERATURE).float())
+        gammas = head_gammas(num_heads, init_gamma).repeat_interleave(channels)
+        self.bias = nn.Parameter(logit(gammas ** GLA_TEMPERATURE).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden_size)

@@ -55,7 +55,7 @@ from ..ops.common import check_positive_int, compute_dtype, softmax_scale
 from ..ops.lion import lion_chunk, lion_parallel, lion_recurrent
 from ..ops.lion.naive import gate_cumsums, lion_mask, token_log_gates
 from .feature_maps import FEATURE_MAP_INITS, FEATURE_MAPS, kernel_terms, pairwise
-from .gates import SigmoidGate, _head_gammas, _logit
+from .gates import SigmoidGate, head_gammas, logit
 
 LION_VARIANTS = ("lit", "d", "s")
 LION_FORMS = ("auto", "chunk", "parallel", "recurrent")
@@ -146,7 +146,7 @@ class LionAttention(nn.Module):
         self.phi_k = FEATURE_MAPS[config.feature_map](num_heads, head_dim, feature_dim, config.feature_init)
         feature_dim = self.phi_q.feature_dim
         if config.variant == "d":
-            self.decay_logit = nn.Parameter(_logit(_head_gammas(num_heads, config.decay_init)).float())
+            self.decay_logit = nn.Parameter(logit(head_gammas(num_heads, config.decay_init)).float())
             if config.asymmetric:  # starts equal to the left decay: the symmetric mask
                 self.decay_logit_back = nn.Parameter(self.decay_logit.detach().clone())
         elif config.variant == "s":
