@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from linearize.eval.common import environment, markdown_table
+from linearize.records import environment, markdown_table
 from linearize.layers.lion import AUTO_PARALLEL_MAX, LionAttention, LionConfig
 
 SHAPES = ((32, 32), (16, 64), (8, 128), (4, 256), (2, 512), (1, 1024))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from linearize.eval.common import environment, markdown_table, write_outputs
+from linearize.records import environment, markdown_table, write_outputs
 from linearize.eval.embed import DEFAULT_LENGTHS, agreement_text, embed_figure, embed_markdown, run_embed_eval
 from linearize.layers.lion import LION_FEATURE_MAPS
 from linearize.train import TrainConfig
@@ -150,7 +150,8 @@ def noise_calibration(source: str, sentences: int, max_length: int, seed: int = 
     added, at several noise levels -> (mean cosine, NN agreement); and the teacher's NN margins."""
     from linearize.models.encoder import embed
     from linearize.models.teacher import load_teacher
-    from linearize.train.encoder import load_sentences, nn_agreement
+    from linearize.data.sentences import load_sentences
+    from linearize.models.encoder import nn_agreement
 
     model, tokenizer = load_teacher("minilm-l6")
     e = embed(model, tokenizer, load_sentences(source, split="test", max_sentences=sentences), max_length=max_length)
@@ -170,7 +171,7 @@ def exact_keys(source: str, sentences: int, max_length: int, overrides: dict) ->
     """The exact-key settings and the share of its keys that a query scores exactly (sinks and
     window neighbours), averaged over every token of the held-out sentences."""
     from linearize.models.teacher import load_teacher
-    from linearize.train.encoder import load_sentences
+    from linearize.data.sentences import load_sentences
 
     n, w = overrides.get("sinks", 0), overrides.get("window", 0)
     _, tokenizer = load_teacher("minilm-l6")

@@ -18,7 +18,7 @@ import linearize
 from linearize.models.encoder import lion_layers
 from linearize.models.lora import lora_disabled
 from linearize.ops.lion.naive import lion_mask
-from linearize.train.encoder import load_sentences
+from linearize.data.sentences import load_sentences
 
 DATA = "/work/shared/data/wiki_demo.txt,/work/shared/data/c4_demo.jsonl"
 SINKS, WINDOW = 1, 2

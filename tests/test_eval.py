@@ -12,7 +12,8 @@ import linearize
 from fixtures import SLIDING_WINDOW, mistral, tiny_model_dir
 from linearize.cli import main
 from linearize.data.passkey import make_classic_passkey_example, make_passkey_example
-from linearize.eval import common, passkey
+from linearize import records
+from linearize.eval import passkey
 from linearize.eval.passkey import answer_matches, depth_grid, evaluate_model, run_passkey
 from linearize.eval.perplexity import run_ppl, sliding_nll, stream_nll, token_stream
 from linearize.eval.report import attention_maps, layer_mse, run_report
@@ -220,7 +221,7 @@ def test_attention_maps_are_the_mixers_exact_weights(student_dir):
     captured = {}
     m = linearized_layers(model)[1]
     handle = m.hybrid.register_forward_pre_hook(lambda mod, args: captured.__setitem__("a", args))
-    from linearize.train.transfer import TransferRecorder
+    from linearize.models.attention import TransferRecorder
     for layer in linearized_layers(model):
         layer.transfer = TransferRecorder("heads")
     with torch.no_grad():
@@ -287,7 +288,7 @@ def test_figures_are_drawn_from_the_json_on_disk(tmp_path):
         seen["data"] = data
         path.write_bytes(b"png")
 
-    common.write_outputs(tmp_path, "x", {"a": 1.5, "bad": float("nan"), "t": (1, 2)}, lambda d: "md", figure)
+    records.write_outputs(tmp_path, "x", {"a": 1.5, "bad": float("nan"), "t": (1, 2)}, lambda d: "md", figure)
     assert seen["data"] == json.loads((tmp_path / "x.json").read_text()) == {"a": 1.5, "bad": None, "t": [1, 2]}
 
 

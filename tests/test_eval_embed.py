@@ -10,7 +10,8 @@ import torch
 import linearize
 from linearize.eval.embed import (agreement_se, attention_cost, embed_markdown, embedding_quality, measure_layer,
                                   run_embed_eval)
-from linearize.train.encoder import load_sentences, nn_agreement, sentence_split
+from linearize.data.sentences import load_sentences, sentence_split
+from linearize.models.encoder import nn_agreement
 
 LION = {"variant": "s", "chunk_size": 16, "decay_init": [0.9, 0.95]}  # as read back from JSON
 

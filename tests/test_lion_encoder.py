@@ -302,7 +302,7 @@ def test_transfer_mode_passes_the_teachers_output_and_trains_only_lion():
     sum(losses.values()).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lion_parameters(model))
     # teacher forcing: with the recorder in place, the model computes the teacher's hidden states
-    from linearize.train.transfer import TransferRecorder
+    from linearize.models.attention import TransferRecorder
 
     recorder = TransferRecorder("heads")
     for m in lion_layers(model):
@@ -543,7 +543,8 @@ def test_relational_loss_ignores_excluded_bank_entries():
 
 
 def test_relational_bank_takes_training_sentences_only():
-    from linearize.train.encoder import load_sentences, relational_bank, sentence_split
+    from linearize.data.sentences import load_sentences, sentence_split
+    from linearize.train.encoder import relational_bank
 
     source = ("The weather was cold and the harbour stayed closed all week. " * 1 + " ".join(
         f"Sentence number {i} talks about the {w} garden near the old station." for i in range(300)

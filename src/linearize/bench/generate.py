@@ -31,7 +31,6 @@ LlamaConfig of a known shape (``smollm2-135m``, ``llama3-8b``, ``tiny``), and ``
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -40,7 +39,8 @@ from typing import Sequence
 
 import torch
 
-from ..eval.common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
+from .common import cleanup, is_oom, sync
 
 STEM = "generate"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -147,11 +147,6 @@ def _weights_read(model) -> int:
 # ---------------------------------------------------------------------------------- timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_steps(dec, n: int) -> list[float]:
     """Seconds of each of ``n`` decode steps (CUDA events on CUDA)."""
     times = []
@@ -186,16 +181,6 @@ def _free_memory(device: torch.device, budget: int | None, used: int) -> int | N
     return None
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def _cleanup(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _run_cell(dec, device, batch, eager_steps, warmup, timed, graph, eager_first=True) -> dict:
     """Eager steps, then (CUDA) capture + warm-up replays + timed replays; returns the timings."""
     res = {}
@@ -205,7 +190,7 @@ def _run_cell(dec, device, batch, eager_steps, warmup, timed, graph, eager_first
     if graph:
         t = time.perf_counter()
         dec.capture()  # one more real step, eagerly, then the capture
-        _sync(device)
+        sync(device)
         res["capture_s"] = time.perf_counter() - t
         _time_steps(dec, warmup)
         res.update(_summary(_time_steps(dec, timed), batch))
@@ -251,7 +236,7 @@ def _teacher_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
             dec.start(logits.float().argmax(-1), dec.pos)
         else:
             dec.load_synthetic(L, seed=seed)
-        _sync(device)
+        sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -262,7 +247,7 @@ def _teacher_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
         try:
             res.update({f"sliced_{k}": v for k, v in _summary(_time_steps(dec, timed + 1)[1:], batch).items()})
         except Exception as e:  # noqa: BLE001 - recorded; the masked step still runs
-            if _is_oom(e):
+            if is_oom(e):
                 raise
             res["sliced_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         dec.attention = "masked"
@@ -277,7 +262,7 @@ def _teacher_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
         _bandwidth(cell)
         return cell
     except Exception as e:  # noqa: BLE001
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         return {**cell, "status": "does_not_fit", "needed_bytes": info["weight_bytes"] + kv_bytes,
                 "reason": f"out of memory: {str(e).splitlines()[0][:200]}"}
@@ -285,7 +270,7 @@ def _teacher_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
         if dec is not None:
             dec.release()
         del dec
-        _cleanup(device)
+        cleanup(device)
 
 
 def _student_cell(model, info, L, *, batch, device, prefill, steps, eager_steps, warmup, timed, graph,
@@ -303,7 +288,7 @@ def _student_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
             dec.start(logits.float().argmax(-1), dec.pos)
         else:
             dec.load_synthetic(L, seed=seed)
-        _sync(device)
+        sync(device)
         state = dec.state_bytes()
         cell["cache_bytes"] = cell["context_cache_bytes"] = state
         used = torch.cuda.memory_allocated(device) if device.type == "cuda" else info["weight_bytes"] + state
@@ -321,14 +306,14 @@ def _student_cell(model, info, L, *, batch, device, prefill, steps, eager_steps,
         _bandwidth(cell)
         return cell
     except Exception as e:  # noqa: BLE001
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         return {**cell, "status": "does_not_fit", "reason": f"out of memory: {str(e).splitlines()[0][:200]}"}
     finally:
         if dec is not None:
             dec.release()
         del dec
-        _cleanup(device)
+        cleanup(device)
 
 
 def _bandwidth(cell: dict) -> None:
@@ -409,9 +394,9 @@ def run_generate_bench(out_dir, models: Sequence[str] = ("smollm2-135m", "llama3
                         "teacher": {"how": TEACHER_HOW, "cells": teacher},
                         "student": {"how": STUDENT_HOW, "cells": student}, "ratios": ratios})
         del model
-        _cleanup(dev)
+        cleanup(dev)
 
-    env = bench_environment(dev, command)
+    env = environment(dev, command)
     data = {"benchmark": "generate",
             "settings": {"models": list(models), "contexts": contexts, "batch_size": batch_size, "dtype": dtype,
                          "device": str(dev), "method": method, "prefill": prefill, "timed_steps": new_tokens,
@@ -422,24 +407,6 @@ def run_generate_bench(out_dir, models: Sequence[str] = ("smollm2-135m", "llama3
     data["targets"] = evaluate_targets(data)
     write_outputs(out_dir, STEM, data, generate_markdown, generate_figure)
     return data
-
-
-def bench_environment(dev: torch.device, command: str | None) -> dict:
-    """``eval.common.environment`` with the command given (else argv's), CUDA's and Triton's versions
-    and, on CUDA, the device's memory: where a benchmark's numbers came from."""
-    env = environment(dev)
-    if command is not None:
-        env["command"] = command
-    env["cuda"] = torch.version.cuda
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        env["triton"] = None
-    if dev.type == "cuda":
-        env["device_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
-    return env
 
 
 def _notes(prefill: str, graph: bool) -> list[str]:
@@ -554,8 +521,6 @@ def generate_markdown(data: dict) -> str:
 
 def generate_figure(data: dict, path: Path) -> None:
     """Throughput (left) and peak memory (right) against context, log x, teacher dashed, student solid."""
-    from ..train.plots import new_figure, save_png
-
     fig, (ax_t, ax_m) = new_figure((12, 4.6), ncols=2)
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
     # peak allocation where it was measured (CUDA); the cache/state bytes otherwise (CPU)
@@ -629,7 +594,7 @@ def profile_decode(name: str, context: int = 32768, batch_size: int = 16, dtype:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 dec.step()
-            _sync(dev)
+            sync(dev)
         kernels: dict[str, list[float]] = {}
         for evt in prof.events():
             if str(getattr(evt, "device_type", "")).endswith("CUDA"):
@@ -644,7 +609,7 @@ def profile_decode(name: str, context: int = 32768, batch_size: int = 16, dtype:
                              for k, v in rows[:top]]}
         dec.release()
         del dec
-        _cleanup(dev)
+        cleanup(dev)
     return out
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -57,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.backend.dispatch import kernels_switched
+from ..records import environment
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -283,17 +283,22 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
 
 
 def _env(command: str) -> dict:
-    import triton
-
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda, "python": platform.python_version(), "command": command,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    """``records.environment`` on the current GPU, plus whether fla imports (its kernels are timed)."""
+    env = environment(torch.device("cuda", torch.cuda.current_device()), command)
     try:
         import fla
 
         env["fla"] = getattr(fla, "__version__", "unknown")
     except Exception as e:
         env["fla"] = f"not importable ({type(e).__name__})"
+    return env
+
+
+def _result_env(result: dict) -> dict:
+    """The environment record of a result, also from a kernels.json written before ``records``
+    (key ``env``, the GPU under ``gpu``)."""
+    env = dict(result.get("environment") or result["env"])
+    env.setdefault("device", env.get("gpu"))
     return env
 
 
@@ -333,7 +338,7 @@ def run_kernel_bench(
     from ..ops.gla import triton as kgla
     from ..ops.window_attn import triton as kwin
 
-    result = {"env": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
+    result = {"environment": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
               "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
               "feature_dim": feature_dim, "window": window, "sinks": sinks, "reps": reps,
               "shapes_planned": [list(s) for s in shapes], "complete": False, "shapes": []}
@@ -402,13 +407,13 @@ def _fmt_host(cell: dict) -> str:
 
 
 def render_markdown(result: dict) -> str:
-    env = result["env"]
+    env = _result_env(result)
     shapes = result["shapes"]
     head = [f"B{s['B']} T{s['T']}" for s in shapes]
     lines = [
         "# Attention kernels: forward and forward+backward",
         "",
-        f"{env['gpu']}, {result['dtype']}, {result['heads']} heads, head_dim {result['head_dim']}, "
+        f"{env['device']}, {result['dtype']}, {result['heads']} heads, head_dim {result['head_dim']}, "
         f"{result['feature_dim']} features, window {result['window']}, {result['sinks']} sink logits. "
         f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, fla {env['fla']}, "
         f"python {env['python']}; {env['date']}.",
@@ -489,8 +494,8 @@ def plot_kernel_bench(result: dict | str | os.PathLike, out_png: str | os.PathLi
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[0].set_ylabel("ms")
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    env = result["env"]
-    fig.suptitle(f"{env['gpu']}, {result['dtype']}, H={result['heads']}, d={result['head_dim']}, "
+    env = _result_env(result)
+    fig.suptitle(f"{env['device']}, {result['dtype']}, H={result['heads']}, d={result['head_dim']}, "
                  f"window {result['window']} + {result['sinks']} sinks; torch {env['torch']}, triton {env['triton']}")
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
@@ -668,7 +673,7 @@ def profile_kernels(out_dir: str | os.PathLike, shape: tuple[int, int] = DEFAULT
     B, T = shape
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, torch.device("cuda"), 0)
     table = _methods(x, 128, None)
-    result: dict = {"env": _env("profile"), "B": B, "T": T, "methods": {}}
+    result: dict = {"environment": _env("profile"), "B": B, "T": T, "methods": {}}
     for name in methods:
         forward, leaves, grad = table[name]
         result["methods"][name] = {}

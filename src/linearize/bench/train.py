@@ -33,9 +33,10 @@ from typing import Sequence
 
 import torch
 
-from ..eval.common import markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 from ..ops.backend.dispatch import kernels_switched
-from .generate import _cleanup, _is_oom, _sync, bench_environment, build_model, check_layers
+from .common import cleanup, is_oom, sync
+from .generate import build_model, check_layers
 
 STEM = "train"
 BACKENDS = ("kernels", "torch")
@@ -98,11 +99,11 @@ def make_stage(model, stage: str, method: str, device: torch.device):
 def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
-        _sync(device)
+        sync(device)
     wall = time.perf_counter() - t
     total = mine = 0.0
     launches = mine_launches = 0
@@ -150,15 +151,15 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
 
             for _ in range(warmup):
                 step()
-            _sync(device)
+            sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times = []
             for _ in range(steps):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 step()
-                _sync(device)
+                sync(device)
                 times.append(time.perf_counter() - t)
             med = statistics.median(times)
             cell.update(status="ok", step_ms_median=med * 1e3, step_ms=[x * 1e3 for x in times],
@@ -168,12 +169,12 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
                 cell["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
                 cell.update(_profile_step(step, device, ours))
     except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is re-raised
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         cell.update(status="does_not_fit", error=str(e).splitlines()[0][:200])
     finally:
         del model
-        _cleanup(device)
+        cleanup(device)
     return cell
 
 
@@ -213,7 +214,7 @@ def run_train_bench(out_dir, models: Sequence[str] = ("smollm2-135m-random",), s
         backends = BACKENDS if str(device).startswith("cuda") else ("torch",)
     dev = _check_args(models, seq_lens, methods, backends, batch_size, steps, warmup, device, layers)
     ours = our_kernel_names() if dev.type == "cuda" else set()
-    env = bench_environment(dev, command)
+    env = environment(dev, command)
     plan = [(m, t, "teacher", None, "torch") for m in models for t in seq_lens]
     plan += [(m, t, s, meth, b) for m in models for t in seq_lens for meth in methods for s in ("stage1", "stage2")
              for b in backends]
@@ -280,8 +281,6 @@ def _label(cell: dict) -> str:
 
 
 def train_figure(data: dict, path: Path) -> None:
-    from ..train.plots import new_figure, save_png
-
     s = data["settings"]
     fig, axes = new_figure(figsize=(7.5, 3.5 * len(s["models"])), nrows=len(s["models"]))
     axes = list(axes) if hasattr(axes, "__len__") else [axes]

@@ -38,13 +38,13 @@ from typing import Sequence
 
 import torch
 
+from ..data.sentences import load_sentences
 from ..models.checkpoint import load, read_meta
 from ..models.convert import convert
-from ..models.encoder import embed, lion_layers
+from ..models.encoder import embed, lion_layers, nn_agreement
 from ..models.lora import merge_lora
 from ..models.teacher import load_teacher
-from ..train.encoder import load_sentences, nn_agreement
-from .common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 
 STEM = "embed"
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -302,8 +302,6 @@ def embed_markdown(data: dict) -> str:
 
 def embed_figure(data: dict, path: Path) -> None:
     from matplotlib.ticker import NullLocator
-
-    from ..train.plots import new_figure, save_png
 
     cost = data.get("cost")
     fig, axes = new_figure((12.5 if cost else 5.0, 4.0), ncols=3 if cost else 1)

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ..models.loading import check_model_name, is_checkpoint, model_label
-from .common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 from .lm_eval_tasks import TASKS, TaskSpec, check_data, resolve_tasks, task_manager
 
 STEM = "lm_eval"
@@ -200,8 +200,6 @@ def lm_eval_markdown(data: dict) -> str:
 
 
 def lm_eval_figure(data: dict, path: Path) -> None:
-    from ..train.plots import new_figure, save_png
-
     models, tasks = data["models"], data["tasks"]
     fig, ax = new_figure((2.0 + 1.0 * len(tasks) * max(1, len(models)) ** 0.5 + 0.3 * len(models), 4.0))
     width = 0.8 / max(1, len(models))

@@ -25,7 +25,7 @@ import torch
 
 from ..data.passkey import PasskeyExample, make_classic_passkey_example, make_passkey_example
 from ..models.loading import is_linearized, load_model, model_label, trained_context
-from .common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 
 FORMATS = ("classic", "lizard")
 STEM = "passkey"
@@ -171,8 +171,6 @@ def passkey_figure(data: dict, path: Path) -> None:
     """One heatmap per model, depth by length, green (1) to red (0); dashed lines mark the
     training length and the teacher's trained context."""
     from matplotlib.colors import LinearSegmentedColormap
-
-    from ..train.plots import new_figure, save_png
 
     models, lengths, depths = data["models"], data["lengths"], data["depths"]
     fig, axes = new_figure((1.2 + 0.75 * len(lengths) * len(models) + 1.2, 3.6), ncols=len(models))

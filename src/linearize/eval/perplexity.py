@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..data.sources import load_documents
 from ..models.loading import check_model_name, context_length, is_linearized, load_model, model_label
-from .common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 
 STEM = "ppl"
 
@@ -157,8 +157,6 @@ def ppl_markdown(data: dict) -> str:
 
 
 def ppl_figure(data: dict, path: Path) -> None:
-    from ..train.plots import new_figure, save_png
-
     models = data["models"]
     fig, ax = new_figure((1.5 + 1.1 * len(models), 3.6))
     colors = ["#1a9641" if m["linearized"] else "#404040" for m in models]

@@ -25,11 +25,11 @@ from ..data.packing import pack
 from ..data.sources import load_documents
 from ..models.checkpoint import load, read_meta
 from ..models.convert import convert, linearized_layers
+from ..models.attention import TransferRecorder
 from ..models.loading import model_label
 from ..models.lora import lora_disabled
 from ..models.teacher import load_teacher
-from ..train.transfer import TransferRecorder
-from .common import environment, markdown_table, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 
 STEM = "report"
 
@@ -184,8 +184,6 @@ def report_markdown(data: dict) -> str:
 def report_figure(data: dict, path: Path) -> None:
     from matplotlib.colors import PowerNorm
     from matplotlib.ticker import MaxNLocator
-
-    from ..train.plots import new_figure, save_png
 
     maps = data["maps"]
     fig, _ = new_figure((9.0, 3.2 + 2.6 * len(maps)), nrows=0)

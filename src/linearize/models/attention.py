@@ -8,6 +8,8 @@ mask instead of building a T x T mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,24 @@ from .adapters import ArchAdapter
 from .cache import state_layer
 
 ATTN_IMPLEMENTATION = "linearize"
+
+
+@dataclass
+class TransferRecorder:
+    """Collects each layer's MSE(student, teacher) over the valid tokens of one forward pass.
+
+    It fills the ``transfer`` slot of ``LinearizedAttention`` (and of LION's encoder attention):
+    stage 1 (``train.transfer``) and the transfer report (``eval.report``) set it."""
+
+    target: str = "heads"  # heads: (B, T, H, d) before o_proj | output: (B, T, hidden) after it
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """student, teacher: (B, T, ...) in the same layout; valid: (B, T) bool or None."""
+        err = (student.float() - teacher.float()).pow(2).flatten(2).mean(-1)  # (B, T)
+        if valid is not None:
+            err = err[valid]
+        self.losses[layer_idx] = err.mean()
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -75,7 +95,7 @@ class LinearizedAttention(nn.Module):
             layer.set_state(state, T)
         return self._output(y, hidden_states.dtype), None
 
-    transfer = None  # a train.transfer.TransferRecorder while stage 1 runs
+    transfer = None  # a TransferRecorder while stage 1 (or the transfer report) runs
 
     def _output(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, H, T, d) heads -> (B, T, hidden) through the output projection."""

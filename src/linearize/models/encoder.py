@@ -23,6 +23,7 @@ instead. Explicit ``position_ids`` are passed through untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -107,7 +108,7 @@ class LionSelfAttention(nn.Module):
     the same contract as the module it replaces (the output projection follows in BertSelfOutput).
     """
 
-    transfer = None  # a train.transfer.TransferRecorder while stage 1 runs
+    transfer = None  # a models.attention.TransferRecorder while stage 1 runs
 
     def __init__(self, attn: nn.Module, config: LionConfig, model_config, layer_idx: int):
         super().__init__()
@@ -272,3 +273,16 @@ def embed(model: nn.Module, tokenizer, sentences: Sequence[str], *, batch_size: 
         out[idx] = sentence_embeddings(model, batch, normalize).cpu()
     model.train(was_training)
     return out
+
+
+def nn_agreement(student: torch.Tensor, teacher: torch.Tensor) -> float:
+    """Share of rows whose nearest neighbour (cosine, itself excluded) is the same for both (N, D)."""
+    def nearest(e):
+        e = F.normalize(e.double(), dim=-1)
+        sim = e @ e.T
+        sim.fill_diagonal_(-math.inf)
+        return sim.argmax(-1)
+
+    if student.shape[0] < 2:
+        raise ValueError(f"nearest-neighbour agreement needs at least 2 sentences, got {student.shape[0]}")
+    return float((nearest(student) == nearest(teacher)).double().mean())

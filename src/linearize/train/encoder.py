@@ -3,7 +3,7 @@
 The same ``TrainConfig`` and run directory as ``train.run`` (config.json, metrics.jsonl,
 state/*.pt, the checkpoint, summary.json, loss curves), with sentences instead of packed rows:
 
-* data: ``load_sentences(config.data)``, sentences cut from local text. Each sentence's split is
+* data: ``data.sentences.load_sentences(config.data)``, sentences cut from local text. Each sentence's split is
   fixed by a hash of its text (``sentence_split``): ~10% "test" (held out for ``eval embed``,
   never trained on), ~10% "val" (validation during training), the rest "train"; so training and
   evaluation agree on the held-out set whatever their other settings. Sentences are truncated to
@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import random
-import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,98 +52,19 @@ import torch
 import torch.nn.functional as F
 
 from ..models.checkpoint import save
+from ..models.attention import TransferRecorder
 from ..models.convert import convert
-from ..models.encoder import lion_layers, lion_parameters, mean_pool, sentence_embeddings
+from ..data.sentences import load_sentences, sentence_split
+from ..models.encoder import lion_layers, lion_parameters, mean_pool, nn_agreement, sentence_embeddings
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
+from ..records import write_json
 from .config import TrainConfig
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
-from .run import CONFIG_FILE, _check_out_dir, _log, _named, _write_json
-from .transfer import TransferRecorder, freeze_all_but
+from .run import CONFIG_FILE, check_run_dir, log_progress, named_parameters_of
+from .transfer import freeze_all_but
 
 ENCODER_LORA_TARGETS = ["query", "key", "value", "dense"]
-SPLITS = ("train", "val", "test")
-MIN_WORDS, MAX_WORDS = 5, 64
-
-# ------------------------------------------------------------------------------------------ data
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+")
-
-
-def sentence_split(sentence: str) -> str:
-    """'test' (~10%), 'val' (~10%) or 'train', a pure function of the sentence text."""
-    bucket = zlib.crc32(sentence.encode("utf-8")) % 10
-    return "test" if bucket == 0 else "val" if bucket == 1 else "train"
-
-
-def _texts(source: str) -> list[str]:
-    from ..data.sources import SUFFIXES, shakespeare_plays
-
-    if source == "shakespeare":
-        return list(shakespeare_plays())
-    path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
-        if not files:
-            raise ValueError(f"folder {str(path)!r} holds no {'/'.join(SUFFIXES)} files")
-        return [t for f in files for t in _texts(str(f))]
-    if not path.is_file():
-        raise FileNotFoundError(f"sentence source {source!r} does not exist; accepted: a .txt/.md/.json/.jsonl file, "
-                                "a folder of them, 'shakespeare', or several of these joined by commas")
-    if path.suffix.lower() in (".txt", ".md"):
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    if path.suffix.lower() not in (".json", ".jsonl"):
-        raise ValueError(f"cannot read sentences from {path.name}: use .txt, .md, .json or .jsonl")
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    records = json.loads(raw) if path.suffix.lower() == ".json" else [json.loads(line) for line in raw.splitlines() if line.strip()]
-    texts = []
-    for record in records if isinstance(records, list) else [records]:
-        if isinstance(record, str):
-            texts.append(record)
-        elif isinstance(record, dict):  # plain text records, or Alpaca's instruction / input / output
-            texts += [record[key] for key in ("text", "instruction", "input", "output") if isinstance(record.get(key), str)]
-    return texts
-
-
-def _sentences_of(text: str) -> list[str]:
-    out = []
-    for paragraph in re.split(r"\n\s*\n", text):
-        lines = [line.strip() for line in paragraph.splitlines() if line.strip()]
-        # a short first line without punctuation is a heading or a speaker's name (the plays)
-        if lines and len(lines[0].split()) <= 3 and not re.search(r"[.!?,;:]", lines[0]):
-            lines = lines[1:]
-        joined = re.sub(r"\s+", " ", " ".join(lines))
-        out += [s.strip() for s in _SENTENCE_END.split(joined) if s.strip()]
-    return out
-
-
-def load_sentences(source: str, *, split: str | None = None, max_sentences: int | None = None,
-                   seed: int = 0) -> list[str]:
-    """Distinct sentences of ``MIN_WORDS``..``MAX_WORDS`` words from local text, shuffled by ``seed``.
-
-    ``source``: a .txt/.md file (plain text), a .json/.jsonl file (``text`` fields, or Alpaca
-    records), a folder of such files, ``shakespeare`` (the bundled plays), or several of these
-    joined by commas. ``split``: keep only the sentences of one ``sentence_split`` part.
-    """
-    if split is not None and split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
-    if max_sentences is not None and (isinstance(max_sentences, bool) or not isinstance(max_sentences, int)
-                                      or max_sentences < 1):
-        raise ValueError(f"max_sentences must be a positive int or None, got {max_sentences!r}")
-    seen, sentences = set(), []
-    for part in str(source).split(","):
-        for text in _texts(part.strip()):
-            for s in _sentences_of(text):
-                words = len(s.split())
-                if MIN_WORDS <= words <= MAX_WORDS and s not in seen and sum(c.isalpha() for c in s) > len(s) / 2:
-                    seen.add(s)
-                    if split is None or sentence_split(s) == split:
-                        sentences.append(s)
-    if not sentences:
-        raise ValueError(f"no sentences of {MIN_WORDS}-{MAX_WORDS} words found in {source!r}"
-                         + (f" for split {split!r}" if split else ""))
-    random.Random(seed).shuffle(sentences)
-    return sentences[:max_sentences] if max_sentences else sentences
 
 
 @dataclass
@@ -235,7 +154,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     if config.transfer_target != "heads":
         raise ValueError(f"encoders transfer attention per head; transfer_target must be 'heads', got {config.transfer_target!r}")
     out = Path(config.out)
-    _check_out_dir(out, config, resume)
+    check_run_dir(out, config, resume)
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -254,12 +173,12 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     needed = max(steps(config.stage1_tokens), steps(config.stage2_tokens)) * config.batch_size * config.grad_accum
     bank_size = min(len(train_rows), config.relational_bank) if config.relational > 0 else 0
     train_rows = _subset(train_rows, min(len(train_rows), max(needed, bank_size, 1)))
-    _log(config, f"data: {len(train_rows)} training sentences ({train_rows.num_tokens:,} tokens, {mean_len:.1f} "
+    log_progress(config, f"data: {len(train_rows)} training sentences ({train_rows.num_tokens:,} tokens, {mean_len:.1f} "
                  f"per sentence), {len(val_rows)} validation sentences")
 
     out.mkdir(parents=True, exist_ok=True)
     if not (out / CONFIG_FILE).is_file():
-        _write_json(out / CONFIG_FILE, config.to_dict())
+        write_json(out / CONFIG_FILE, config.to_dict())
     metrics = MetricsLog(out / "metrics.jsonl")
     if not resume and metrics.path.exists():
         metrics.path.unlink()
@@ -290,7 +209,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     if steps(config.stage1_tokens) and params:
         layers = [m.layer_idx for m in lion_layers(model)]
         freeze_all_but(model, params)
-        _log(config, f"stage1: layers {layers}, {sum(p.numel() for p in params):,} parameters, "
+        log_progress(config, f"stage1: layers {layers}, {sum(p.numel() for p in params):,} parameters, "
                      f"{steps(config.stage1_tokens)} steps")
 
         def loss1(batch):
@@ -307,7 +226,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
             mse = (sums / len(val_rows)).tolist()
             return float(sum(mse)), {"layer_mse": mse, "layers": layers}
 
-        stage = Stage("stage1", _named(model, params), loss1, eval1, steps(config.stage1_tokens), config.stage1_lr)
+        stage = Stage("stage1", named_parameters_of(model, params), loss1, eval1, steps(config.stage1_tokens), config.stage1_lr)
         summary["stages"].append(fit(stage, batches, loop_config, device, out / "state" / "stage1.pt", metrics, resume))
 
     # stage 2: LoRA + the LION parameters on the teacher's sentence embeddings (no LoRA without steps)
@@ -316,7 +235,7 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
         model.to(device).eval()
         params = lora_parameters(model) + lion_parameters(model)
         freeze_all_but(model, params)
-        _log(config, f"stage2: LoRA rank {config.lora_rank} on {targets} + the LION parameters, "
+        log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {targets} + the LION parameters, "
                      f"{sum(p.numel() for p in params):,} parameters, {steps(config.stage2_tokens)} steps")
 
     def loss2(batch):
@@ -352,18 +271,18 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
         return 1 - agreement["mean_cosine"], agreement
 
     if steps(config.stage2_tokens):
-        stage = Stage("stage2", _named(model, params), loss2, eval2, steps(config.stage2_tokens), config.stage2_lr)
+        stage = Stage("stage2", named_parameters_of(model, params), loss2, eval2, steps(config.stage2_tokens), config.stage2_lr)
         summary["stages"].append(fit(stage, batches, loop_config, device, out / "state" / "stage2.pt", metrics, resume))
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
     summary["val"] = embedding_agreement(model, val_rows, config.batch_size, device)
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
-    _write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     from .plots import plot_metrics
 
     plot_metrics(metrics.path, out)
-    _log(config, f"done: {out} (validation: mean cosine {summary['val']['mean_cosine']:.4f}, nearest-neighbour "
+    log_progress(config, f"done: {out} (validation: mean cosine {summary['val']['mean_cosine']:.4f}, nearest-neighbour "
                  f"agreement {summary['val']['nn_agreement']:.3f}; linearize.load({str(out)!r}) opens it)")
     return out
 
@@ -426,19 +345,6 @@ def relational_loss(student: torch.Tensor, teacher: torch.Tensor, bank: torch.Te
     return (log_t.exp() * (log_t - F.log_softmax(logits_s, dim=-1))).sum(-1).mean()
 
 
-def nn_agreement(student: torch.Tensor, teacher: torch.Tensor) -> float:
-    """Share of rows whose nearest neighbour (cosine, itself excluded) is the same for both (N, D)."""
-    def nearest(e):
-        e = F.normalize(e.double(), dim=-1)
-        sim = e @ e.T
-        sim.fill_diagonal_(-math.inf)
-        return sim.argmax(-1)
-
-    if student.shape[0] < 2:
-        raise ValueError(f"nearest-neighbour agreement needs at least 2 sentences, got {student.shape[0]}")
-    return float((nearest(student) == nearest(teacher)).double().mean())
-
-
 @torch.no_grad()
 def embedding_agreement(model, rows: SentenceRows, batch_size: int, device) -> dict:
     """Mean cosine to ``rows.targets`` and nearest-neighbour agreement, over ``rows``."""
@@ -487,6 +393,5 @@ def _teacher_targets(teacher, rows: SentenceRows, config: TrainConfig, device, o
     return targets
 
 
-__all__ = ["ENCODER_LORA_TARGETS", "BucketedRows", "SentenceRows", "embedding_agreement", "load_sentences", "nn_agreement",
-           "relational_bank", "relational_loss", "run_encoder", "length_buckets", "sentence_split",
-           "tokenize_sentences", "transfer_losses"]
+__all__ = ["ENCODER_LORA_TARGETS", "BucketedRows", "SentenceRows", "embedding_agreement", "relational_bank",
+           "relational_loss", "run_encoder", "length_buckets", "tokenize_sentences", "transfer_losses"]

@@ -15,8 +15,8 @@ from 0, and its records carry ``layers`` (the layer index of each ``layer_mse`` 
   stage1_layer_mse.png  validation MSE of each layer against step (train records if there is no val);
   stage1_loss.png       stage-1 train and validation loss against step;
   stage2_loss.png       stage-2 train and validation loss against step.
-Figures are built with ``matplotlib.figure.Figure`` (no pyplot, no global backend state) and each
-PNG is written to a temporary name and then renamed, so a reader never sees half a file.
+Figures come from ``linearize.records`` (``new_figure``: no pyplot, no global backend state;
+``save_png``: written to a temporary name and then renamed, so a reader never sees half a file).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import json
 import math
 import os
 from pathlib import Path
+
+from ..records import new_figure, save_png
 
 LAYER_MSE_PNG = "stage1_layer_mse.png"
 STAGE1_LOSS_PNG = "stage1_loss.png"
@@ -165,15 +167,6 @@ def _use_log(ax, values: list[float]) -> None:
         ax.set_yscale("log")
 
 
-def new_figure(figsize: tuple[float, float] = (7.5, 4.5), nrows: int = 1, ncols: int = 1):
-    """A figure without pyplot (no global state, no GUI backend): ``(fig, axes)``; ``nrows=0``
-    gives no axes, for a caller that lays out its own grid."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=100, layout="constrained")
-    return fig, (fig.subplots(nrows, ncols, squeeze=True) if nrows else None)
-
-
 def _mark_blocks(ax, segments: list[_Segment]) -> str:
     """Dotted lines between block segments; the x label that goes with them."""
     if len(segments) <= 1:
@@ -234,17 +227,3 @@ def _loss_figure(segments: list[_Segment], title: str, ylabel: str, log: bool):
     ax.grid(True, alpha=0.3)
     ax.legend()
     return fig
-
-
-def save_png(fig, path: Path) -> Path:
-    """Write atomically: a reader never sees half a PNG."""
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        fig.clear()
-    return path

@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import random
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..models.checkpoint import check_directory_path, save
 from ..models.convert import convert, linearized_layers
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
+from ..records import device_name, write_json
 from .config import TrainConfig
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
 from .schedules import mu_at
@@ -39,7 +39,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves."""
     config.validate()
     out = Path(config.out)
-    _check_out_dir(out, config, resume)
+    check_run_dir(out, config, resume)
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -53,12 +53,12 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     if config.lora_targets:  # fail before anything is written, not after stage 1
         check_lora_targets(model, config.lora_targets)
     train_rows, val_rows = _rows(config, tokenizer)
-    _log(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
+    log_progress(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
                  f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
 
     out.mkdir(parents=True, exist_ok=True)
     if not (out / CONFIG_FILE).is_file():
-        _write_json(out / CONFIG_FILE, config.to_dict())
+        write_json(out / CONFIG_FILE, config.to_dict())
     metrics = MetricsLog(out / "metrics.jsonl")
     if not resume and metrics.path.exists():
         metrics.path.unlink()
@@ -68,7 +68,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
 
     convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
     model.to(device)
-    summary = {"method": config.method, "model": config.model, "device": _device_name(device),
+    summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
@@ -84,12 +84,12 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data,
                                         "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
-    _write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     from .plots import plot_metrics
 
     plot_metrics(metrics.path, out)
     print(verdict(summary, config), flush=True)  # the run's result: shown with or without progress bars
-    _log(config, f"done: {out} (linearize.load({str(out)!r}) opens it)")
+    log_progress(config, f"done: {out} (linearize.load({str(out)!r}) opens it)")
     return out
 
 
@@ -184,7 +184,7 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -> list[dict]:
     steps = _steps(config.stage1_tokens, config)
     if not trainable_attention_parameters(model):
-        _log(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
+        log_progress(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
                      "(nothing to transfer); going straight to stage 2")
         metrics.write({"event": "stage1_skipped", "stage": "stage1", "reason": "no trainable attention parameters"})
         return []
@@ -209,9 +209,9 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
         previous_end = block.start
         name = "stage1" if len(blocks) == 1 else f"stage1-block{b}"
         params = trainable_attention_parameters(model, block)
-        named = _named(model, params)
+        named = named_parameters_of(model, params)
         freeze_all_but(model, params)
-        _log(config, f"{name}: layers {list(block.layers)}, {sum(p.numel() for p in params):,} parameters, "
+        log_progress(config, f"{name}: layers {list(block.layers)}, {sum(p.numel() for p in params):,} parameters, "
                      f"{steps} steps")
 
         def loss_fn(batch, block=block):
@@ -281,7 +281,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     model.to(device)
     params = lora_parameters(model)
     steps = _steps(config.stage2_tokens, config)
-    _log(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
+    log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
                  f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
     uses_mu = model.linearize_spec["config"]["combine"] == "mu"
 
@@ -301,7 +301,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
             model.train()
             return loss, {"ppl": math.exp(min(loss, 50.0))}
 
-    stage = Stage("stage2", _named(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
+    stage = Stage("stage2", named_parameters_of(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
                   before_step=set_mu if uses_mu else None)
     model.train()
     summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
@@ -360,7 +360,8 @@ def _lm_loss(model, rows, config, device) -> float:
 # --------------------------------------------------------------------------------------- helpers
 
 
-def _named(model, params) -> dict:
+def named_parameters_of(model, params) -> dict:
+    """``{name: parameter}`` of ``model`` for the parameters in ``params``."""
     ids = {id(p) for p in params}
     return {n: p for n, p in model.named_parameters() if id(p) in ids}
 
@@ -385,7 +386,7 @@ def changed_settings(saved: dict, config: TrainConfig) -> list[str]:
     return sorted(k for k in set(saved) | set(now) if k not in RESUME_IRRELEVANT and saved.get(k) != now.get(k))
 
 
-def _check_out_dir(out: Path, config: TrainConfig, resume: bool) -> None:
+def check_run_dir(out: Path, config: TrainConfig, resume: bool) -> None:
     check_directory_path(out, f"--out {out}")  # a file there: say so before loading anything
     saved = out / CONFIG_FILE
     if resume:
@@ -400,16 +401,7 @@ def _check_out_dir(out: Path, config: TrainConfig, resume: bool) -> None:
         raise ValueError(f"output directory {out} is not empty{hint}; choose another --out")
 
 
-def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _log(config: TrainConfig, message: str) -> None:
+def log_progress(config: TrainConfig, message: str) -> None:
+    """Print ``message`` when the run shows progress (``config.progress``)."""
     if config.progress:
         print(message, flush=True)

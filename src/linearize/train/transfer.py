@@ -15,28 +15,14 @@ block size, one block covers the whole model and its inputs are just the embeddi
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..models.adapters import adapter_for
+from ..models.attention import TransferRecorder
 from ..models.convert import linearized_layers
-
-
-@dataclass
-class TransferRecorder:
-    """Collects each layer's MSE(student, teacher) over the valid tokens of one forward pass."""
-
-    target: str = "heads"  # heads: (B, T, H, d) before o_proj | output: (B, T, hidden) after it
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def record(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """student, teacher: (B, T, ...) in the same layout; valid: (B, T) bool or None."""
-        err = (student.float() - teacher.float()).pow(2).flatten(2).mean(-1)  # (B, T)
-        if valid is not None:
-            err = err[valid]
-        self.losses[layer_idx] = err.mean()
 
 
 class _StopForward(Exception):
@@ -142,5 +128,5 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
     return recorder.losses
 
 
-__all__ = ["Block", "TransferRecorder", "freeze_all_but", "make_blocks", "run_block",
+__all__ = ["Block", "freeze_all_but", "make_blocks", "run_block",
            "trainable_attention_parameters", "transfer_mode"]
