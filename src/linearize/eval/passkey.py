@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ..data.passkey import PasskeyExample, make_classic_passkey_example, make_passkey_example
+from ..models.generate import generate_text
 from ..models.loading import is_linearized, load_model, model_label, trained_context
 from ..records import environment, markdown_table, new_figure, save_png, write_outputs
 
@@ -66,19 +67,10 @@ def make_example(fmt: str, tokenizer, length: int, depth: float, rng: random.Ran
     raise ValueError(f"unknown passkey format {fmt!r}; available: {', '.join(FORMATS)}")
 
 
-@torch.no_grad()
 def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
-    if device.type == "cuda" and is_linearized(model):
-        from ..models.decode import fast_generate  # the same greedy tokens, decoded through a CUDA graph
-
-        out = fast_generate(model, ids, max_new_tokens=max_new_tokens, pad_token_id=pad)
-    else:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    """The greedy continuation of ``prompt`` as it stands (no special tokens added): on CUDA a
+    linearized model decodes through a CUDA graph, the same tokens (``models.generate``)."""
+    return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, add_special_tokens=False)
 
 
 def evaluate_model(model, tokenizer, fmt: str, lengths: list[int], depths: list[float], samples: int,
