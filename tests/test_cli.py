@@ -6,7 +6,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,9 @@ import torch
 import fixtures
 import linearize
 from linearize import cli
+from linearize.cli import demo as cli_demo
+from linearize.cli import train as cli_train
+from linearize.cli.args import parse_int, parse_int_list
 from linearize.models.checkpoint import ADAPTER_FILE, META_FILE
 from linearize.train.config import TrainConfig
 
@@ -42,7 +44,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def parse_train(*argv) -> TrainConfig:
-    return cli.train_config_from_args(cli.build_parser().parse_args(["train", *map(str, argv)]))
+    return cli_train.train_config_from_args(cli.build_parser().parse_args(["train", *map(str, argv)]))
 
 
 # ---------------------------------------------------------------------------- help
@@ -563,10 +565,8 @@ def test_train_defaults_and_flag_types():
 
 def test_suffixes_mean_the_same_in_every_flag():
     """K and M are binary in token budgets, context lengths and token caps alike (issue 40)."""
-    from linearize.cli_eval import parse_int_list
-
-    assert cli.parse_int("4K") == parse_int_list("4K")[0] == 4096
-    assert cli.parse_int("2M") == 2 * 1024 * 1024 and cli.parse_int("1.5k") == 1536
+    assert parse_int("4K") == parse_int_list("4K")[0] == 4096
+    assert parse_int("2M") == 2 * 1024 * 1024 and parse_int("1.5k") == 1536
     assert parse_int_list("1K,2k,8192,1M") == [1024, 2048, 8192, 1024**2]
     assert parse_train("--stage1-tokens", "8K").stage1_tokens == parse_int_list("8K")[0]
     with pytest.raises(ValueError, match="positive"):
@@ -631,7 +631,7 @@ def test_train_missing_config_file(capsys, tmp_path):
     (["--device", "tpu"], "tpu"),
 ])
 def test_train_bad_values_exit_2_before_running(capsys, monkeypatch, tmp_path, args, named):
-    monkeypatch.setattr(cli, "_train_runner", lambda: pytest.fail("training ran with a bad config"))
+    monkeypatch.setattr(cli_train, "_train_runner", lambda: pytest.fail("training ran with a bad config"))
     code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
     assert code == 2 and named in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
@@ -675,7 +675,7 @@ def test_train_command_calls_run_and_plots(capsys, monkeypatch, tmp_path):
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return out
 
-    monkeypatch.setattr(cli, "_train_runner", lambda: fake_run)
+    monkeypatch.setattr(cli_train, "_train_runner", lambda: fake_run)
     out = tmp_path / "run"
     code, stdout, err = run_cli(capsys, "train", "--out", out, "--stage1-tokens", "0", "--resume")
     assert code == 0, err
@@ -706,19 +706,17 @@ def test_train_that_diverges_reports_without_traceback(capsys, monkeypatch, tmp_
     def diverging_run(config, *, resume=False):
         raise NonFiniteLossError("stage2: the loss was not finite for 5 steps in a row")
 
-    monkeypatch.setattr(cli, "_train_runner", lambda: diverging_run)
+    monkeypatch.setattr(cli_train, "_train_runner", lambda: diverging_run)
     code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run")
     assert code == 1 and "not finite for 5 steps" in err and "Traceback" not in err
 
 
 def test_demo_calls_run_demo(capsys, monkeypatch, tmp_path):
     calls = []
-    fake = types.ModuleType("linearize.demo")
-    fake.run_demo = lambda out, device: calls.append((out, device)) or 0
-    monkeypatch.setitem(sys.modules, "linearize.demo", fake)
+    monkeypatch.setattr(cli_demo, "run_demo", lambda out, device: calls.append((out, device)) or 0)
     assert run_cli(capsys, "demo", "--out", tmp_path / "d", "--device", "cpu")[0] == 0
     assert calls == [(str(tmp_path / "d"), "cpu")]
-    fake.run_demo = lambda out, device: 3
+    monkeypatch.setattr(cli_demo, "run_demo", lambda out, device: 3)
     assert run_cli(capsys, "demo")[0] == 3
 
 

@@ -1,4 +1,4 @@
-"""End to end: ``linearize.demo.run_demo`` on a tiny random Llama (the bundled tokenizer)."""
+"""End to end: ``linearize.cli.demo.run_demo`` on a tiny random Llama (the bundled tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from fixtures import tiny_model_dir
-from linearize.demo import run_demo
+from linearize.cli.demo import run_demo
 
 CONTEXTS = (64, 256)
 
@@ -86,7 +86,7 @@ def test_demo_end_to_end_and_resume(tmp_path, tiny_dir, capsys):
     assert time.perf_counter() - started < 60  # no training: loads, answers, memory
 
     # a run stopped before its checkpoint and summary were written resumes instead of starting over
-    from linearize.demo import _train_config, train
+    from linearize.cli.demo import _train_config, train
 
     (out / "summary.json").unlink()
     (out / "linearize.json").unlink()
@@ -97,7 +97,7 @@ def test_demo_end_to_end_and_resume(tmp_path, tiny_dir, capsys):
 
 
 def test_demo_refuses_a_different_run(tmp_path, tiny_dir, capsys):
-    from linearize.demo import _train_config
+    from linearize.cli.demo import _train_config
 
     out = tmp_path / "other"
     out.mkdir()

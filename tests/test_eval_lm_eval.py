@@ -375,7 +375,7 @@ def test_run_lm_eval_writes_one_table(tiny, student, hf_model, data, tmp_path):
 
 def test_drop_in_cli_runs_lm_eval(tiny, data, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "linearize.lm_eval", "--model", "linearize",
+    proc = subprocess.run([sys.executable, "-m", "linearize.cli.lm_eval", "--model", "linearize",
                            "--model_args", f"path={tiny}", "--device", "cpu", "--tasks", "linearize_piqa", "--limit", "2",
                            "--data-dir", str(data), "--output_path", str(tmp_path / "out")],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -405,7 +405,7 @@ def test_import_registers_lazily_and_survives_without_lm_eval():
 
 def test_missing_data_file_is_named(tiny, data, tmp_path, capsys, monkeypatch):
     from linearize.eval.lm_eval_run import run_lm_eval
-    from linearize.lm_eval import main
+    from linearize.cli.lm_eval import main
 
     partial = write_evaldev(tmp_path / "partial")
     (partial / "hellaswag.jsonl").unlink()

@@ -23,7 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from .cli import human_size
+from ..records import human_size
+from .args import DEVICE_HELP, add_command, argtype, parse_device
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -91,7 +92,7 @@ def _check_arguments(stage1_steps, stage2_steps, prompts, max_new_tokens, contex
 
 
 def _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_steps):
-    from .train.config import TrainConfig
+    from ..train.config import TrainConfig
 
     every = max(1, round(stage1_steps / 6))  # ~6 validations in stage 1, ~2 in stage 2
     return TrainConfig(
@@ -104,7 +105,7 @@ def _train_config(out, device, model, seq_len, batch_size, stage1_steps, stage2_
 
 def _existing_run_problem(out: Path, config) -> str | None:
     """Why ``out`` cannot be used for this demo, or None (empty, absent, or the same run)."""
-    from .train.run import CONFIG_FILE, changed_settings, read_run_config
+    from ..train.run import CONFIG_FILE, changed_settings, read_run_config
 
     if not out.exists():
         return None
@@ -140,7 +141,7 @@ def _duration(seconds: float) -> str:
 
 
 def _device(config):
-    from .train.loop import resolve_device
+    from ..train.loop import resolve_device
 
     return resolve_device(config.device)
 
@@ -186,7 +187,7 @@ def _finished(out: Path) -> bool:
 
 
 def train(config) -> Path:
-    from .train import run
+    from ..train import run
 
     out = Path(config.out)
     if _finished(out):
@@ -203,7 +204,7 @@ def train(config) -> Path:
 
 def _layer_mse(out: Path) -> dict[int, tuple[float, float]]:
     """layer -> (validation MSE at the first stage-1 evaluation, at the last one)."""
-    from .train.plots import read_metrics
+    from ..train.plots import read_metrics
 
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -246,27 +247,12 @@ def show_transfer_mse(out: Path) -> dict:
 # ------------------------------------------------------------------------------- 4. answers
 
 
-def _chat_ids(tokenizer, prompt: str):
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # the template has them
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
-
-
 def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    import torch
-    from transformers import GenerationConfig
+    """A greedy answer, through the chat template where the tokenizer has one."""
+    from ..models.generate import generate_text
 
-    device = next(model.parameters()).device
-    ids = _chat_ids(tokenizer, prompt).to(device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = model.generation_config.eos_token_id
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                           eos_token_id=eos if eos is not None else tokenizer.eos_token_id)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=chat).strip()
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -325,7 +311,7 @@ def _student_ppl_after_stage1(out: Path) -> float | None:
 
 def _context_tokens(tokenizer, length: int) -> list[int]:
     """``length`` tokens of real text (Shakespeare), repeated if the plays were ever too short."""
-    from .data import load_documents
+    from ..data import load_documents
 
     docs = load_documents("shakespeare", tokenizer, max_documents=2)
     ids = [t for d in docs for t in d]
@@ -339,7 +325,7 @@ def _decode_cache_bytes(model, ids) -> int:
     bytes the cache holds (every tensor reachable from it) with ``len(ids)`` tokens of context."""
     import torch
 
-    from .models.cache import cache_bytes
+    from ..models.cache import cache_bytes
 
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
@@ -432,3 +418,23 @@ def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
     print('  linearize generate --model runs/lizard --chat --prompt "What is the capital of France?"')
     print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl, Alpaca records); "
           "`linearize train --help` lists every setting.")
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def cmd_demo(args) -> int:
+    return int(run_demo(out=args.out, device=args.device) or 0)
+
+
+def add_parser(sub) -> None:
+    p = add_command(sub, "demo", "the main job: linearize the bundled SmolLM2-135M with Lizard and compare",
+                    "Linearize the bundled SmolLM2-135M-Instruct with Lizard on the built-in text, show each layer's "
+                    "transfer MSE falling, compare teacher and student answers and their decode memory.",
+                    """\
+                    examples:
+                      linearize demo
+                      linearize demo --out runs/my-demo --device cpu""")
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="run directory (default: %(default)s)")
+    p.add_argument("--device", type=argtype(parse_device), default="auto", metavar="DEVICE", help=DEVICE_HELP)
+    p.set_defaults(func=cmd_demo)

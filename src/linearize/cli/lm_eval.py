@@ -1,4 +1,4 @@
-"""``python -m linearize.lm_eval``: lm-eval's own command line, with linearize's model and tasks known.
+"""``python -m linearize.cli.lm_eval``: lm-eval's own command line, with linearize's model and tasks known.
 
 lm-eval's command line alone cannot load a third-party model class: the class registers itself
 only once ``linearize`` is imported. This module imports it, points lm-eval at the linearize_*
@@ -10,7 +10,7 @@ task configs (``--include_path``, rendered for the data folder) and hands over t
 
 Example::
 
-    python -m linearize.lm_eval --model linearize --model_args path=runs/lizard \\
+    python -m linearize.cli.lm_eval --model linearize --model_args path=runs/lizard \\
         --tasks linearize_piqa,linearize_arc_challenge,linearize_mmlu --data-dir data/evaldev \\
         --batch_size 16 --output_path results/
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_HELP)
 
     import linearize  # noqa: F401  (registers model=linearize with lm-eval)
-    from .eval.lm_eval_tasks import BY_NAME, MMLU_TASK_PREFIX, TASKS, check_data, render_tasks
+    from ..eval.lm_eval_tasks import BY_NAME, MMLU_TASK_PREFIX, TASKS, check_data, render_tasks
 
     ours = [BY_NAME[n] if n in BY_NAME else TASKS["mmlu"] for n in _requested_tasks(argv)
             if n in BY_NAME or n.startswith(MMLU_TASK_PREFIX)]
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval.__main__ import cli_evaluate
 
-    from .eval.lm_eval_run import quiet_git
+    from ..eval.lm_eval_run import quiet_git
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]

@@ -1,0 +1,7 @@
+"""``python -m linearize ...`` = ``linearize ...``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

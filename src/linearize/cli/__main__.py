@@ -1,0 +1,7 @@
+"""``python -m linearize.cli ...`` = ``linearize ...``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
