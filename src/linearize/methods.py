@@ -57,3 +57,7 @@ def method_config(method: str, **overrides) -> AttentionConfig | LionConfig:
     if method not in _METHODS:
         raise ValueError(f"unknown method {method!r}; available: {sorted(_METHODS)}")
     return _METHODS[method].config.with_overrides(**overrides)
+
+
+__all__ = ["COMBINES", "FEATURE_MAPS", "GATES", "GLOBAL_RULES", "LOCAL_RULES", "SINK_KINDS", "AttentionConfig", "Method",
+           "method_config", "methods"]
