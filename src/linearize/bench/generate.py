@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from ..records import environment, markdown_table, new_figure, save_png, write_outputs
+from ..records import environment, markdown_table, new_figure, save_png, write_json, write_outputs
 from .common import cleanup, is_oom, sync
 
 STEM = "generate"
@@ -628,11 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="instead of the bench: profile one decode step per model at this context")
     args = p.parse_args(argv)
     if args.profile:
-        import json
-
         results = [profile_decode(m, args.profile, args.batch_size, args.dtype, args.device) for m in args.models]
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "profile.json").write_text(json.dumps(results, indent=1) + "\n")
+        write_json(Path(args.out) / "profile.json", results, indent=1)
         for r in results:
             for side in ("teacher", "student"):
                 d = r[side]

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.backend.dispatch import kernels_switched
-from ..records import environment
+from ..records import environment, write_json, write_text_atomically
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -380,17 +380,15 @@ def run_kernel_bench(
         plot_kernel_bench(result, out_dir / "kernels.png")
     except ImportError as e:  # matplotlib missing on the GPU box: plot later from kernels.json
         result["plot"] = f"not drawn ({e}); run linearize.bench.kernels.plot_kernel_bench on kernels.json"
-        (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
+        write_json(out_dir / "kernels.json", result, indent=1)
     return result
 
 
 def _write_results(out_dir: Path, result: dict) -> None:
     """kernels.json and kernels.md from ``result`` as it stands, each written whole (a temporary file
     renamed over the old one)."""
-    for name, text in (("kernels.json", json.dumps(result, indent=1)), ("kernels.md", render_markdown(result))):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+    write_json(out_dir / "kernels.json", result, indent=1)
+    write_text_atomically(out_dir / "kernels.md", render_markdown(result))
 
 
 def _fmt(cell: dict) -> str:
@@ -614,8 +612,7 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
         print(f"{kind:8s} {mode:7s} B{B} T{T} {json.dumps(cand):75s} fwd {_fmt(f):>16s}  fwd+bwd {_fmt(fb):>16s}",
               flush=True)
     if not compile_only:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "tune.json").write_text(json.dumps(rows, indent=1))
+        write_json(Path(out_dir) / "tune.json", rows, indent=1)
     return {"rows": rows}
 
 
@@ -704,8 +701,7 @@ def profile_kernels(out_dir: str | os.PathLike, shape: tuple[int, int] = DEFAULT
             print(f"{name} {pas} B{B} T{T}: total {sum(kernels.values()):.3f} ms", flush=True)
             for k, ms in list(kernels.items())[:12]:
                 print(f"  {ms:8.3f} ms  {k[:100]}", flush=True)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "profile.json").write_text(json.dumps(result, indent=1))
+    write_json(Path(out_dir) / "profile.json", result, indent=1)
     return result
 
 
