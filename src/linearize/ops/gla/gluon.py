@@ -22,7 +22,7 @@ memory and no spills, two programs per multiprocessor, each one's loads in fligh
 computes. dS is read first (dv and dphi_k); S then comes into dS's slot while M and dphi_k are
 formed, for dphi_q last.
 
-The fused backward (``_gla_bwd_fused_kernel``, ``GLAKernelConfig.gluon_fused_bwd``): one program
+The fused backward (``_gla_bwd_fused_kernel``, ``GLALaunch.gluon_fused_bwd``): one program
 per (segment, batch x head) walks its chunks from the end, the reverse state pass and the chunk
 pass in one, so the state gradient of every chunk (as many bytes as two (B, H, T, 128) tensors)
 is never written or read back, nor are phi_q, do and o read twice. Two warp-specialised
@@ -1421,15 +1421,16 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
     return math.ceil(T // BT / seg_chunks), seg_chunks * BT
 
 
-def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
+def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int, cfg=None):
     """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
     start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
-    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``)."""
+    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``), launched
+    as ``cfg`` (a ``GLALaunch``; default ``LAUNCH``) says."""
     from . import triton as kgla
 
     B, H, T, F = phi_k.shape
     DV = v.shape[-1]
-    cfg = kgla.CONFIG
+    cfg = cfg or kgla.LAUNCH
     f32 = dict(dtype=torch.float32, device=v.device)
     s_in = torch.empty(B * H, nseg, F, DV, **f32)
     z_in = torch.zeros(B * H, nseg, F, **f32)

@@ -3,8 +3,10 @@
     y = gla(phi_q, phi_k, v, log_g) + alpha_h * window(q_w, k_w, v; sink_logits)
 
 ``lizard_attention`` (in ``fused``) is the public op and picks the backend: the fused kernels on
-CUDA where ``one_op_applies``, else the torch ops (``ops.gla``, ``ops.window_attn``) and a torch
-combine, the same computation ``layers.hybrid.HybridAttention`` runs for Lizard.
+CUDA where ``one_op_applies``, else the branches' own ops (``ops.gla``, ``ops.window_attn``) and a
+torch combine, the same computation ``layers.hybrid.HybridAttention`` runs for Lizard.
+``lizard_attention_fused`` is the one op alone, None where it does not apply (for a caller with a
+torch path of its own). Both take ``settings`` (``ops.backend.KernelSettings``).
 
 Its decode step (one new token per row: the recurrent gated step and the window over a ring
 buffer) is ``decode``'s Triton kernel; ``lizard_step_launcher()`` gives its launcher, or None
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .fused import LizardKernelConfig, lizard_attention, one_op_applies
+from .fused import lizard_attention, lizard_attention_fused, one_op_applies
 
-__all__ = ["LizardKernelConfig", "fused_norms_ok", "launch_rmsnorm", "lizard_attention", "lizard_step_launcher",
+__all__ = ["fused_norms_ok", "launch_rmsnorm", "lizard_attention", "lizard_attention_fused", "lizard_step_launcher",
            "one_op_applies"]
 
 

@@ -17,7 +17,7 @@ dq (scores of its queries against three key tiles), the other dk and dv in the t
 dv += p^T dy and dk += ds^T q straight from registers, as FlashAttention's backward does). Tiles
 before the first chunk or after the last are clamped to a real chunk and masked out.
 
-The walking kernel (``_win_bwd_walk_kernel``, ``WindowKernelConfig.gluon_bwd_walk``) does the same
+The walking kernel (``_win_bwd_walk_kernel``, ``WindowLaunch.gluon_bwd_walk``) does the same
 work with one program per segment of chunks: its twelve slots are two rings (query and dy tiles
 of three consecutive chunks, key and value tiles of three), each tile is read once per segment and
 comes by TMA while the chunks before it are computed, where the one-chunk kernel waits for its
@@ -25,7 +25,7 @@ twelve tiles with nothing else to do (one program per multiprocessor) and reads 
 times. The default on Hopper since it ran there (an H100: 1.00 ms against 1.19 for the one-chunk
 kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md). Its dk and dv
 leave by TMA through two staging tiles (stored from registers they cost the dk/dv partition 4.0K
-cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``; the
+cycles a chunk, now 1.3K), and it forms D itself (``WindowLaunch.gluon_walk_delta``; the
 dq partition reads each next tile's o ahead): the window's whole backward at B16 T2048 on an H100,
 1.233 ms with the delta pre-pass and register stores, 0.956 then (docs/results/window-walk-h100.md).
 The dk/dv partition takes all 256 registers a thread (the dq partition keeps 256 too: 65536 in
