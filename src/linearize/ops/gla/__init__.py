@@ -28,9 +28,9 @@ from ..backend.settings import KernelSettings
 
 from .chunk import gla_chunk as gla_chunk_torch
 from .naive import GLAState, gla_parallel
-from .recurrent import gla_recurrent
+from .recurrent import gla_recurrent, gla_step_
 
-__all__ = ["GLAState", "gla_applies", "gla_chunk", "gla_chunk_torch", "gla_parallel", "gla_recurrent"]
+__all__ = ["GLAState", "gla_applies", "gla_chunk", "gla_chunk_torch", "gla_parallel", "gla_recurrent", "gla_step_"]
 
 
 def gla_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,

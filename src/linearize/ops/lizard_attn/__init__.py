@@ -21,8 +21,18 @@ import torch
 
 from .fused import lizard_attention, lizard_attention_fused, one_op_applies
 
-__all__ = ["fused_norms_ok", "launch_rmsnorm", "lizard_attention", "lizard_attention_fused", "lizard_step_launcher",
-           "one_op_applies"]
+__all__ = ["fused_norms_ok", "launch_rmsnorm", "lizard_attention", "lizard_attention_fused", "lizard_step_applies",
+           "lizard_step_launcher", "one_op_applies"]
+
+
+def lizard_step_applies(device: torch.device, dtype: torch.dtype, *, feature_map: str, softcap, sink_kind) -> bool:
+    """Whether the fused Triton decode step (``lizard_step_launcher``) runs a layer's step: on CUDA,
+    bf16/fp16/fp32, Hedgehog features, no soft-cap, sink logits or no sinks (``sink_kind`` "logits"
+    or None), and a usable Triton. The decoder asks this; where it says no, the ops' torch steps
+    (``ops.gla.gla_step_``, ``ops.window_attn.window_ring_step_``) run."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and feature_map == "hedgehog" and softcap is None and sink_kind in (None, "logits")
+            and lizard_step_launcher() is not None)
 
 
 def lizard_step_launcher():

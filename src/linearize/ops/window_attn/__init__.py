@@ -32,11 +32,11 @@ from ..backend.settings import KernelSettings
 
 from .chunk import window_attn_chunk as window_attn_chunk_torch
 from .naive import WindowState, cache_len, check_softcap, soft_cap, visible, window_attn_parallel
-from .recurrent import window_attn_recurrent
+from .recurrent import window_attn_recurrent, window_ring_step_
 
 __all__ = ["WindowState", "cache_len", "check_softcap", "soft_cap", "visible", "window_applies",
            "window_attn_chunk", "window_attn_chunk_torch", "window_attn_parallel", "window_attn_recurrent",
-           "window_attn_sum"]
+           "window_attn_sum", "window_ring_step_"]
 
 
 def window_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: bool = False,
