@@ -639,7 +639,7 @@ def pick_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     }
     # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps and
     # the normalised reverse pass's V-block; the unnormalised one comes from the plain rows;
-    # par_warps_log (log-features, which no layer passes now) keeps its default
+    # the chunk pass's warps for log-features (which no layer passes now) are a module constant
     chosen["gla_launch"] = replace(kgla.LAUNCH, **chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
     chosen["window_launch"] = replace(kwin.LAUNCH, **chosen["window"])
     return chosen

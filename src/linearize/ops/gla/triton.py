@@ -662,12 +662,10 @@ class GLALaunch:
     or a test passes a variant explicitly (``gla_chunk_triton(launch=...)``).
 
     ``fwd_bv``: the forward's V-block (32 with log-features hit an illegal address on an H200 with
-    Triton 3.6: avoid it). ``par_warps`` / ``par_warps_log``: the backward's chunk pass for plain /
-    log-features (the latter holds more tiles). ``dstate_bv`` / ``dstate_bv_norm``: the V-block of
-    the backward's reverse pass, unnormalised / normalised.
-    ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into segments
-    aims at; ``fused_whole``: the fused Gluon backward runs the sequence whole where the (batch x
-    head) programs fill at least this share of the multiprocessors (see ``_segments``).
+    Triton 3.6: avoid it). ``par_warps``: the backward's chunk pass for plain features.
+    ``dstate_bv`` / ``dstate_bv_norm``: the V-block of the backward's reverse pass, unnormalised /
+    normalised. ``fill``: (batch * head) programs per multiprocessor that a split of the sequence
+    into segments aims at (see ``_segments``).
     ``tma``: the forward's passes load and store through tensor descriptors where the tensors allow
     it (``_tma``); False only to test the path that unaligned tensors take.
     ``gluon_fused_bwd``: the whole backward as ONE Gluon kernel where Gluon runs; False runs the
@@ -682,14 +680,11 @@ class GLALaunch:
     fwd_stages: int = 2
     den_warps: int = 2
     dstate_warps: int = 4
-    dstate_stages: int = 2
     dstate_bv: int = 128
     dstate_bv_norm: int = 128
     par_warps: int = 4
-    par_warps_log: int = 8
     par_stages: int = 1
     fill: int = 2
-    fused_whole: float = 0.5
     tma: bool = True
     gluon: bool = True
     gluon_fused_bwd: bool = True
@@ -698,6 +693,12 @@ class GLALaunch:
 
 
 LAUNCH = GLALaunch()  # the tuned defaults
+# settled, never swept since: the reverse pass's stages (3 lost in sweep3); the chunk pass's warps for
+# log-features (more tiles than plain ones: 4 warps spilled); the fused backward runs the sequence whole
+# where the (batch x head) programs fill this share of the multiprocessors (else ``_segments`` cuts it)
+_DSTATE_STAGES = 2
+_PAR_WARPS_LOG = 8
+_FUSED_WHOLE = 0.5
 MAX_DIM = 128
 
 
@@ -997,7 +998,7 @@ def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: i
     g_seg = torch.empty(B * H, nseg, **f32)
     _gla_bwd_state_kernel[(nseg - 1, B * H)](
         q, log_g, do, o_, den_, ds_buf, dz_buf, g_seg, *strides_bht(q), *strides_bht(log_g), T, H, seg_len, nseg,
-        eps, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+        eps, num_warps=cfg.dstate_warps, num_stages=_DSTATE_STAGES, **common_kw)
     BVS = min(32, common_kw["BV"])
     _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
         ds_buf, dz_buf, g_seg, ds_in if ds_in is not None else ds_buf, dz_in if ds_in is not None else dz_buf,
@@ -1017,9 +1018,9 @@ def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_sp
 
 def _fused_segments(T: int, BT: int, programs: int, sms: int, cfg: GLALaunch) -> tuple[int, int]:
     """(segments, segment length in tokens) of the fused backward: whole where the programs fill
-    ``cfg.fused_whole`` of the multiprocessors (unless ``cfg.seg_chunks`` forces a length), else
+    ``_FUSED_WHOLE`` of the multiprocessors (unless ``cfg.seg_chunks`` forces a length), else
     ``_segments``."""
-    if cfg.seg_chunks is None and programs >= cfg.fused_whole * sms:
+    if cfg.seg_chunks is None and programs >= _FUSED_WHOLE * sms:
         return 1, max(1, math.ceil(T / BT)) * BT
     return _segments(T, BT, programs, sms, cfg)
 
@@ -1085,7 +1086,7 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
         dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
-        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
+        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=_DSTATE_STAGES, **{**common_kw, "BV": BVD})
     return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD)
 
 
@@ -1131,7 +1132,7 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
             q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
             *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
             DV_ADD=dv_into is not None,
-            num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+            num_warps=_PAR_WARPS_LOG if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
     if dS0 is not None and not normalize:
         dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0

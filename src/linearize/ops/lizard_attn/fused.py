@@ -407,8 +407,7 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     kernel_state = inference and return_state and window_state is None and dt == torch.float32 and v.is_cuda
     if kernel_state:
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
-        # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
-        # stream; docs/results/lizard-launch-overhead-h100.md)
+        # last keys and values (a little faster: docs/results/lizard-launch-overhead-h100.md)
         w_out = _window_state_buffers(k_w, v, L, dt)
         fused = fused_forward(w_out)
         if fused is not None:
