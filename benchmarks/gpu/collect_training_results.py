@@ -1,5 +1,5 @@
 """Gather finished training runs (their summary.json and metrics.jsonl) into one JSON and one
-Markdown table: python3 scripts/collect_training_results.py RUN_DIR... --out DIR"""
+Markdown table: python3 benchmarks/gpu/collect_training_results.py RUN_DIR... --out DIR"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``LizardKernelConfig`` variants, side by side in one run: time, the training forward alone, peak
 memory, and each gradient's error against our torch path in fp32.
 
-    python scripts/lizard_train_ab.py --out OUT [--shape 16x2048 ...] [--rounds 5]
+    python benchmarks/probes/lizard_train_ab.py --out OUT [--shape 16x2048 ...] [--rounds 5]
         [--variant NAME=FIELD=VALUE[;FIELD=VALUE] ...] [--check-batch 2] [--op lizard|gla]
 
 ``--op gla``: gated linear attention alone instead, as the kernel bench times it
@@ -119,7 +119,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     if a.op == "gla" or a.check_batch < 1:
-        write_rows(a.out, "lizard-train-ab.json", "scripts/lizard_train_ab.py", rows)
+        write_rows(a.out, "lizard-train-ab.json", "benchmarks/probes/lizard_train_ab.py", rows)
         return
     B, T = a.check_batch, shapes[0][1]
     x = _shape_inputs(B, T, 32, 128, 128, 4, torch.bfloat16, dev, 1)
@@ -134,7 +134,7 @@ def main() -> None:
                for name, g, r in zip(NAMES, leaves, ref)}
         rows.append({"B": B, "T": T, "variant": n, "pass": "grad rel RMS vs torch fp32", **err})
         print(json.dumps(rows[-1]), flush=True)
-    write_rows(a.out, "lizard-train-ab.json", "scripts/lizard_train_ab.py", rows)
+    write_rows(a.out, "lizard-train-ab.json", "benchmarks/probes/lizard_train_ab.py", rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What the GPU probes in scripts/ share: other versions of a kernel file timed beside the current
+"""What the GPU probes in benchmarks/probes/ share: other versions of a kernel file timed beside the current
 one (``--alt NAME=FILE``), and their JSON output."""
 
 from __future__ import annotations

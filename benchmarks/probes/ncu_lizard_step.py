@@ -3,11 +3,11 @@
 The step runs twice first (compiling every kernel), then once between cudaProfilerStart/Stop, so
 that ``ncu --profile-from-start off`` sees exactly one launch of each kernel. The bench's inputs
 (``bench.kernels._shape_inputs``: bf16, 32 heads, widths 128, window 128, 4 sinks). For example
-(on the GPU machine; ``scripts/ncu_lizard.sh`` runs this and writes the reports):
+(on the GPU machine; ``benchmarks/probes/ncu_lizard.sh`` runs this and writes the reports):
 
     ncu --clock-control none --profile-from-start off --set full \\
         -k regex:'_lizard_fwd_kernel|_gla_bwd_fused_kernel|_win_bwd_walk_kernel' \\
-        -o OUT/step python scripts/ncu_lizard_step.py --shape 16x2048
+        -o OUT/step python benchmarks/probes/ncu_lizard_step.py --shape 16x2048
 """
 
 from __future__ import annotations

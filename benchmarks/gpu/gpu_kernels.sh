@@ -1,31 +1,30 @@
 #!/usr/bin/env bash
 # The Triton kernels on a GPU machine: tests, launch-config sweep, benchmark.
 #
-#   scripts/gpu_kernels.sh test  [OUT]   GPU tests of tests/ops/test_kernels.py (kernels vs torch reference) and
+#   benchmarks/gpu/gpu_kernels.sh test  [OUT]   GPU tests of tests/ops/test_kernels.py (kernels vs torch reference) and
 #                                        tests/test_decode.py (Triton decode step, CUDA graphs)
-#   scripts/gpu_kernels.sh tune  [OUT]   time the candidate launch configs (bench/kernels.py *_CANDIDATES)
-#   scripts/gpu_kernels.sh bench [OUT]   the side-by-side benchmark: OUT/kernels.{json,md,png}
-#   scripts/gpu_kernels.sh all   [OUT]   test, then bench
-#   scripts/gpu_kernels.sh tunetest [OUT]  test and tune (compiling side by side, timing alone)
-#   scripts/gpu_kernels.sh full  [OUT]   test, tune, then bench with the fastest tuned configs
-#   scripts/gpu_kernels.sh h200  [OUT]   on an H200 only (elsewhere exit 3 at once, costing no time): the bench with
+#   benchmarks/gpu/gpu_kernels.sh tune  [OUT]   time the candidate launch configs (bench/kernels.py *_CANDIDATES)
+#   benchmarks/gpu/gpu_kernels.sh bench [OUT]   the side-by-side benchmark: OUT/kernels.{json,md,png}
+#   benchmarks/gpu/gpu_kernels.sh all   [OUT]   test, then bench
+#   benchmarks/gpu/gpu_kernels.sh tunetest [OUT]  test and tune (compiling side by side, timing alone)
+#   benchmarks/gpu/gpu_kernels.sh full  [OUT]   test, tune, then bench with the fastest tuned configs
+#   benchmarks/gpu/gpu_kernels.sh h200  [OUT]   on an H200 only (elsewhere exit 3 at once, costing no time): the bench with
 #                                        --host over SDPA, fla, our GLA and Lizard (OUT/kernels.*), then where
 #                                        the Lizard step's GPU time goes (OUT/profile/); issue 6's last target
-#   scripts/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two one-kernel backwards (gla_gluon.bwd_fused,
+#   benchmarks/gpu/gpu_kernels.sh newbwd [OUT]  the GPU tests of the two one-kernel backwards (gla_gluon.bwd_fused,
 #                                        the walking window backward), then, if they pass, the bench of the
 #                                        defaults beside the two-pass backward they replaced, and SDPA
 #
 # OUT defaults to $OUT (the device tool's output folder) or runs/bench. BENCH_REPS (default 20): the
 # least timed calls per bench cell; TUNED=path/tune.json: bench with the fastest configs of a tune run.
 # Optional extras, if a folder device_carry_k/ is present (git-ignored; made on the dev machine by
-# scripts/device_carry.sh, and carried to the device with the call):
+# benchmarks/gpu/device_carry.sh, and carried to the device with the call):
 #   device_carry_k/whl/*.whl  installed with pip --no-deps into /tmp/site (fla_core, einops)
 #   device_carry_k/py/        pure-Python packages put on PYTHONPATH (pytest, pluggy, iniconfig)
-# The figures in docs/results/kernels-h200.* come from `test`, then `tune` at 16x2048 and `BENCH_REPS=10 ... bench`
-# (see that file) on one H200.
+# Each kernel record in docs/results/ (its index: docs/results/README.md) names the mode and the command it came from.
 set -euo pipefail
 WHAT=${1:-all}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR=${2:-${OUT:-runs/bench}}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1

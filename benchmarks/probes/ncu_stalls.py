@@ -1,8 +1,10 @@
-"""Where the warps of a kernel wait, from ``scripts/ncu_lizard.sh``'s per-instruction table
+"""Where the warps of a kernel wait, from ``benchmarks/probes/ncu_lizard.sh``'s per-instruction table
 (NAME-source.csv.gz: ncu's source page, SASS, with warp stall samples).
 
-    python scripts/ncu_stalls.py docs/results/ncu-lizard-step-h100-331351f-source.csv.gz \\
-        [--kernel _gla_bwd_fused_kernel] [--top 20]
+    python benchmarks/probes/ncu_stalls.py OUT/NAME-source.csv.gz [--kernel _gla_bwd_fused_kernel] [--top 20]
+
+(A recorded table of an H100 run of tree 331351f: ``git show
+0d8611a:docs/results/ncu-lizard-step-h100-331351f-source.csv.gz > step-source.csv.gz``.)
 
 For each kernel: its stall reasons over all samples; the samples of each warp-specialised
 partition (told apart by the named barrier its warps synchronise on: ``bar.sync 0`` for the default
