@@ -518,9 +518,9 @@ WINDOW_CANDIDATES = (
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=64, kv_bn=32, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2, kv_bm=32, kv_bn=64, kv_warps=4),
-)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json). The dk/dv
+)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60, H200). The dk/dv
 # pass's own blocks (kv_*; the second row is the shared 64 x 32 of before), three sweeps on an H200 at B16
-# T2048, fwd+bwd of the window alone (docs/results/kernels-h200-sweep3.json): 32 x 64 with 4 warps 2.393 /
+# T2048, fwd+bwd of the window alone: 32 x 64 with 4 warps 2.393 /
 # 2.406 / 2.403 ms against 2.509 / 2.524 / 2.523; 32 x 32 2.713; 64 x 64 2.612 (4 warps) / 2.850 (8); 32 x 64
 # with 2 warps 3.291 or 2 stages 2.529-2.564; 64 x 128 4.255 and 32 x 128 2.960 (8 warps); 16-row query
 # blocks (2.592-2.678) also gave dk 5% off in bf16 on the GPU, right under the interpreter: not offered.
