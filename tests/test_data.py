@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import copy
+import gzip
 import json
+import lzma
 import random
 import re
 import sys
@@ -436,3 +439,175 @@ def test_passkey_documents(tok):
         assert re.search(r'passkey\? Answer: [a-z ]+$', tok.decode(d[:-1]))
     # a document fits in one row, so packing keeps every answer
     assert len(pack(docs, 400)) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# chat records, assistant loss masks (issue 43)
+
+MIX = Path(__file__).resolve().parents[2] / "shared" / "data" / "mix"  # ../shared/data/mix beside the repo
+
+
+def _runs(doc, decode) -> list[str]:
+    """The contiguous runs of masked tokens of ``doc``, each decoded."""
+    runs, current = [], []
+    for token, keep in zip(doc, doc.loss_mask):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(decode(current))
+            current = []
+    if current:
+        runs.append(decode(current))
+    return runs
+
+
+CHAT = {"id": "c1", "system": "Answer briefly.", "messages": [
+    {"role": "user", "content": "Say yes, please."},
+    {"role": "assistant", "content": "yes"},  # also found inside the user turn: the mask must pick the answer
+    {"role": "user", "content": "And 2+2?"},
+    {"role": "assistant", "content": "It is 4.\nAnything else?"},
+]}
+
+
+def test_chat_record_uses_chat_template_and_masks_exactly_the_answers(tmp_path, tok):
+    path = _write(tmp_path / "chat.jsonl", json.dumps(CHAT) + "\n")
+    [doc] = load_documents(str(path), tok)
+    messages = [{"role": "system", "content": "Answer briefly."}, *CHAT["messages"]]
+    assert tok.decode(doc) == tok.apply_chat_template(messages, tokenize=False).rstrip()
+    assert doc[-1] == tok.eos_token_id and doc.count(tok.eos_token_id) == 5  # one end per turn, no extra EOS
+    assert len(doc.loss_mask) == len(doc)
+    # the answers and the end-of-turn token after each, nothing else (not "yes" in the user turn)
+    assert _runs(doc, tok.decode) == ["yes<|im_end|>", "It is 4.\nAnything else?<|im_end|>"]
+    unmasked = tok.decode([t for t, m in zip(doc, doc.loss_mask) if not m])
+    assert "Say yes, please." in unmasked and "Answer briefly." in unmasked and "It is 4" not in unmasked
+
+
+def test_chat_without_template_is_role_colon_content(tmp_path, plain_tok):
+    path = _write(tmp_path / "chat.json", json.dumps([CHAT]))
+    [doc] = load_documents(str(path), plain_tok)
+    text = ("system: Answer briefly.\n\nuser: Say yes, please.\n\nassistant: yes\n\nuser: And 2+2?\n\n"
+            "assistant: It is 4.\nAnything else?")
+    assert plain_tok.decode(doc) == text + plain_tok.eos_token
+    # the appended EOS ends the last answer, so it is trained too; a token that holds the separator's
+    # space and the answer's first word (" yes") is part of the answer
+    assert _runs(doc, plain_tok.decode) == [" yes", " It is 4.\nAnything else?" + plain_tok.eos_token]
+
+
+def test_chat_mask_without_offsets_tokenizes_spans_apart(tmp_path):
+    """A tokenizer without character offsets (CharTokenizer) gets the mask from the spans tokenized apart."""
+    path = _write(tmp_path / "chat.jsonl", json.dumps(CHAT))
+    [doc] = load_documents(str(path), CharTokenizer())
+    decode = lambda ids: "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)  # noqa: E731
+    assert decode(doc).startswith("system: Answer briefly.\n\nuser: Say yes, please.\n\nassistant: yes")
+    assert _runs(doc, decode) == ["yes", "It is 4.\nAnything else?<eos>"]
+
+
+def test_alpaca_answer_is_masked(tmp_path, tok, plain_tok):
+    path = _write(tmp_path / "a.json", json.dumps(ALPACA))
+    docs = load_documents(str(path), tok)
+    assert [_runs(d, tok.decode) for d in docs] == [["The sky is usually blue.<|im_end|>"], ["bonjour<|im_end|>"]]
+    classic = load_documents(str(path), plain_tok)  # the classic prompt: the response and the appended EOS
+    assert [_runs(d, plain_tok.decode) for d in classic] == [["The sky is usually blue." + plain_tok.eos_token],
+                                                             ["bonjour" + plain_tok.eos_token]]
+
+
+def test_plain_text_has_no_mask(tmp_path, tok):
+    docs = load_documents(str(_write(tmp_path / "t.jsonl", json.dumps({"text": "Just some text."}))), tok)
+    assert docs[0].loss_mask is None
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
+     ["message 2 has role 'bot'", "allowed roles: system, user, assistant"]),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
+     ["message 2 has role 'system'", "may only come first"]),
+    ({"messages": [{"role": "user", "content": ["a", "list"]}]}, ["message 1 (user) has content ['a', 'list']"]),
+    ({"messages": [{"role": "user", "text": "hi"}]}, ["message 1 must be a mapping with 'role' and 'content'"]),
+    ({"messages": []}, ["'messages' must be a non-empty list", "got []"]),
+    ({"system": "s", "messages": [{"role": "system", "content": "t"}]}, ["both a 'system' field"]),
+    ({"system": 3, "messages": [{"role": "user", "content": "t"}]}, ["'system' must be a string, got 3"]),
+])
+def test_bad_chat_record_names_file_line_and_value(tmp_path, record, expected):
+    good = json.dumps(CHAT)
+    path = _write(tmp_path / "bad.jsonl", f"{good}\n\n{json.dumps(record)}\n")
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), CharTokenizer())
+    msg = str(err.value)
+    assert f"{path}: record 2 (line 3)" in msg, msg
+    for part in expected:
+        assert part in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed files, token budget
+
+OPENERS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
+
+
+def _compress(path: Path, suffix: str) -> Path:
+    target = path.with_name(path.name + suffix)
+    with OPENERS[suffix](target, "wb") as f:
+        f.write(path.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".xz", ".bz2"])
+def test_compressed_files_read_like_plain_ones(tmp_path, tok, suffix):
+    plain = tmp_path / "plain"
+    records = [CHAT, *ALPACA, {"text": "A plain line of text."}]
+    files = [_write(plain / "r.jsonl", "\n".join(json.dumps(r) for r in records) + "\n"),
+             _write(plain / "r.json", json.dumps(records)),
+             _write(plain / "t.txt", "A whole text file.\nTwo lines.\n")]
+    (tmp_path / "packed").mkdir()
+    for f in files:
+        expected = load_documents(str(f), tok)
+        packed = _compress(f, suffix)
+        got = load_documents(str(packed), tok)
+        assert got == expected and len(got) == (1 if f.suffix == ".txt" else 4)
+        assert [d.loss_mask for d in got] == [d.loss_mask for d in expected]
+        packed.rename(tmp_path / "packed" / packed.name)
+    # a folder reads the compressed files too, in path order, like their plain twins
+    assert load_documents(str(tmp_path / "packed"), tok) == load_documents(str(plain), tok)
+
+
+def test_broken_compressed_file_is_named(tmp_path):
+    path = tmp_path / "cut.jsonl.xz"
+    whole = lzma.compress(("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(2000))).encode())
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), CharTokenizer())
+    assert str(path) in str(err.value) and ".xz stream" in str(err.value)
+    latin = tmp_path / "latin.txt.gz"
+    latin.write_bytes(gzip.compress("Señor\n".encode("latin-1")))
+    with pytest.raises(ValueError, match=r"latin.txt.gz is not UTF-8 text \(byte 0xf1 at offset 2, line 1\)"):
+        load_documents(str(latin), CharTokenizer())
+    with pytest.raises(ValueError, match=r"gzip -dc .*latin.txt.gz \| iconv -f latin1 -t utf-8 \| gzip >"):
+        load_documents(str(latin), CharTokenizer())
+
+
+def test_max_tokens_stops_reading_early(tmp_path):
+    """With a token budget a large file is read only as far as needed: a broken line at its end is
+    never reached."""
+    lines = [json.dumps({"text": "x" * 99}) for _ in range(5000)] + ["{broken"]
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(lines).encode()))
+    docs = load_documents(str(path), CharTokenizer(), max_tokens=1000)
+    assert len(docs) == 10 and all(len(d) == 100 for d in docs)  # 99 characters + EOS each
+    with pytest.raises(ValueError, match="line 5001 is not valid JSON"):
+        load_documents(str(path), CharTokenizer())
+    with pytest.raises(ValueError, match="max_tokens"):
+        load_documents(str(path), CharTokenizer(), max_tokens=0)
+
+
+def test_real_mix_files_read_partly(tok):
+    path = MIX / "sharegpt_en.jsonl.xz"
+    if not path.is_file():
+        pytest.skip(f"{path} is not on this machine")
+    docs = load_documents(str(path), tok, max_tokens=50_000)
+    total = sum(map(len, docs))
+    assert total >= 50_000 and total - len(docs[-1]) < 50_000
+    first = json.loads(lzma.open(path, "rt").readline())
+    answers = [m["content"] for m in first["messages"] if m["role"] == "assistant" and m["content"].strip()]
+    runs = _runs(docs[0], tok.decode)
+    assert len(runs) == len(answers)
+    assert all(run.removesuffix("<|im_end|>").strip() == answer.strip() for run, answer in zip(runs, answers))

@@ -20,7 +20,8 @@ below). Accepted ``source`` forms, tried in this order:
      prompt. Alpaca fields win when a record has both (``tatsu-lab/alpaca`` carries a pre-rendered
      ``text`` that ignores the chat template).
    * plain text under ``text_field``.
-   Chat and Alpaca documents carry a ``loss_mask`` marking the tokens of each assistant answer and
+   Chat and Alpaca documents carry a ``loss_mask`` marking the tokens of each assistant answer (a
+   token that straddles an answer's edge, such as " yes" after "assistant:", counts as answer) and
    the end-of-turn token right after it (the eos token string, e.g. ``<|im_end|>``: so a model
    trained on the mask still learns to end its turn); everything else (system, user, the
    template's role headers) is False. Plain text has ``loss_mask`` None: every token counts.
@@ -226,8 +227,15 @@ def _not_utf8(path: Path) -> ValueError:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         where = f" (byte 0x{raw[e.start]:02x} at offset {e.start}, line {line})"
+    compression = _split_suffix(path)[1]
+    if compression is None:
+        how = f"iconv -f latin1 -t utf-8 {path} > {path.with_name(path.stem + '.utf8' + path.suffix)}"
+    else:
+        tool = {".gz": "gzip", ".xz": "xz", ".bz2": "bzip2"}[compression]
+        stem = path.name[: -len(compression)]
+        how = f"{tool} -dc {path} | iconv -f latin1 -t utf-8 | {tool} > {path.with_name(stem + '.utf8' + compression)}"
     return ValueError(f"data file {path} is not UTF-8 text{where}: data files must be UTF-8; convert it "
-                      f"first, e.g. iconv -f latin1 -t utf-8 {path} > {path.with_name(path.stem + '.utf8' + path.suffix)}")
+                      f"first, e.g. {how}")
 
 
 def _records(path: Path, suffix: str) -> Iterator[tuple[str, object]]:
