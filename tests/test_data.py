@@ -672,6 +672,9 @@ def test_train_config_takes_a_list_and_records_the_string(tmp_path):
     config = TrainConfig(data=[{"source": "a.jsonl.xz", "weight": 0.6}, "books.jsonl.xz:0.4"]).validate()
     assert config.data == "a.jsonl.xz:0.6,books.jsonl.xz:0.4"
     assert TrainConfig(data="shakespeare").validate().data == "shakespeare"
+    assert TrainConfig(data=["passkey:64:2:0.5"]).validate().data == "passkey:64:2"  # one source: no weight
+    with pytest.raises(ValueError, match="a comma-separated mixture.*linearize train --data"):
+        load_documents("a.jsonl:0.5,b.jsonl:0.5", CharTokenizer())  # one-source readers refuse a mixture
     with pytest.raises(ValueError, match="bad data spec 'a.jsonl:0.6,b.jsonl'"):
         TrainConfig(data="a.jsonl:0.6,b.jsonl").validate()
     with pytest.raises(ValueError, match=r"loss_on must be one of \('all', 'assistant'\), got 'answers'"):
@@ -814,3 +817,20 @@ def test_train_rows_honour_loss_on(tmp_path, tok):
     plain, _ = _rows(TrainConfig(data=str(chat), loss_on="all", **common).validate(), tok)
     assert plain.loss_mask is None
     assert (plain.batch([0])["labels"] != -100).sum() == plain.attention_mask[0].sum()
+
+
+def test_config_file_list_becomes_the_recorded_spec_and_old_runs_resume(tmp_path):
+    """``data:`` as a YAML list reaches the run as the string spec it records; a run recorded before
+    ``loss_on`` existed still resumes (a missing setting counts as its default)."""
+    from linearize.cli import load_config_file
+    from linearize.train import TrainConfig
+    from linearize.train.run import changed_settings
+
+    path = _write(tmp_path / "recipe.yaml", "data:\n  - {source: chat.jsonl.xz, weight: 0.6}\n"
+                                            "  - books.jsonl.xz:0.4\nloss-on: assistant\n")
+    config = TrainConfig.from_dict(load_config_file(path))
+    assert config.data == "chat.jsonl.xz:0.6,books.jsonl.xz:0.4" and config.loss_on == "assistant"
+    old = TrainConfig().to_dict()
+    del old["loss_on"]
+    assert changed_settings(old, TrainConfig().validate()) == []
+    assert changed_settings(old, TrainConfig(loss_on="assistant").validate()) == ["loss_on"]

@@ -125,7 +125,7 @@ def _checked(spec, items: list[tuple[str, float]]) -> list[tuple[str, float]]:
 def format_data_spec(spec) -> str:
     """The string form of a data spec: the source alone, or ``SOURCE:WEIGHT,...`` for a mixture."""
     items = parse_data_spec(spec)
-    if len(items) == 1 and (isinstance(spec, str) or items[0][1] == 1.0):
+    if len(items) == 1:  # one source: a weight means nothing, and "SOURCE:W" alone would read as one name
         return items[0][0]
     return ",".join(f"{source}:{weight:.12g}" for source, weight in items)
 

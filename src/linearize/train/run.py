@@ -407,8 +407,10 @@ def read_run_config(out: Path) -> dict | None:
 
 
 def changed_settings(saved: dict, config: TrainConfig) -> list[str]:
-    """The settings that differ between a recorded run and ``config`` (those a resume may change excepted)."""
+    """The settings that differ between a recorded run and ``config`` (those a resume may change excepted).
+    A setting the run did not record (added since, e.g. ``loss_on``) counts as its default."""
     now = config.to_dict()
+    saved = {**TrainConfig().to_dict(), **saved}
     return sorted(k for k in set(saved) | set(now) if k not in RESUME_IRRELEVANT and saved.get(k) != now.get(k))
 
 
