@@ -834,3 +834,15 @@ def test_config_file_list_becomes_the_recorded_spec_and_old_runs_resume(tmp_path
     del old["loss_on"]
     assert changed_settings(old, TrainConfig().validate()) == []
     assert changed_settings(old, TrainConfig(loss_on="assistant").validate()) == ["loss_on"]
+
+
+def test_chat_template_refusal_names_the_record(tmp_path, tok):
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    path = _write(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                  + json.dumps(CHAT) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), strict)
+    msg = str(err.value)
+    assert f"{path}: record 2 (line 2)" in msg and "chat template refused" in msg and "no system role" in msg

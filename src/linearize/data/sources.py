@@ -325,7 +325,14 @@ def chat_messages(record: dict, where: str = "record") -> list[dict]:
 
 
 def _render_chat(record: dict, tokenizer, where: str) -> _Text:
-    return render_messages(chat_messages(record, where), tokenizer)
+    messages = chat_messages(record, where)
+    try:
+        return render_messages(messages, tokenizer)
+    except Exception as e:  # a template's own rule (e.g. strict user/assistant alternation), named with the record
+        if not getattr(tokenizer, "chat_template", None):
+            raise
+        raise ValueError(f"{where}: the tokenizer's chat template refused its messages (roles "
+                         f"{[m['role'] for m in messages]}): {type(e).__name__}: {e}") from None
 
 
 def render_messages(messages: list[dict], tokenizer) -> _Text:
