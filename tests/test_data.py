@@ -846,3 +846,15 @@ def test_chat_template_refusal_names_the_record(tmp_path, tok):
         load_documents(str(path), strict)
     msg = str(err.value)
     assert f"{path}: record 2 (line 2)" in msg and "chat template refused" in msg and "no system role" in msg
+
+
+def test_mixed_records_with_a_tokenizer_without_offsets(tmp_path):
+    """Plain text, Alpaca (classic prompt) and chat records in one file, read by a tokenizer without
+    character offsets: each in order, masks only on the records with answers."""
+    records = [{"text": "plain"}, ALPACA[1], CHAT, {"text": "more"}]
+    path = _write(tmp_path / "m.jsonl", "\n".join(json.dumps(r) for r in records))
+    docs = load_documents(str(path), CharTokenizer())
+    decode = lambda ids: "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)  # noqa: E731
+    assert [decode(d) for d in (docs[0], docs[3])] == ["plain<eos>", "more<eos>"]
+    assert docs[0].loss_mask is None and docs[3].loss_mask is None
+    assert _runs(docs[1], decode) == ["bonjour<eos>"] and len(_runs(docs[2], decode)) == 2

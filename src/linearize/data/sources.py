@@ -537,11 +537,13 @@ def _tokenize_chunk(chunk: list[_Text], tokenizer) -> list[Document]:
         where = [i for i, t in enumerate(chunk) if t.chat == is_chat]
         if not where:
             continue
-        spans = [chunk[i].spans for i in where]
-        if any(s is not None for s in spans) and not fast:
-            for i in where:
+        if not fast:  # no character offsets: texts with spans are tokenized piece by piece
+            for i in [i for i in where if chunk[i].spans is not None]:
                 out[i] = _tokenize_segments(chunk[i], tokenizer)
-            continue
+            where = [i for i in where if chunk[i].spans is None]
+            if not where:
+                continue
+        spans = [chunk[i].spans for i in where]
         kwargs = {"return_offsets_mapping": True} if any(s is not None for s in spans) else {}
         enc = tokenizer([chunk[i].text for i in where], add_special_tokens=not is_chat, verbose=False, **kwargs)
         for k, i in enumerate(where):
