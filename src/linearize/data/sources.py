@@ -49,7 +49,6 @@ import importlib.util
 import json
 import lzma
 import re
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
