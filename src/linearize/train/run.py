@@ -159,7 +159,7 @@ def _rows(config: TrainConfig, tokenizer):
     train_tokens = max(config.stage1_tokens, config.stage2_tokens, config.seq_len * config.batch_size)
     mixture = load_mixture(config.data, tokenizer, train_tokens=train_tokens, val_fraction=config.val_fraction,
                            val_tokens=config.val_rows * config.seq_len, seed=config.seed,
-                           note=lambda message: _log(config, message))
+                           note=lambda message: print(message, flush=True))  # shown with progress off too
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
     train = pack(mixture.train, config.seq_len, config.packing, **kw)
