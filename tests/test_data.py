@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import copy
+import gzip
 import json
+import lzma
 import random
 import re
 import sys
@@ -12,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from linearize.data import (PACKING_POLICIES, PasskeyExample, Rows, load_documents, make_classic_passkey_example,
-                            make_passkey_example, pack, passkey_documents, split_documents)
+from linearize.data import (PACKING_POLICIES, Document, PasskeyExample, Rows, load_documents, load_mixture,
+                            make_classic_passkey_example, make_passkey_example, mix_documents, pack,
+                            parse_data_spec, passkey_documents, split_documents)
 from linearize.data.passkey import CLASSIC_FILLER
 from linearize.data.sources import shakespeare_plays
 
@@ -436,3 +440,421 @@ def test_passkey_documents(tok):
         assert re.search(r'passkey\? Answer: [a-z ]+$', tok.decode(d[:-1]))
     # a document fits in one row, so packing keeps every answer
     assert len(pack(docs, 400)) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# chat records, assistant loss masks (issue 43)
+
+MIX = Path(__file__).resolve().parents[2] / "shared" / "data" / "mix"  # ../shared/data/mix beside the repo
+
+
+def _runs(doc, decode) -> list[str]:
+    """The contiguous runs of masked tokens of ``doc``, each decoded."""
+    runs, current = [], []
+    for token, keep in zip(doc, doc.loss_mask):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(decode(current))
+            current = []
+    if current:
+        runs.append(decode(current))
+    return runs
+
+
+CHAT = {"id": "c1", "system": "Answer briefly.", "messages": [
+    {"role": "user", "content": "Say yes, please."},
+    {"role": "assistant", "content": "yes"},  # also found inside the user turn: the mask must pick the answer
+    {"role": "user", "content": "And 2+2?"},
+    {"role": "assistant", "content": "It is 4.\nAnything else?"},
+]}
+
+
+def test_chat_record_uses_chat_template_and_masks_exactly_the_answers(tmp_path, tok):
+    path = _write(tmp_path / "chat.jsonl", json.dumps(CHAT) + "\n")
+    [doc] = load_documents(str(path), tok)
+    messages = [{"role": "system", "content": "Answer briefly."}, *CHAT["messages"]]
+    assert tok.decode(doc) == tok.apply_chat_template(messages, tokenize=False).rstrip()
+    assert doc[-1] == tok.eos_token_id and doc.count(tok.eos_token_id) == 5  # one end per turn, no extra EOS
+    assert len(doc.loss_mask) == len(doc)
+    # the answers and the end-of-turn token after each, nothing else (not "yes" in the user turn)
+    assert _runs(doc, tok.decode) == ["yes<|im_end|>", "It is 4.\nAnything else?<|im_end|>"]
+    unmasked = tok.decode([t for t, m in zip(doc, doc.loss_mask) if not m])
+    assert "Say yes, please." in unmasked and "Answer briefly." in unmasked and "It is 4" not in unmasked
+
+
+def test_chat_without_template_is_role_colon_content(tmp_path, plain_tok):
+    path = _write(tmp_path / "chat.json", json.dumps([CHAT]))
+    [doc] = load_documents(str(path), plain_tok)
+    text = ("system: Answer briefly.\n\nuser: Say yes, please.\n\nassistant: yes\n\nuser: And 2+2?\n\n"
+            "assistant: It is 4.\nAnything else?")
+    assert plain_tok.decode(doc) == text + plain_tok.eos_token
+    # the appended EOS ends the last answer, so it is trained too; a token that holds the separator's
+    # space and the answer's first word (" yes") is part of the answer
+    assert _runs(doc, plain_tok.decode) == [" yes", " It is 4.\nAnything else?" + plain_tok.eos_token]
+
+
+def test_chat_mask_without_offsets_tokenizes_spans_apart(tmp_path):
+    """A tokenizer without character offsets (CharTokenizer) gets the mask from the spans tokenized apart."""
+    path = _write(tmp_path / "chat.jsonl", json.dumps(CHAT))
+    [doc] = load_documents(str(path), CharTokenizer())
+    decode = lambda ids: "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)  # noqa: E731
+    assert decode(doc).startswith("system: Answer briefly.\n\nuser: Say yes, please.\n\nassistant: yes")
+    assert _runs(doc, decode) == ["yes", "It is 4.\nAnything else?<eos>"]
+
+
+def test_alpaca_answer_is_masked(tmp_path, tok, plain_tok):
+    path = _write(tmp_path / "a.json", json.dumps(ALPACA))
+    docs = load_documents(str(path), tok)
+    assert [_runs(d, tok.decode) for d in docs] == [["The sky is usually blue.<|im_end|>"], ["bonjour<|im_end|>"]]
+    classic = load_documents(str(path), plain_tok)  # the classic prompt: the response and the appended EOS
+    assert [_runs(d, plain_tok.decode) for d in classic] == [["The sky is usually blue." + plain_tok.eos_token],
+                                                             ["bonjour" + plain_tok.eos_token]]
+
+
+def test_plain_text_has_no_mask(tmp_path, tok):
+    docs = load_documents(str(_write(tmp_path / "t.jsonl", json.dumps({"text": "Just some text."}))), tok)
+    assert docs[0].loss_mask is None
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
+     ["message 2 has role 'bot'", "allowed roles: system, user, assistant"]),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
+     ["message 2 has role 'system'", "may only come first"]),
+    ({"messages": [{"role": "user", "content": ["a", "list"]}]}, ["message 1 (user) has content ['a', 'list']"]),
+    ({"messages": [{"role": "user", "text": "hi"}]}, ["message 1 must be a mapping with 'role' and 'content'"]),
+    ({"messages": []}, ["'messages' must be a non-empty list", "got []"]),
+    ({"system": "s", "messages": [{"role": "system", "content": "t"}]}, ["both a 'system' field"]),
+    ({"system": 3, "messages": [{"role": "user", "content": "t"}]}, ["'system' must be a string, got 3"]),
+])
+def test_bad_chat_record_names_file_line_and_value(tmp_path, record, expected):
+    good = json.dumps(CHAT)
+    path = _write(tmp_path / "bad.jsonl", f"{good}\n\n{json.dumps(record)}\n")
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), CharTokenizer())
+    msg = str(err.value)
+    assert f"{path}: record 2 (line 3)" in msg, msg
+    for part in expected:
+        assert part in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed files, token budget
+
+OPENERS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
+
+
+def _compress(path: Path, suffix: str) -> Path:
+    target = path.with_name(path.name + suffix)
+    with OPENERS[suffix](target, "wb") as f:
+        f.write(path.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".xz", ".bz2"])
+def test_compressed_files_read_like_plain_ones(tmp_path, tok, suffix):
+    plain = tmp_path / "plain"
+    records = [CHAT, *ALPACA, {"text": "A plain line of text."}]
+    files = [_write(plain / "r.jsonl", "\n".join(json.dumps(r) for r in records) + "\n"),
+             _write(plain / "r.json", json.dumps(records)),
+             _write(plain / "t.txt", "A whole text file.\nTwo lines.\n")]
+    (tmp_path / "packed").mkdir()
+    for f in files:
+        expected = load_documents(str(f), tok)
+        packed = _compress(f, suffix)
+        got = load_documents(str(packed), tok)
+        assert got == expected and len(got) == (1 if f.suffix == ".txt" else 4)
+        assert [d.loss_mask for d in got] == [d.loss_mask for d in expected]
+        packed.rename(tmp_path / "packed" / packed.name)
+    # a folder reads the compressed files too, in path order, like their plain twins
+    assert load_documents(str(tmp_path / "packed"), tok) == load_documents(str(plain), tok)
+
+
+def test_broken_compressed_file_is_named(tmp_path):
+    path = tmp_path / "cut.jsonl.xz"
+    whole = lzma.compress(("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(2000))).encode())
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), CharTokenizer())
+    assert str(path) in str(err.value) and ".xz stream" in str(err.value)
+    latin = tmp_path / "latin.txt.gz"
+    latin.write_bytes(gzip.compress("Señor\n".encode("latin-1")))
+    with pytest.raises(ValueError, match=r"latin.txt.gz is not UTF-8 text \(byte 0xf1 at offset 2, line 1\)"):
+        load_documents(str(latin), CharTokenizer())
+    with pytest.raises(ValueError, match=r"gzip -dc .*latin.txt.gz \| iconv -f latin1 -t utf-8 \| gzip >"):
+        load_documents(str(latin), CharTokenizer())
+
+
+def test_max_tokens_stops_reading_early(tmp_path):
+    """With a token budget a large file is read only as far as needed: a broken line at its end is
+    never reached."""
+    lines = [json.dumps({"text": "x" * 99}) for _ in range(5000)] + ["{broken"]
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(lines).encode()))
+    docs = load_documents(str(path), CharTokenizer(), max_tokens=1000)
+    assert len(docs) == 10 and all(len(d) == 100 for d in docs)  # 99 characters + EOS each
+    with pytest.raises(ValueError, match="line 5001 is not valid JSON"):
+        load_documents(str(path), CharTokenizer())
+    with pytest.raises(ValueError, match="max_tokens"):
+        load_documents(str(path), CharTokenizer(), max_tokens=0)
+
+
+def test_real_mix_files_read_partly(tok):
+    path = MIX / "sharegpt_en.jsonl.xz"
+    if not path.is_file():
+        pytest.skip(f"{path} is not on this machine")
+    docs = load_documents(str(path), tok, max_tokens=50_000)
+    total = sum(map(len, docs))
+    assert total >= 50_000 and total - len(docs[-1]) < 50_000
+    first = json.loads(lzma.open(path, "rt").readline())
+    answers = [m["content"] for m in first["messages"] if m["role"] == "assistant" and m["content"].strip()]
+    runs = _runs(docs[0], tok.decode)
+    assert len(runs) == len(answers)
+    assert all(run.removesuffix("<|im_end|>").strip() == answer.strip() for run, answer in zip(runs, answers))
+
+
+# ---------------------------------------------------------------------------------------------
+# mixtures
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("sharegpt.jsonl.xz:0.6,books.jsonl.xz:0.4", [("sharegpt.jsonl.xz", 0.6), ("books.jsonl.xz", 0.4)]),
+    (" a.jsonl : 3 , b.txt:1 ", [("a.jsonl", 3.0), ("b.txt", 1.0)]),
+    ("passkey:2048:500:0.2,wikitext:wikitext-2-raw-v1:.8",
+     [("passkey:2048:500", 0.2), ("wikitext:wikitext-2-raw-v1", 0.8)]),
+    ("c:/odd:name.jsonl:2.5e-1,shakespeare:1", [("c:/odd:name.jsonl", 0.25), ("shakespeare", 1.0)]),
+    ("passkey:2048", [("passkey:2048", 1.0)]),          # no comma: one source, colons its own
+    ("wikitext:wikitext-2-raw-v1", [("wikitext:wikitext-2-raw-v1", 1.0)]),
+    (["a.jsonl:0.6", "b.jsonl:0.4"], [("a.jsonl", 0.6), ("b.jsonl", 0.4)]),
+    ([{"source": "a.jsonl", "weight": 3}, {"source": "passkey:64:2", "weight": 1}],
+     [("a.jsonl", 3.0), ("passkey:64:2", 1.0)]),
+    ({"a.jsonl": 0.6, "b.jsonl": 0.4}, [("a.jsonl", 0.6), ("b.jsonl", 0.4)]),
+    (["shakespeare"], [("shakespeare", 1.0)]),
+])
+def test_parse_data_spec(spec, expected):
+    assert parse_data_spec(spec) == expected
+
+
+def test_existing_path_with_comma_is_one_source(tmp_path):
+    path = _write(tmp_path / "notes, vol 2:0.5.txt", "text")
+    assert parse_data_spec(str(path)) == [(str(path), 1.0)]
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("a.jsonl:0.6,b.jsonl", "item 'b.jsonl' has no ':WEIGHT'"),
+    ("a.jsonl:0.6,,b.jsonl:0.4", "empty item"),
+    ("a.jsonl:0.6,b.jsonl:0.4,", "empty item"),
+    ("a.jsonl:-1,b.jsonl:1", "weight '-1'"),
+    ("a.jsonl:0,b.jsonl:1", "weight '0'"),
+    ("a.jsonl:nan,b.jsonl:1", "weight 'nan'"),
+    ("a.jsonl:inf,b.jsonl:1", "weight 'inf'"),
+    ("a.jsonl:lots,b.jsonl:1", "weight 'lots'"),
+    (":0.5,b.jsonl:1", "item ':0.5' has no ':WEIGHT'"),
+    ("a.jsonl:0.5,a.jsonl:0.5", "source 'a.jsonl' appears twice"),
+    (["a.jsonl:0.6", "b.jsonl"], "list item 'b.jsonl' has no ':WEIGHT'"),
+    ([{"source": "a.jsonl", "weight": 1}, {"path": "b"}], "list item {'path': 'b'}"),
+    ([{"source": "a.jsonl", "weight": 1}, {"source": "b"}], "has no 'weight'"),
+    ([], "the list is empty"),
+    ("  ", "it is empty"),
+    (3, "expected a string, a list or a mapping"),
+])
+def test_bad_data_spec_names_value_and_forms(spec, named):
+    with pytest.raises(ValueError) as err:
+        parse_data_spec(spec)
+    msg = str(err.value)
+    assert f"bad data spec {spec!r}" in msg and named in msg and "SOURCE:WEIGHT" in msg, msg
+
+
+def test_train_config_takes_a_list_and_records_the_string(tmp_path):
+    from linearize.train import TrainConfig
+
+    config = TrainConfig(data=[{"source": "a.jsonl.xz", "weight": 0.6}, "books.jsonl.xz:0.4"]).validate()
+    assert config.data == "a.jsonl.xz:0.6,books.jsonl.xz:0.4"
+    assert TrainConfig(data="shakespeare").validate().data == "shakespeare"
+    assert TrainConfig(data=["passkey:64:2:0.5"]).validate().data == "passkey:64:2"  # one source: no weight
+    with pytest.raises(ValueError, match="a comma-separated mixture.*linearize train --data"):
+        load_documents("a.jsonl:0.5,b.jsonl:0.5", CharTokenizer())  # one-source readers refuse a mixture
+    with pytest.raises(ValueError, match="bad data spec 'a.jsonl:0.6,b.jsonl'"):
+        TrainConfig(data="a.jsonl:0.6,b.jsonl").validate()
+    with pytest.raises(ValueError, match=r"loss_on must be one of \('all', 'assistant'\), got 'answers'"):
+        TrainConfig(loss_on="answers").validate()
+    exists = _write(tmp_path / "a.jsonl", json.dumps({"text": "hello there"}))
+    with pytest.raises(ValueError, match="one source takes no weight"):
+        load_mixture(f"{exists}:0.6", CharTokenizer(), train_tokens=100, val_fraction=0.0, seed=0)
+
+
+def _source(tmp_path: Path, name: str, first: int, count: int, length: int) -> tuple[Path, range]:
+    """``count`` documents, document i all character ``first + i``: every token names its document.
+    (CharTokenizer ids: ord % 5000 + 1; the range assumes no wrap.)"""
+    path = _write(tmp_path / f"{name}.jsonl", "\n".join(json.dumps({"text": chr(first + i) * length})
+                                                       for i in range(count)))
+    return path, range(first % 5000 + 1, (first + count) % 5000 + 1)
+
+
+def test_mixture_token_proportions_repeat_and_held_out_rows(tmp_path):
+    """Over a long stream (200K tokens), each source's share of the packed training tokens is within
+    1% of its weight; the small source is repeated with a note; held-out documents of each source
+    never reach training; the same seed gives the same stream."""
+    big, big_ids = _source(tmp_path, "big", 20_000, 1500, 300)  # ids 1..1500, 451K tokens
+    small, small_ids = _source(tmp_path, "small", 22_000, 100, 150)  # ids 2001..2100, 15K tokens, asked for 60K
+    notes = []
+    spec = f"{big}:0.7,{small}:0.3"
+    mixture = load_mixture(spec, CharTokenizer(), train_tokens=200_000, val_fraction=0.05, seed=3,
+                           note=notes.append)
+    assert len(notes) == 1 and str(small) in notes[0] and "repeated" in notes[0]
+    rows = pack(mixture.train, 128, "split", min_tokens=16)
+    tokens = rows.input_ids[rows.attention_mask]
+    in_big = ((tokens >= big_ids.start) & (tokens < big_ids.stop)).sum().item()
+    in_small = ((tokens >= small_ids.start) & (tokens < small_ids.stop)).sum().item()
+    eos = (tokens == 0).sum().item()
+    assert in_big + in_small + eos == len(tokens) and len(tokens) > 195_000
+    assert abs(in_big / len(tokens) - 0.7) < 0.01 and abs(in_small / len(tokens) - 0.3) < 0.01
+    # the big source was read only as far as its share needed (140K / 0.95 held-out split, +10%): about
+    # 540 of its 1500 documents
+    read = {d[0] for d in mixture.val[0]} | {d[0] for d in mixture.train if d[0] in big_ids}
+    assert 460 < len(read) < 560
+    # held-out documents per source: never trained on, and both sources have some
+    for val, ids in zip(mixture.val, (big_ids, small_ids)):
+        held = {d[0] for d in val}
+        assert held and held <= set(ids)
+        assert not held & set(tokens.unique().tolist())
+    again = load_mixture(spec, CharTokenizer(), train_tokens=200_000, val_fraction=0.05, seed=3, note=None)
+    assert again.train == mixture.train
+    other = load_mixture(spec, CharTokenizer(), train_tokens=200_000, val_fraction=0.05, seed=4, note=None)
+    assert other.train != mixture.train
+
+
+def test_mix_documents_cuts_to_exact_quotas():
+    a = [Document([1] * 50, [True] * 50), Document([1] * 50, [False] * 50)]
+    b = [[2] * 7]
+    mixed = mix_documents([a, b], [3, 1], 80, seed=0, note=None)
+    flat = [t for d in mixed for t in d]
+    assert flat.count(1) == 60 and flat.count(2) == 20
+    cut = [d for d in mixed if d and d[0] == 1 and len(d) == 10]
+    assert len(cut) == 1 and cut[0].loss_mask == [False] * 10  # the cut keeps its mask
+    with pytest.raises(ValueError, match="gave no training tokens"):
+        mix_documents([a, []], [1, 1], 10, seed=0, note=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the assistant mask reaches the stage-2 loss
+
+
+def _answer_doc(ids, answer: slice) -> Document:
+    return Document(ids, [answer.start <= i < answer.stop for i in range(len(ids))])
+
+
+def test_assistant_mask_reaches_the_stage2_loss():
+    """With loss masks, the stage-2 loss is the cross-entropy of exactly the answer tokens: changing a
+    token outside the answer (after it, so the causal model's predictions of the answer stay the
+    same) leaves the loss unchanged, and without masks it changes it; the distillation term too."""
+    import torch.nn.functional as F
+    from fixtures import VOCAB, llama
+
+    from linearize.train import TrainConfig
+    from linearize.train.run import lm_loss
+
+    model, teacher = llama(seed=0), llama(seed=1)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    answer = slice(10, 25)  # a user turn, the answer, then a trailing user turn
+    other = ids[:30] + [(ids[30] + 1) % VOCAB or 3] + ids[31:]
+    config, distill = TrainConfig(), TrainConfig(distill=1.0)
+
+    def loss(tokens, masks, with_teacher=False):
+        rows = pack([_answer_doc(tokens, answer)], 64, "split", loss_masks=masks)
+        batch = rows.batch([0])
+        if masks:
+            assert batch["labels"][0].tolist() == [t if answer.start <= i < answer.stop else -100
+                                                   for i, t in enumerate(tokens)]
+        with torch.no_grad():
+            return lm_loss(model, batch, teacher if with_teacher else None, distill if with_teacher else config)[0].item()
+
+    base = loss(ids, True)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    expected = F.cross_entropy(logits[answer.start - 1:answer.stop - 1], torch.tensor(ids[answer])).item()
+    assert base == pytest.approx(expected, rel=1e-5)
+    assert loss(other, True) == pytest.approx(base, rel=1e-6)
+    assert abs(loss(other, False) - loss(ids, False)) > 1e-4
+    answer_changed = ids[:20] + [(ids[20] + 1) % VOCAB or 3] + ids[21:]
+    assert abs(loss(answer_changed, True) - base) > 1e-4
+    kl = loss(ids, True, with_teacher=True)
+    assert kl > 0 and loss(other, True, with_teacher=True) == pytest.approx(kl, rel=1e-6)
+    # a batch without any answer token gives 0, not NaN
+    rows = pack([Document(ids, [False] * len(ids))], 64, "split", loss_masks=True)
+    assert lm_loss(model, rows.batch([0]), None, config)[0].item() == 0.0
+
+
+def test_train_rows_honour_loss_on(tmp_path, tok):
+    """``loss_on`` reaches the rows the run trains and validates on; a mixture's validation rows
+    come from every source."""
+    from linearize.train import TrainConfig
+    from linearize.train.run import _rows
+
+    chats = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+                           {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(40)]
+    chat = _write(tmp_path / "chat.jsonl", "\n".join(json.dumps(c) for c in chats))
+    books = _write(tmp_path / "books.jsonl", "\n".join(json.dumps({"text": f"Book {i}. " * 30}) for i in range(40)))
+    common = dict(seq_len=64, stage1_tokens=2000, stage2_tokens=2000, val_fraction=0.1, val_rows=4)
+    train, val = _rows(TrainConfig(data=f"{chat}:0.5,{books}:0.5", loss_on="assistant", **common).validate(), tok)
+    batch = train.batch(range(len(train)))
+    labelled = batch["labels"] != -100
+    chat_answers = 0
+    for row, ids in enumerate(batch["input_ids"]):
+        text = tok.decode(ids[batch["attention_mask"][row].bool()])
+        kept = tok.decode(ids[labelled[row]])
+        if "<|im_start|>" in text:  # a chat row: only the answer and its end-of-turn token (a row may
+            # hold a document's piece without it, or one cut short by the mixture's quota)
+            assert kept == (text[text.index("It is"):] if "It is" in text else ""), (text, kept)
+            chat_answers += "It is" in text
+        else:  # plain text counts whole (from the second token: the first has no prediction)
+            assert labelled[row][batch["attention_mask"][row].bool()].all()
+    assert chat_answers >= 5
+    assert val is not None and val.loss_mask is not None
+    val_text = [tok.decode(r[m]) for r, m in zip(val.input_ids, val.attention_mask)]
+    assert any("<|im_start|>" in t for t in val_text) and any("Book" in t for t in val_text)
+    plain, _ = _rows(TrainConfig(data=str(chat), loss_on="all", **common).validate(), tok)
+    assert plain.loss_mask is None
+    assert (plain.batch([0])["labels"] != -100).sum() == plain.attention_mask[0].sum()
+
+
+def test_config_file_list_becomes_the_recorded_spec_and_old_runs_resume(tmp_path):
+    """``data:`` as a YAML list reaches the run as the string spec it records; a run recorded before
+    ``loss_on`` existed still resumes (a missing setting counts as its default)."""
+    from linearize.cli.train import load_config_file
+    from linearize.train import TrainConfig
+    from linearize.train.run import changed_settings
+
+    path = _write(tmp_path / "recipe.yaml", "data:\n  - {source: chat.jsonl.xz, weight: 0.6}\n"
+                                            "  - books.jsonl.xz:0.4\nloss-on: assistant\n")
+    config = TrainConfig.from_dict(load_config_file(path))
+    assert config.data == "chat.jsonl.xz:0.6,books.jsonl.xz:0.4" and config.loss_on == "assistant"
+    old = TrainConfig().to_dict()
+    del old["loss_on"]
+    assert changed_settings(old, TrainConfig().validate()) == []
+    assert changed_settings(old, TrainConfig(loss_on="assistant").validate()) == ["loss_on"]
+
+
+def test_chat_template_refusal_names_the_record(tmp_path, tok):
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    path = _write(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                  + json.dumps(CHAT) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_documents(str(path), strict)
+    msg = str(err.value)
+    assert f"{path}: record 2 (line 2)" in msg and "chat template refused" in msg and "no system role" in msg
+
+
+def test_mixed_records_with_a_tokenizer_without_offsets(tmp_path):
+    """Plain text, Alpaca (classic prompt) and chat records in one file, read by a tokenizer without
+    character offsets: each in order, masks only on the records with answers."""
+    records = [{"text": "plain"}, ALPACA[1], CHAT, {"text": "more"}]
+    path = _write(tmp_path / "m.jsonl", "\n".join(json.dumps(r) for r in records))
+    docs = load_documents(str(path), CharTokenizer())
+    decode = lambda ids: "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)  # noqa: E731
+    assert [decode(d) for d in (docs[0], docs[3])] == ["plain<eos>", "more<eos>"]
+    assert docs[0].loss_mask is None and docs[3].loss_mask is None
+    assert _runs(docs[1], decode) == ["bonjour<eos>"] and len(_runs(docs[2], decode)) == 2

@@ -24,9 +24,9 @@ def few_plays(monkeypatch):
     """Training reads 3 of the plays instead of all 38: tokenizing them all takes ~9 s per run."""
     import importlib
 
-    train_run = importlib.import_module("linearize.train.run")  # the module (the package exports run())
-    real = train_run.load_documents
-    monkeypatch.setattr(train_run, "load_documents", lambda source, tok: real(source, tok, max_documents=3))
+    mixture = importlib.import_module("linearize.data.mixture")  # where training reads its sources
+    real = mixture.load_documents
+    monkeypatch.setattr(mixture, "load_documents", lambda source, tok, **kw: real(source, tok, **kw, max_documents=3))
 
 
 def _demo(out, tiny_dir, **kwargs):

@@ -228,10 +228,9 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
 
     def op(*a, return_state=True, **k):  # (the two branches' own ops, as off CUDA)
         returned.append(return_state)
-        return real(*a, return_state=return_state, config=kliz.LizardKernelConfig(one_op=False), **k)
+        return real(*a, return_state=return_state, **k)
 
-    monkeypatch.setattr(hybrid, "one_op_applies", lambda *a, **k: True)  # the layer calls the op's public names
-    monkeypatch.setattr(hybrid, "lizard_attention", op)
+    monkeypatch.setattr(hybrid, "lizard_attention_fused", op)  # the layer calls the op's public names
     ids = torch.randint(3, fixtures.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         y_train = model(input_ids=ids, use_cache=False).logits
@@ -243,8 +242,6 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
     fq, fk = (torch.softmax(torch.randn(B, H, T, D), -1) for _ in range(2))
     v, qw, kw = (torch.randn(B, H, T, D) for _ in range(3))
     lg = torch.nn.functional.logsigmoid(torch.randn(B, H, T) + 4)
-    torch_path = kliz.LizardKernelConfig(one_op=False)
-    y, g, w = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, config=torch_path)
-    y2, g2, w2 = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, config=torch_path,
-                      return_state=False)
+    y, g, w = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4)
+    y2, g2, w2 = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, return_state=False)
     assert g is not None and w is not None and (g2, w2) == (None, None) and torch.equal(y, y2)

@@ -340,3 +340,23 @@ def test_early_stopping_keeps_the_best_weights(tmp_path):
                   MetricsLog(tmp_path / "m.jsonl"), resume=False)
     assert summary["stopped_early"] and summary["steps"] == 6 and summary["best_val"] == 1.0
     assert torch.equal(layer.weight, history[1])  # the weights of the best evaluation (step 2)
+
+
+def test_run_on_a_weighted_mixture_with_loss_on_assistant(tiny, text_file, tmp_path):
+    """A whole run on a compressed chat file mixed with plain text, loss on the answers only (issue 43):
+    it trains, validates on both sources, and records the spec and loss_on in its checkpoint."""
+    import lzma
+
+    chats = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                           {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(60)]
+    chat = tmp_path / "chat.jsonl.xz"
+    with lzma.open(chat, "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(c) for c in chats))
+    spec = f"{chat}:0.5,{text_file}:0.5"
+    out = run(small(tiny, text_file, tmp_path / "run", data=spec, loss_on="assistant", val_fraction=0.1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isfinite(summary["student_val_loss"]) and math.isfinite(summary["teacher_val_loss"])
+    assert all(math.isfinite(r["loss"]) for r in val_records(out, "stage2"))
+    model, _ = linearize.load(out)
+    assert model.linearize_spec["training"]["data"] == spec
+    assert model.linearize_spec["training"]["loss_on"] == "assistant"

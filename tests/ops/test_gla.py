@@ -268,3 +268,25 @@ def test_bad_inputs_raise_naming_the_value():
     bad = GLAState(torch.zeros(B, H, DK, DV), torch.zeros(B, H, DV))
     with pytest.raises(ValueError, match=r"state.z must have shape \(2, 3, 8\), got \(2, 3, 5\)"):
         gla_chunk(q, k, v, log_g, state=bad)
+
+
+@pytest.mark.parametrize("gate", GATES + ["none"])
+def test_in_place_step_is_the_recurrent_form(gate):
+    """gla_step_ (what a decoder with static buffers runs): one token on the state in place, the
+    same output and state as gla_recurrent for that token (no gate: plain linear attention)."""
+    from linearize.ops.gla import gla_step_
+
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.rand(B, H, 1, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, 1, DV, generator=g, dtype=torch.float64)
+    shape = (B, H, 1) if gate == "scalar" else (B, H, 1, DK)
+    log_g = F.logsigmoid(torch.randn(*shape, generator=g, dtype=torch.float64) + 2)
+    if gate == "none":
+        log_g = torch.zeros(B, H, 1, dtype=torch.float64)
+    st = GLAState(torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64),
+                  torch.rand(B, H, DK, generator=g, dtype=torch.float64))
+    o_ref, s_ref = gla_recurrent(q, k, v, log_g, state=st)
+    S, z = st.S.clone(), st.z.clone()
+    o = gla_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0], None if gate == "none" else log_g[:, :, 0], S, z)
+    assert_rel_close(o, o_ref[:, :, 0], TOL[torch.float64])
+    assert_state_close(GLAState(S, z), s_ref, TOL[torch.float64])

@@ -98,9 +98,9 @@ def test_bad_inputs_raise_naming_the_value():
 def test_tensor_descriptors_only_where_tma_allows_them():
     """TMA needs 16-byte row strides and bases and a unit last stride; anything else keeps the
     pointer loads (the interpreter cases run both paths against the reference)."""
-    from linearize.ops.gla.triton import GLAKernelConfig, _tma
+    from linearize.ops.gla.triton import GLALaunch, _tma
 
-    on, off = GLAKernelConfig(), GLAKernelConfig(tma=False)
+    on, off = GLALaunch(), GLALaunch(tma=False)
     x = torch.zeros(2, 3, 64, 128, dtype=torch.bfloat16)
     assert _tma(on, x, x) and not _tma(off, x, x)
     assert not _tma(on, x, torch.zeros(2, 3, 64, 20, dtype=torch.bfloat16))  # 40-byte rows
@@ -115,7 +115,7 @@ def test_sequence_split_follows_the_sweep():
     none where the main pass's programs fill the GPU."""
     from linearize.ops.gla import triton as kgla
 
-    cfg = kgla.GLAKernelConfig()
+    cfg = kgla.GLALaunch()
     assert kgla._segments(2048, 64, 16 * 32, 132, cfg, v_blocks=2) == (1, 2048)
     assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=2) == (1, 8192)
     assert kgla._segments(8192, 64, 4 * 32, 132, cfg, v_blocks=1) == (2, 4096)  # 128 programs on 132
@@ -182,13 +182,12 @@ def test_tuning_picks_the_reverse_pass_block_per_mode():
             row("gla bwd", "plain", {"par_warps": 4, "dstate_bv": 64}, 0.6, 2.48),
             row("gla bwd", "lizard", {"par_warps": 8, "dstate_bv_norm": 128}, 0.9, 3.45),
             row("gla bwd", "lizard", {"par_warps": 4, "dstate_bv_norm": 64}, 0.9, 4.03)]
-    old_gla, old_win = kgla.CONFIG, kwin.CONFIG
-    try:
-        chosen = kb.apply_tuned(rows)
-        assert chosen["gla_bwd"] == {"dstate_bv": 64, "par_warps": 8, "dstate_bv_norm": 128}
-        assert (kgla.CONFIG.dstate_bv, kgla.CONFIG.dstate_bv_norm, kgla.CONFIG.par_warps) == (64, 128, 8)
-    finally:
-        kgla.CONFIG, kwin.CONFIG = old_gla, old_win
+    chosen = kb.pick_tuned(rows)
+    assert chosen["gla_bwd"] == {"dstate_bv": 64, "par_warps": 8, "dstate_bv_norm": 128}
+    tuned = chosen["gla_launch"]
+    assert (tuned.dstate_bv, tuned.dstate_bv_norm, tuned.par_warps) == (64, 128, 8)
+    assert chosen["window_launch"] == kwin.LAUNCH  # (no window rows: the defaults)
+    assert kgla.LAUNCH == kgla.GLALaunch()  # the module's defaults are left alone
 
 
 def test_bench_rejects_bad_arguments(tmp_path):
@@ -243,7 +242,7 @@ def test_bench_keeps_each_shape_as_it_is_timed(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kb, "_env", lambda command: dict(gpu="stand-in", torch="t", cuda="c", triton="tr", fla="f",
                                                          python="p", command=command, date="d"))
     monkeypatch.setattr(kb, "_shape_inputs", lambda B, T, *a: {"B": B, "T": T})
-    monkeypatch.setattr(kb, "_methods", lambda x, window, fla: {"triton lizard (ours)": (lambda: None, [], None)})
+    monkeypatch.setattr(kb, "_methods", lambda x, window, fla, *launches: {"triton lizard (ours)": (lambda: None, [], None)})
     timed = []
 
     def cell(fn, reps, grad_to_none=None, host=False):
@@ -540,7 +539,7 @@ def gluon_fused_calls(monkeypatch):
 @pytest.mark.parametrize("variant", ["unnorm", "norm", "norm fp16", "norm state segments", "unnorm segments",
                                      "model layout norm", "T=64", "T=128", "extreme gates"])
 def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_calls):
-    """The whole gated backward as ONE Gluon kernel (GLAKernelConfig.gluon_fused_bwd: the reverse
+    """The whole gated backward as ONE Gluon kernel (GLALaunch.gluon_fused_bwd: the reverse
     state pass and the chunk pass fused, dS in registers) against the fp64 reference: every
     gradient, unnormalised and normalised, fp16, from an initial state with sequence segments (the
     last one shorter: 16 chunks in segments of 5), q, k, v in a model's layout, one and two chunks
@@ -561,7 +560,7 @@ def test_gpu_gla_gluon_fused_backward_matches_reference(variant, gluon_fused_cal
     from linearize.ops.backend.dispatch import device_sms
 
     cuda = torch.empty(0, device="cuda")
-    auto = kgla._fused_segments(T, 64, 2 * 3, device_sms(cuda), kgla.GLAKernelConfig())[1] // 64
+    auto = kgla._fused_segments(T, 64, 2 * 3, device_sms(cuda), kgla.GLALaunch())[1] // 64
     assert gluon_fused_calls == [5 if "segments" in variant else auto], gluon_fused_calls
 
 
@@ -583,7 +582,7 @@ def test_gpu_gla_gluon_fused_backward_paired_states(normalize, T):
     v, do = (torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16() for _ in range(2))
     log_g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=g, device="cuda") + 3)
     NC = T // 64
-    cfg = kgla.GLAKernelConfig(gluon_fused_bwd=True, seg_chunks=NC)
+    cfg = kgla.GLALaunch(gluon_fused_bwd=True, seg_chunks=NC)
     o, den, _, _, segs, sc, zc = kgla._fwd(q, k, v, log_g, None, None, normalize, False, 1e-6, cfg, True)
     keep = list(range(0, NC, 2)) + [NC]  # even chunks' states and the last one
     sc_paired = sc[:, keep].contiguous()
@@ -617,10 +616,10 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     sequence segments (one (batch x head) pair: four segments), fp16, and with the window's
     backward as the walking kernel too. With the walking kernel and the gated backward in one
     segment the forward keeps no o_g (the gated backward takes dy . o_g from y and the window's
-    dy . o_w: LizardKernelConfig.og_from_y), unless told not to ("og kept"); told to, no o_w
+    dy . o_w: KernelSettings.og_from_y), unless told not to ("og kept"); told to, no o_w
     either (the walking kernel forms dy . o_w from its scores: ow_from_scores), also in segments.
     Told to ("paired states"), with the gated backward in one segment, the forward keeps the gated
-    state of even chunks only (LizardKernelConfig.paired_states). The backward reads the gates'
+    state of even chunks only (KernelSettings.paired_states). The backward reads the gates'
     sums within chunks that the fused forward kept (``bl``)."""
     from linearize.ops.gla import gluon as gla_gluon
     from linearize.ops.window_attn import triton as kwin
@@ -634,7 +633,7 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     monkeypatch.setattr(window_gluon, "bwd", lambda *a, **k: (walk_kw.append(k) if k.get("walk") else None,
                                                               wbwd(*a, **k))[1])
     kw = dict(T=1024, DK=128, DV=128, D=128, W=128, nsink=4, chunk=None, B=2, H=3, state="state" in variant,
-              gla_cfg=dict(gluon_fused_bwd=True))
+              gla_cfg=dict(gluon_fused_bwd=True), lizard_cfg={})
     if "walk segments" in variant or variant == "segments":
         kw.update(T=2048, B=1, H=2)
     if "one segment" in variant:  # (B x H = 6 pairs would walk two segments each)
@@ -646,11 +645,8 @@ def test_gpu_lizard_one_op_gluon_fused_backward_matches_reference(variant, gluon
     if variant.endswith("paired states"):
         kw["lizard_cfg"] = dict(paired_states=True)
     dtype = torch.float16 if "fp16" in variant else torch.bfloat16
-    old = kwin.set_config(gluon_bwd_walk=variant.startswith("walk"))
-    try:
-        err = lizard_case("cuda", dtype, **kw)
-    finally:
-        kwin.set_config(**dataclasses.asdict(old))
+    kw["lizard_cfg"]["window"] = kwin.WindowLaunch(gluon_bwd_walk=variant.startswith("walk"))
+    err = lizard_case("cuda", dtype, **kw)
     assert len(gluon_fused_calls) == 1 and gluon_window_calls == [128], (gluon_fused_calls, gluon_window_calls)
     og_from_y = "one segment" in variant and not variant.endswith("og kept")
     assert [x is not None for x in sides] == [og_from_y], variant
@@ -688,11 +684,8 @@ def test_gpu_lizard_one_op_gluon_training_matches_reference(variant, gluon_chunk
     # the gated chunk pass and the window kernel of one program per chunk, not the defaults (the
     # fused gated backward and the walking window backward: test_gpu_lizard_one_op_gluon_fused_backward_*)
     kw["gla_cfg"] = dict(gluon_fused_bwd=False)
-    old = kwin.set_config(gluon_bwd_walk=False)
-    try:
-        err = lizard_case("cuda", dtype, **kw)
-    finally:
-        kwin.set_config(**dataclasses.asdict(old))
+    kw["lizard_cfg"] = {**kw.get("lizard_cfg", {}), "window": kwin.WindowLaunch(gluon_bwd_walk=False)}
+    err = lizard_case("cuda", dtype, **kw)
     assert calls == ([] if variant == "triton forward" else [True]), calls
     assert gluon_chunk_calls == [True] and gluon_window_calls == [W], (gluon_chunk_calls, gluon_window_calls)
     assert_errors(err, KTOL[dtype], f"lizard gluon training {variant}")
@@ -732,12 +725,12 @@ def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls
                                      "scores T=1216 sinks", "scores T=4096 fp16 sinks", "scores window 1 sinks",
                                      "scores window 100", "scores model layout sinks fused"])
 def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
-    """The window's backward as the walking Gluon kernel (WindowKernelConfig.gluon_bwd_walk: one
+    """The window's backward as the walking Gluon kernel (WindowLaunch.gluon_bwd_walk: one
     program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
     dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
     edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
     model's layout. D formed in the kernel (the default), "scores": in the kernel from its scores
-    (o not given: what Lizard's op runs, LizardKernelConfig.ow_from_scores), or, "pre-pass", by the
+    (o not given: what Lizard's op runs, KernelSettings.ow_from_scores), or, "pre-pass", by the
     delta pass."""
     calls = _gluon_spy(monkeypatch, "window_attn.gluon", "bwd", "walk")
     own = not variant.startswith("pre-pass")
@@ -790,14 +783,13 @@ def test_gpu_lizard_fused_forward_dispatch(monkeypatch):
     with torch.no_grad():
         y_fused = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
         assert calls == [False]
-        y_passes = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha,
-                                         config=kliz.LizardKernelConfig(fused_fwd=False))[0]
+        y_passes = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, plan=kliz.LizardPlan(fused_fwd=False))[0]
         assert calls == [False]
     assert rel_rms(y_fused, y_passes) < 1e-2
     v.requires_grad_()
     y_train = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha)[0]
     assert calls == [False, True] and y_train.requires_grad
-    y_train2 = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, config=kliz.LizardKernelConfig(fused_train=False))[0]
+    y_train2 = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, plan=kliz.LizardPlan(fused_train=False))[0]
     assert calls == [False, True] and y_train2.requires_grad
     assert rel_rms(y_train.detach(), y_train2.detach()) < 1e-2
 
@@ -821,16 +813,16 @@ def test_gpu_lizard_without_state(fused, B, H, T, monkeypatch):
     D = 128
     fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, D)
     alpha, sinks = torch.rand(H, generator=g, device="cuda") + 0.5, torch.randn(H, 4, generator=g, device="cuda")
-    cfg = kliz.LizardKernelConfig() if fused else kliz.LizardKernelConfig(fused_fwd=False, fused_train=False)
+    cfg = dict(plan=kliz.LizardPlan() if fused else kliz.LizardPlan(fused_fwd=False, fused_train=False))
     calls = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "final_state")
     with torch.no_grad():
-        y_a, s_a, w_a = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, config=cfg)
-        y_b, s_b, w_b = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, config=cfg,
+        y_a, s_a, w_a = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, **cfg)
+        y_b, s_b, w_b = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, **cfg,
                                               return_state=False)
     assert s_a is not None and w_a is not None and (s_b, w_b) == (None, None)
     assert torch.equal(y_a, y_b)
     assert calls == ([True, False] if fused else [])
-    one_segment = kgla.fused_bwd_segments(fq, fk, v, False, kgla.CONFIG) == 1
+    one_segment = kgla.fused_bwd_segments(fq, fk, v, False, kgla.LAUNCH) == 1
     leaves = [x.detach().requires_grad_() for x in (fq, fk, v, lg, qw, kw, alpha, sinks)]
     dy = torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()
     out = []
@@ -838,7 +830,7 @@ def test_gpu_lizard_without_state(fused, B, H, T, monkeypatch):
         torch.cuda.synchronize()
         junk = torch.full((1 << 28,), float("nan"), device="cuda")  # 1 GiB of NaN, handed back to the allocator
         del junk
-        y, s, w = kliz.lizard_attention(*leaves[:7], sink_logits=leaves[7], config=cfg, return_state=keep)
+        y, s, w = kliz.lizard_attention(*leaves[:7], sink_logits=leaves[7], **cfg, return_state=keep)
         assert (s is None) == (w is None) == (not keep)
         y.backward(dy)
         out.append([y.detach()] + [x.grad for x in leaves])
@@ -865,7 +857,10 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     B, H, T, D = 2, 3, 1024, 128
     fq, fk, v, qw, kw, lg, g = _lizard_gpu_inputs(B, H, T, D)
     alpha, sinks = torch.ones(H, device="cuda"), torch.randn(H, 4, generator=g, device="cuda")
-    cfg = kliz.LizardKernelConfig(fused_segments=nseg)
+    from linearize.ops.backend import KernelSettings
+
+    plan = kliz.LizardPlan(fused_segments=nseg)
+    cfg = kliz._run_for(KernelSettings(), plan)
     torch.cuda.synchronize()
     junk = torch.full((1 << 28,), float("nan"), device="cuda")  # 1 GiB of NaN, handed back to the allocator
     del junk
@@ -889,7 +884,7 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
     # lizard_attention in training: the kernel writes the window's state it returns
     seen = _spy(monkeypatch, lizard_gluon, "lizard_fwd_fused", "window_state")
     v.requires_grad_()
-    _, _, w = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, config=cfg)
+    _, _, w = kliz.lizard_attention(fq, fk, v, lg, qw, kw, alpha, sink_logits=sinks, plan=plan)
     assert len(seen) == 1 and seen[0] is not None and w.k.data_ptr() == seen[0][0].data_ptr()
     assert torch.equal(w.k, kw[:, :, T - 127:].float()) and torch.equal(w.v.detach(), v[:, :, T - 127:].float())
     assert w.v.requires_grad and torch.equal(w.pos.cpu(), torch.full((B,), T))
@@ -898,7 +893,7 @@ def test_gpu_lizard_fused_training_forward(nseg, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("B, H, T, one_segment", [(2, 33, 256, True), (1, 2, 2048, False)])
 def test_gpu_lizard_backward_side_stream_only_for_reverse_passes(B, H, T, one_segment, monkeypatch):
-    """The backward forks its side stream (LizardKernelConfig.overlap_bwd) only where the gated
+    """The backward forks its side stream (KernelSettings.side_streams) only where the gated
     backward has reverse passes to run beside the window's: not where the fused gated kernel walks
     one segment (66 (batch x head) programs), where the fork and join cost host time alone; yes
     where it walks segments (2 programs: a segment pre-pass and scan). Gradients flow either way."""
@@ -933,7 +928,7 @@ def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):
     import warnings
 
     from linearize.ops.lizard_attn import fused as kliz
-    from linearize.ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from linearize.ops.lizard_attn.fused import LizardPlan, lizard_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, T, D = 1, 2, 300, 64
@@ -943,21 +938,21 @@ def test_gpu_lizard_one_op_streams_raise_no_warning(window_first, monkeypatch):
     for x in (fq, fk, v, qw, kw, lg):
         x.requires_grad_()
     alpha = torch.ones(H, device="cuda", requires_grad=True)
-    cfg = LizardKernelConfig(window_first=window_first)
+    plan = LizardPlan(window_first=window_first)
     calls = []
     apply = kliz._LizardFunction.apply
     monkeypatch.setattr(kliz._LizardFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
-            y, _, w_state = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
+            y, _, w_state = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, plan=plan)
             y.float().sum().backward()
         with torch.no_grad():
-            y2, _, w_state2 = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
+            y2, _, w_state2 = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, plan=plan)
         torch.cuda.synchronize()
     assert len(calls) == 3, "lizard_attention did not run as one op"
     assert torch.equal(y.detach(), y2) and torch.equal(w_state.k.detach(), w_state2.k)
-    y, _, _ = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, config=cfg)
+    y, _, _ = lizard_attention(fq, fk, v, lg, qw, kw, alpha, window=64, plan=plan)
     y.float().sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward can run once per forward"):
         y.float().sum().backward()
@@ -1417,42 +1412,42 @@ def test_fused_forward_segment_rule():
 
 def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     """bench kernels' "passes" methods (the Triton-only baselines beside the Gluon kernels) hand the
-    ops configs with the Gluon kernels off, and its "two-pass bwd" methods configs with the
+    ops settings with the Gluon kernels off, and its "two-pass bwd" methods launch tables with the
     one-kernel gated backward and the walking window backward off; a name reused in _methods once handed the GLA op a function instead (an
     AttributeError in every cell of the H200 bench)."""
     from linearize.bench import kernels as bk
+    from linearize.ops.backend import KernelSettings, current_settings
     from linearize.ops.gla import triton as kgla
     from linearize.ops.lizard_attn import fused as kliz
 
     x = bk._shape_inputs(1, 64, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
     seen = {}
-    monkeypatch.setattr(kgla, "gla_chunk_triton", lambda *a, config=None, **k: seen.setdefault("gla", []).append(config)
-                        or (a[2],))
+    monkeypatch.setattr(kgla, "gla_chunk_triton", lambda *a, settings=None, launch=None, **k: seen.setdefault(
+        "gla", []).append((settings, launch)) or (a[2],))
 
-    def fake_lizard(*a, config=None, **k):
-        seen["lizard"] = (config, kgla.CONFIG.gluon_bwd, bk_window().CONFIG.gluon_bwd)
-        seen.setdefault("lizard bwd", []).append((kgla.CONFIG.gluon_fused_bwd, bk_window().CONFIG.gluon_bwd_walk))
+    def fake_lizard(*a, settings=None, plan=None, **k):
+        seen.setdefault("lizard", []).append((settings, plan))
         return (a[2],)
-
-    def bk_window():
-        from linearize.ops.window_attn import triton as window
-        return window
 
     monkeypatch.setattr(kliz, "lizard_attention", fake_lizard)
     table = bk._methods(x, 4, None)
     table["triton gla passes (ours)"][0]()
     table["triton lizard passes (ours)"][0]()
-    assert isinstance(seen["gla"][0], kgla.GLAKernelConfig) and seen["gla"][0].gluon_bwd is False
-    cfg, gla_gluon, win_gluon = seen["lizard"]
-    assert (cfg.fused_fwd, cfg.fused_train, gla_gluon, win_gluon) == (False, False, False, False)
-    assert kgla.CONFIG.gluon_bwd is True  # restored after the call
+    settings, launch = seen["gla"][0]
+    assert isinstance(settings, KernelSettings) and settings.gluon is False and isinstance(launch, kgla.GLALaunch)
+    settings, plan = seen["lizard"][0]
+    assert settings.gluon is False
+    assert current_settings().gluon is True  # nothing global was changed
     # the two-pass methods: the same ops with the one-kernel gated backward and the walking window backward off
     table["triton gla two-pass bwd (ours)"][0]()
     table["triton lizard two-pass bwd (ours)"][0]()
     table["triton lizard (ours)"][0]()
-    assert seen["gla"][1].gluon_fused_bwd is False and seen["gla"][1].gluon_bwd is True
-    assert seen["lizard bwd"][1:] == [(False, False), (True, True)], seen["lizard bwd"]
-    assert kgla.CONFIG.gluon_fused_bwd is True and bk_window().CONFIG.gluon_bwd_walk is True
+    settings, launch = seen["gla"][1]
+    assert settings is None and launch.gluon_fused_bwd is False
+    (s2, two_pass), (s3, default) = seen["lizard"][1:]
+    assert s2 is None and s3 is None
+    assert (two_pass.gla.gluon_fused_bwd, two_pass.window.gluon_bwd_walk) == (False, False)
+    assert (default.gla.gluon_fused_bwd, default.window.gluon_bwd_walk) == (True, True)
 
 
 def test_gluon_kernels_import_guard(monkeypatch):
@@ -1479,3 +1474,48 @@ def test_gluon_kernels_import_guard(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_gluon)
     assert dispatch.gluon_kernels("window_attn.gluon") is None
+
+
+def test_kernel_settings_block_sets_and_restores():
+    """One context manager sets the kernels' user settings for a block (nested blocks too) and puts
+    them back, also after an error; bad names and values are refused by name; the backends' launch
+    tables take chunk and gluon from the settings in force."""
+    from linearize.ops.backend import KernelSettings, current_settings, kernel_settings
+    from linearize.ops.backend.settings import resolve
+
+    assert current_settings() == KernelSettings()
+    with kernel_settings(gluon=False) as outer:
+        assert current_settings() is outer and outer.gluon is False
+        with kernel_settings(chunk=32, paired_states=True):
+            assert current_settings() == KernelSettings(chunk=32, gluon=False, paired_states=True)
+        assert current_settings() is outer
+        with pytest.raises(RuntimeError):
+            with kernel_settings(side_streams=False):
+                raise RuntimeError("inside")
+        assert current_settings() is outer
+    assert current_settings() == KernelSettings()
+    with pytest.raises(ValueError, match="unknown kernel settings.*one_op"):
+        with kernel_settings(one_op=False):
+            pass
+    with pytest.raises(ValueError, match="chunk"):
+        KernelSettings(chunk=48)
+    with pytest.raises(ValueError, match="gluon"):
+        KernelSettings(gluon=1)
+    with pytest.raises(TypeError, match="settings"):
+        resolve({"chunk": 64})
+    if not _triton_importable():
+        return
+    from linearize.ops.gla import triton as kgla
+    from linearize.ops.window_attn import triton as kwin
+
+    with kernel_settings(chunk=32, gluon=False):
+        assert (kgla.launch_for().chunk, kgla.launch_for().gluon, kwin.launch_for().gluon) == (32, False, False)
+    assert kgla.launch_for() == kgla.LAUNCH and kwin.launch_for(KernelSettings(gluon=False)).gluon is False
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True

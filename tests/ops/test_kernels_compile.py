@@ -87,13 +87,13 @@ def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments
     q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     log_g = torch.zeros(B, H, T, requires_grad=True)
     state = GLAState(torch.zeros(B, H, D, D, requires_grad=True), torch.zeros(B, H, D, requires_grad=True))
-    cfg = dataclasses.replace(kgla.CONFIG, seg_chunks=1) if segments else kgla.CONFIG
+    cfg = dataclasses.replace(kgla.LAUNCH, seg_chunks=1) if segments else kgla.LAUNCH
     o, s = kgla.gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space,
-                                 state=state if segments else None, config=cfg)
+                                 state=state if segments else None, launch=cfg)
     _backward(o + s.S.sum() + s.z.sum(), q, k, v, log_g, *state)
     with torch.no_grad():  # the inference forward: no chunk states stored
         kgla.gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space,
-                              state=state if segments else None, config=cfg)
+                              state=state if segments else None, launch=cfg)
     names = {name for name, *_ in compiled}
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
     expected = {"_gla_fwd_kernel", "_gla_bwd_dstate_kernel", "_gla_bwd_chunk_kernel"}
@@ -109,8 +109,7 @@ def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypat
     within the shared memory a block may have there."""
     from linearize.ops.window_attn import triton as kwin
 
-    if candidate is not None:
-        monkeypatch.setattr(kwin, "CONFIG", dataclasses.replace(kwin.CONFIG, **WINDOW_CANDIDATES[candidate]))
+    launch = kwin.LAUNCH if candidate is None else dataclasses.replace(kwin.LAUNCH, **WINDOW_CANDIDATES[candidate])
 
     B, H, T, D = 1, 2, 256, 128
     q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -119,7 +118,7 @@ def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypat
     if fused:
         extra = dict(y_global=torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True),
                      alpha=torch.ones(H, requires_grad=True))
-    y, _ = kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, **extra)
+    y, _ = kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, launch=launch, **extra)
     _backward(y, q, k, v, sinks, *extra.values())
     assert {name for name, _, _ in compiled} == {"_win_fwd_kernel", "_win_bwd_dq_kernel", "_win_bwd_dkdv_kernel",
                                                  "_win_head_sums_kernel"}
@@ -136,7 +135,9 @@ def test_lizard_one_op_compiles_for_hopper(compiled, window_first):
     fq, fk, v, qw, kw = (torch.zeros(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(5))
     log_g = torch.zeros(B, H, T, requires_grad=True)
     alpha, sinks = torch.ones(H, requires_grad=True), torch.zeros(H, 4, requires_grad=True)
-    cfg = kliz.LizardKernelConfig(window_first=window_first)
+    from linearize.ops.backend import KernelSettings
+
+    cfg = kliz._run_for(KernelSettings(), kliz.LizardPlan(window_first=window_first))
     kw_ = dict(window=128, sink_logits=sinks, scale=None, normalize=True, log_space_features=False, state=None,
                eps=1e-6, window_state=None, config=cfg)
     y, _, _ = kliz._lizard_one_op(fq, fk, v, log_g, qw, kw, alpha, **kw_)
@@ -190,23 +191,6 @@ def test_decode_step_kernels_compile_for_hopper(compiled, arch, method, kw):
         launch_rmsnorm(torch.zeros(2, 1, norm.weight.shape[0], dtype=torch.bfloat16), norm.weight, 1e-6)
     names = {name for name, *_ in compiled}
     assert {"_lizard_prep_kernel", "_lizard_state_kernel", "_rmsnorm_kernel"} <= names, names
-
-
-@pytest.mark.parametrize("ws", [False, True])
-def test_gluon_probe_kernels_compile_for_hopper(ws):
-    """scripts/gluon_gemm_probe.py, the hand-written Hopper path for the kernels issue 6 still needs
-    (TMA ring, mbarriers, async wgmma, and with ``ws`` a producer warp beside the consumers), compiles
-    for sm_90a with this Triton, within one block's shared memory; on an H200 it computed the right
-    product (docs/results/gluon-gemm-probe-h200.json)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gluon_gemm_probe.py"
-    spec = importlib.util.spec_from_file_location("gluon_gemm_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    shared = probe.compile_only(ws=ws)
-    assert 4 * (128 * 64 + 64 * 128) * 2 <= shared <= HOPPER_SMEM, shared
 
 
 def _ptxas(ptx: str, tmp_path):
@@ -289,7 +273,7 @@ def test_gluon_lizard_training_forward_without_final_state(tmp_path):
 
 @pytest.mark.parametrize("normalize, has_init, model_layout", [(False, False, 0), (True, True, 7)])
 def test_gluon_gla_fused_forward_compiles_for_hopper(normalize, has_init, model_layout, tmp_path):
-    """kernels/gla_gluon.py, GLA's forward as one kernel (GLAKernelConfig.gluon_fwd): compiled for
+    """kernels/gla_gluon.py, GLA's forward as one kernel (KernelSettings.gluon): compiled for
     sm_90a within one block's shared memory, its two warp-specialised partitions (the state one
     shared with Lizard's fused forward) assembled by ptxas without spilling (``gla_gluon.tile_at_step``;
     10 words a thread before).
@@ -326,16 +310,16 @@ def test_gluon_gla_chunk_pass_compiles_two_per_sm_without_spills(normalize, dv_a
                           (False, False, False, False, 0, False, True, 8)])
 def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds, store_ds0, model_layout, side, paired,
                                                       max_spill, tmp_path):
-    """kernels/gla_gluon.py, the whole gated backward as one kernel (GLAKernelConfig.gluon_fused_bwd):
+    """kernels/gla_gluon.py, the whole gated backward as one kernel (GLALaunch.gluon_fused_bwd):
     compiled for sm_90a within one block's shared memory (two slots of the four chunk tiles, S,
     dS's copy, M and o), its two warp-specialised partitions assembled by ptxas, spilling at most
     ``max_spill`` bytes a thread as a launch compiles it (pointers known 16-byte aligned): 0
     unnormalised, 80 with segments, dS0 and a model's layout, 68 in Lizard's case, 128 with
     Lizard's paired states. Both partitions spill a few values around their products; since dq
     and dk leave by TMA through k's and v's slots the chunk partition spills more (Lizard's case:
-    44 -> 68 bytes) and the kernel is 10% faster (docs/results/gla-fused-bwd-tma-out-h100.md).
+    44 -> 68 bytes) and the kernel is 10% faster.
     ``side``: o read as y with the other branch's part of do . o subtracted (Lizard, og_from_y);
-    ``paired``: the states of even chunks only (LizardKernelConfig.paired_states). What it
+    ``paired``: the states of even chunks only (KernelSettings.paired_states). What it
     computes is checked on a GPU (test_gpu_gla_gluon_fused_backward_*, test_gpu_lizard_one_op_*)."""
     from linearize.ops.gla import gluon as gla_gluon
 
@@ -347,7 +331,7 @@ def test_gluon_gla_fused_backward_compiles_for_hopper(normalize, dv_add, has_ds,
 @pytest.mark.parametrize("window, model_layout, own_delta, scores", [
     (128, 0, True, False), (100, 7, True, False), (128, 0, False, False), (128, 7, True, True)])
 def test_gluon_window_walk_backward_compiles_for_hopper(window, model_layout, own_delta, scores, tmp_path):
-    """kernels/window_gluon.py, the walking window backward (WindowKernelConfig.gluon_bwd_walk),
+    """kernels/window_gluon.py, the walking window backward (WindowLaunch.gluon_bwd_walk),
     forming D itself (from o or from its scores) or reading it: compiled for sm_90a within one block's shared memory (two
     rings of six 64 x 128 tiles, two staging tiles for dk and dv, and two rings of row vectors), its two
     warp-specialised partitions assembled by ptxas (the dk/dv partition, with 256 registers a

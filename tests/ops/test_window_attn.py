@@ -278,3 +278,32 @@ def test_bad_inputs_raise_naming_the_value():
             with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None, got "
                                + re.escape(repr(bad))):
                 form(q, k, v, window=5, softcap=bad)
+
+
+@pytest.mark.parametrize("sinks", ["none", "logits", "kv"])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_ring_step_is_the_recurrent_form(sinks, softcap):
+    """window_ring_step_ (a decoder's static ring buffer, query heads grouped over shared KV heads):
+    token by token, the outputs of window_attn_recurrent on the KV heads repeated per query head."""
+    from linearize.ops.window_attn import window_ring_step_
+
+    g = torch.Generator().manual_seed(4)
+    Hkv, G, D, w, n = 2, 3, 8, 5, 9
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, n, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, n, D, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = {}
+    if sinks == "logits":
+        kw = dict(sink_logits=torch.randn(Hq, M_LOGITS, generator=g, dtype=torch.float64))
+    elif sinks == "kv":
+        kw = dict(sink_k=torch.randn(Hq, M_KV, D, generator=g, dtype=torch.float64),
+                  sink_v=torch.randn(Hq, M_KV, D, generator=g, dtype=torch.float64))
+    ref, _ = window_attn_recurrent(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), window=w,
+                                   softcap=softcap, **kw)
+    ring_k, ring_v = (torch.zeros(B, Hkv, w, D, dtype=torch.float64) for _ in range(2))
+    outs = []
+    for t in range(n):
+        pos = torch.full((B,), t)
+        outs.append(window_ring_step_(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], ring_k, ring_v, pos,
+                                      softcap=softcap, dtype=torch.float64, **kw))
+    assert_rel_close(torch.cat(outs, 2), ref, TOL[torch.float64])

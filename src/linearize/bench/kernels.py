@@ -9,9 +9,9 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        (positive features, scalar log-gates, unnormalised)
   triton gla (ours)    ops.gla.triton.gla_chunk_triton on the same inputs, as a user gets it: on Hopper
                        the whole backward is one Gluon kernel (ops.gla.gluon, bwd_fused)
-  triton gla two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False): the Triton
+  triton gla two-pass bwd (ours)  the same with GLALaunch(gluon_fused_bwd=False): the Triton
                        reverse state pass, then the Gluon chunk pass (the default until 2026-11-26)
-  triton gla passes (ours)  the same with GLAKernelConfig(gluon_bwd=False): Triton passes only
+  triton gla passes (ours)  the same with KernelSettings(gluon=False): Triton passes only
   torch lizard (ours)  Lizard's whole attention (normalised gated branch on Hedgehog features
                        + window 128 with 4 sink logits + y_g + alpha * y_w), LINEARIZE_KERNELS=0; its
                        inference forward returns the states (a prefill), its training step none (as the
@@ -21,12 +21,11 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        in training it also stores what the backward reads), the window's backward is
                        the walking Gluon kernel (ops.window_attn.gluon) and the gated backward the one
                        fused Gluon kernel (ops.gla.gluon)
-  triton lizard two-pass bwd (ours)  the same with GLAKernelConfig(gluon_fused_bwd=False) and
-                       WindowKernelConfig(gluon_bwd_walk=False): the backward of the defaults until
-                       2026-11-26 (the window kernel of one program per chunk, the Triton reverse
-                       state pass, the Gluon chunk pass)
-  triton lizard passes (ours)  the same with LizardKernelConfig(fused_fwd=False, fused_train=False), and
-                       GLAKernelConfig and WindowKernelConfig with gluon_bwd=False: Triton passes only
+  triton lizard two-pass bwd (ours)  the same with GLALaunch(gluon_fused_bwd=False) and
+                       WindowLaunch(gluon_bwd_walk=False) (a LizardPlan): the backward of the defaults
+                       until 2026-11-26 (the window kernel of one program per chunk, the Triton
+                       reverse state pass, the Gluon chunk pass)
+  triton lizard passes (ours)  the same with KernelSettings(gluon=False): Triton passes only
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -48,7 +47,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict as dataclasses_asdict, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -191,22 +190,6 @@ def _with_kernels(flag: str, fn: Callable):
     return run
 
 
-def _with_configs(fn: Callable, gla: dict, window: dict):
-    """fn run with ops.gla.triton.CONFIG and ops.window_attn.triton.CONFIG changed (the ops keep the
-    configs of their forward for their backward)."""
-    from ..ops.gla import triton as kgla
-    from ..ops.window_attn import triton as kwin
-
-    def run(*args, **kwargs):
-        old_g, old_w = kgla.set_config(**gla), kwin.set_config(**window)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            kgla.set_config(**dataclasses_asdict(old_g))
-            kwin.set_config(**dataclasses_asdict(old_w))
-    return run
-
-
 def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch.dtype, dev: torch.device,
                   seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -229,12 +212,19 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
     return x
 
 
-def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
-    """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient)."""
+def _methods(x: dict, window: int, fla, gla_launch=None,
+             window_launch=None) -> dict[str, tuple[Callable[[], torch.Tensor], list, torch.Tensor]]:
+    """name -> (forward returning the output, leaf tensors that take gradients, the output's gradient).
+    ``gla_launch`` / ``window_launch``: the kernels' launch tables (default: the modules' ``LAUNCH``)."""
+    from ..ops.backend.settings import KernelSettings
     from ..ops.gla import triton as kgla
     from ..ops.gla.triton import gla_chunk_triton
-    from ..ops.lizard_attn.fused import LizardKernelConfig, lizard_attention
+    from ..ops.lizard_attn.fused import LizardPlan, lizard_attention
     from ..ops.gla.chunk import gla_chunk
+    from ..ops.window_attn import triton as kwin
+
+    gl, wl = gla_launch or kgla.LAUNCH, window_launch or kwin.LAUNCH
+    triton_only = KernelSettings(gluon=False)
 
     def leaves(*names):
         return [x[n].detach().requires_grad_() for n in names]
@@ -255,30 +245,27 @@ def _methods(x: dict, window: int, fla) -> dict[str, tuple[Callable[[], torch.Te
     gg = x["log_g"].detach().requires_grad_()
     kw = dict(normalize=False, log_space_features=False)
     out["torch gla (ours)"] = (lambda: gla_chunk(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
-    out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, **kw)[0], [gq, gk, gv, gg], dy)
-    gla_two_pass = replace(kgla.CONFIG, gluon_fused_bwd=False)
-    out["triton gla two-pass bwd (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_two_pass, **kw)[0],
+    out["triton gla (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, launch=gl, **kw)[0], [gq, gk, gv, gg], dy)
+    gla_two_pass = replace(gl, gluon_fused_bwd=False)
+    out["triton gla two-pass bwd (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, launch=gla_two_pass, **kw)[0],
                                              [gq, gk, gv, gg], dy)
-    gla_triton_only = replace(kgla.CONFIG, gluon_bwd=False)
-    out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, config=gla_triton_only, **kw)[0],
-                                       [gq, gk, gv, gg], dy)
+    out["triton gla passes (ours)"] = (lambda: gla_chunk_triton(gq, gk, gv, gg, settings=triton_only, launch=gl,
+                                                                **kw)[0], [gq, gk, gv, gg], dy)
     lq, lk, lv, wq, wk = leaves("lq", "lk", "v", "q", "k")
     lg, la, ls = (x[n].detach().requires_grad_() for n in ("log_g", "alpha", "sinks"))
 
-    def lizard(config=None):
+    def lizard(settings=None, plan=LizardPlan(gla=gl, window=wl)):
         # a training step keeps no state (as the model's layers run it without a cache); an inference
         # forward is a prefill, whose state decoding continues from
-        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls, config=config,
-                                return_state=not torch.is_grad_enabled())[0]
+        return lizard_attention(lq, lk, lv, lg, wq, wk, la, window=window, sink_logits=ls, settings=settings,
+                                plan=plan, return_state=not torch.is_grad_enabled())[0]
 
     args = [lq, lk, lv, lg, wq, wk, la, ls]
     out["torch lizard (ours)"] = (_with_kernels("0", lizard), args, dy)
     out["triton lizard (ours)"] = (_with_kernels("1", lizard), args, dy)
-    lizard_two_pass = _with_configs(lizard, gla=dict(gluon_fused_bwd=False), window=dict(gluon_bwd_walk=False))
-    out["triton lizard two-pass bwd (ours)"] = (_with_kernels("1", lizard_two_pass), args, dy)
-    passes = LizardKernelConfig(fused_fwd=False, fused_train=False)
-    lizard_triton_only = _with_configs(lambda: lizard(passes), gla=dict(gluon_bwd=False), window=dict(gluon_bwd=False))
-    out["triton lizard passes (ours)"] = (_with_kernels("1", lizard_triton_only), args, dy)
+    two_pass = LizardPlan(gla=replace(gl, gluon_fused_bwd=False), window=replace(wl, gluon_bwd_walk=False))
+    out["triton lizard two-pass bwd (ours)"] = (_with_kernels("1", lambda: lizard(plan=two_pass)), args, dy)
+    out["triton lizard passes (ours)"] = (_with_kernels("1", lambda: lizard(settings=triton_only)), args, dy)
     return out
 
 
@@ -306,12 +293,14 @@ def run_kernel_bench(
     out_dir: str | os.PathLike, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, dtype: str = "bf16",
     reps: int = 20, *, heads: int = 32, head_dim: int = 128, feature_dim: int = 128, window: int = 128,
     sinks: int = 4, methods: Optional[Sequence[str]] = None, seed: int = 0, host: bool = False,
+    launches: Optional[dict] = None,
 ) -> dict:
     """Time every method of ``METHODS`` (or ``methods``) over ``shapes`` (B, T) and write
     kernels.json / kernels.md / kernels.png into ``out_dir``; returns the json content.
 
     ``reps``: the least number of timed calls per cell (do_bench times at least 100 ms).
-    ``host``: also split each cell's time into GPU and host (``_host_split``: the call replayed as a
+    ``launches``: {"gla": GLALaunch, "window": WindowLaunch} to time instead of the modules' ``LAUNCH``
+    (``--tuned``). ``host``: also split each cell's time into GPU and host (``_host_split``: the call replayed as a
     CUDA graph, and the host's time per call), to tell a GPU-bound reading from a host-bound one.
     Needs a CUDA device.
     """
@@ -338,14 +327,18 @@ def run_kernel_bench(
     from ..ops.gla import triton as kgla
     from ..ops.window_attn import triton as kwin
 
-    result = {"environment": _env(command), "gla_config": dataclasses_asdict(kgla.CONFIG),
-              "window_config": dataclasses_asdict(kwin.CONFIG), "dtype": dtype, "heads": heads, "head_dim": head_dim,
+    from ..ops.backend.settings import current_settings
+
+    gla_launch = (launches or {}).get("gla", kgla.LAUNCH)
+    window_launch = (launches or {}).get("window", kwin.LAUNCH)
+    result = {"environment": _env(command), "settings": dataclasses_asdict(current_settings()),
+              "gla_launch": dataclasses_asdict(gla_launch), "window_launch": dataclasses_asdict(window_launch), "dtype": dtype, "heads": heads, "head_dim": head_dim,
               "feature_dim": feature_dim, "window": window, "sinks": sinks, "reps": reps,
               "shapes_planned": [list(s) for s in shapes], "complete": False, "shapes": []}
     for B, T in shapes:
         x = _shape_inputs(B, T, heads, head_dim, feature_dim, sinks, dt, dev, seed)
         cells: dict = {}
-        table = _methods(x, window, fla)
+        table = _methods(x, window, fla, gla_launch, window_launch)
         for name in chosen:
             if name not in table:
                 cells[name] = {p: {"error": "fla is not importable"} for p in PASSES}
@@ -420,7 +413,8 @@ def render_markdown(result: dict) -> str:
         "",
         *([f"**Partial:** {len(shapes)} of {len(result['shapes_planned'])} shapes timed; the run stopped before "
            "the rest.", ""] if not result.get("complete", True) else []),
-        f"Launch configs: GLA `{result.get('gla_config')}`, window `{result.get('window_config')}`.",
+        f"Settings: `{result.get('settings')}`; launch tables: GLA `{result.get('gla_launch')}`, "
+        f"window `{result.get('window_launch')}`.",
         "",
         f"Cells: median / mean ms over >= {result['reps']} timed calls (triton.testing.do_bench, L2 flushed "
         "between calls). fwd: the forward under torch.no_grad, no backward to follow (inference); fwd+bwd: "
@@ -511,10 +505,10 @@ GLA_FWD_CANDIDATES = (  # chunk 32 lost clearly in earlier sweeps
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=2, den_warps=2, tma=False),
     dict(fwd_bv=64, fwd_warps=4, fwd_stages=3, den_warps=2),
 )  # fwd_bv=32 also lost, and with log-features crashed on the H200 (illegal address; see ops.gla.triton);
-# so did a register cap and the normaliser inside the main pass (GLAKernelConfig's docstring). Splitting
+# so did a register cap and the normaliser inside the main pass (benchmarks/kernel-settings.md). Splitting
 # the normaliser pass's features over programs (blocks of 64 or 32, parts of den added atomically) lost
 # too (sweep3: 0.748-1.135 ms against 0.709 for Lizard's gated forward at B16 T2048)
-GLA_BWD_CANDIDATES = (  # apply_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
+GLA_BWD_CANDIDATES = (  # pick_tuned takes par_warps from the Lizard rows (plain features); dstate_bv
     # stands for dstate_bv_norm in the Lizard (normalised) rows
     dict(par_warps=4, par_stages=1, dstate_warps=4, dstate_bv=128),
     dict(par_warps=4, par_stages=1, dstate_warps=4, dstate_bv=64),
@@ -527,9 +521,9 @@ WINDOW_CANDIDATES = (
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=32, kv_bn=64, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=3, bwd_stages=3, kv_bm=64, kv_bn=32, kv_warps=4),
     dict(bm=64, bn=32, fwd_warps=4, bwd_warps=4, fwd_stages=2, bwd_stages=2, kv_bm=32, kv_bn=64, kv_warps=4),
-)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60: docs/results/kernels-h200-sweep2.json). The dk/dv
+)  # bn 64 and bm 128 lost (fwd 0.66-0.91 ms against 0.60, H200). The dk/dv
 # pass's own blocks (kv_*; the second row is the shared 64 x 32 of before), three sweeps on an H200 at B16
-# T2048, fwd+bwd of the window alone (docs/results/kernels-h200-sweep3.json): 32 x 64 with 4 warps 2.393 /
+# T2048, fwd+bwd of the window alone: 32 x 64 with 4 warps 2.393 /
 # 2.406 / 2.403 ms against 2.509 / 2.524 / 2.523; 32 x 32 2.713; 64 x 64 2.612 (4 warps) / 2.850 (8); 32 x 64
 # with 2 warps 3.291 or 2 stages 2.529-2.564; 64 x 128 4.255 and 32 x 128 2.960 (8 warps); 16-row query
 # blocks (2.592-2.678) also gave dk 5% off in bf16 on the GPU, right under the interpreter: not offered.
@@ -582,21 +576,21 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
             inputs[(B, T)] = _shape_inputs(B, T, 32, 128, 128, 4, dt, dev, 0)
         x = inputs[(B, T)]
         if kind.startswith("gla"):
-            cfg = dataclasses.replace(kgla.CONFIG, **cand)
+            cfg = dataclasses.replace(kgla.LAUNCH, **cand)
             names = ("fq", "fk", "v", "log_g") if mode == "plain" else ("lq", "lk", "v", "log_g")
-            kw = dict(normalize=mode != "plain", config=cfg)
+            kw = dict(normalize=mode != "plain", launch=cfg)
             leaves = [x[n].detach().requires_grad_() for n in names]
 
             def fwd(leaves=leaves, kw=kw):
                 return kgla.gla_chunk_triton(*leaves, **kw)[0]
         else:
-            cfg = dataclasses.replace(kwin.CONFIG, **cand)
+            cfg = dataclasses.replace(kwin.LAUNCH, **cand)
             leaves = [x[n].detach().requires_grad_() for n in ("q", "k", "v", "dy", "alpha", "sinks")]
 
             def fwd(leaves=leaves, cfg=cfg):
                 q, k, v, yg, alpha, sinks = leaves
                 return kwin.window_attn_triton(q, k, v, window=128, sink_logits=sinks, y_global=yg, alpha=alpha,
-                                               config=cfg)[0]
+                                               launch=cfg)[0]
         if compile_only:
             try:
                 fwd().backward(x["dy"])
@@ -616,11 +610,12 @@ def tune_kernel_configs(out_dir: str | os.PathLike, shapes: Sequence[tuple[int, 
     return {"rows": rows}
 
 
-def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
-    """Set the kernels' module configs to the fastest candidates of a ``tune`` run (its rows or
-    tune.json): GLA forward by the Lizard-mode forward, GLA backward by the Lizard-mode
-    backward (fwd+bwd - fwd), the window by fwd+bwd, the split fill by the longest shape's fwd+bwd.
-    Returns the chosen settings."""
+def pick_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
+    """The fastest candidates of a ``tune`` run (its rows or tune.json): GLA forward by the Lizard-mode
+    forward, GLA backward by the Lizard-mode backward (fwd+bwd - fwd), the window by fwd+bwd, the
+    split fill by the longest shape's fwd+bwd. Returns the chosen fields per sweep and, as
+    ``gla_launch`` / ``window_launch``, the launch tables they make (``GLALaunch``, ``WindowLaunch``):
+    ``bench kernels --tuned`` times those; to make them the defaults, write them into the modules."""
     from ..ops.gla import triton as kgla
     from ..ops.window_attn import triton as kwin
 
@@ -646,18 +641,10 @@ def apply_tuned(rows: Sequence[dict] | str | os.PathLike) -> dict:
     }
     # the Lizard rows take plain (normalised) features, so they pick the chunk pass's par_warps and
     # the normalised reverse pass's V-block; the unnormalised one comes from the plain rows;
-    # par_warps_log (log-features, which no layer passes now) keeps its default
-    kgla.set_config(**chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
-    kwin.set_config(**chosen["window"])
-    chosen["gla_config"] = dataclasses_asdict(kgla.CONFIG)
-    chosen["window_config"] = dataclasses_asdict(kwin.CONFIG)
+    # the chunk pass's warps for log-features (which no layer passes now) are a module constant
+    chosen["gla_launch"] = replace(kgla.LAUNCH, **chosen["gla_fwd"], **chosen["gla_bwd"], **chosen["gla_seg"])
+    chosen["window_launch"] = replace(kwin.LAUNCH, **chosen["window"])
     return chosen
-
-
-def dataclasses_asdict(x) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(x)
 
 
 def profile_kernels(out_dir: str | os.PathLike, shape: tuple[int, int] = DEFAULT_SHAPES[0], reps: int = 5,
@@ -719,7 +706,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--part", type=int, default=0)
     p.add_argument("--parts", type=int, default=1)
-    p.add_argument("--tuned", default=None, help="bench: first apply the fastest configs of this tune.json")
+    p.add_argument("--tuned", default=None, help="bench: time the fastest launch tables of this tune.json")
     p.add_argument("--kinds", default=",".join(TUNE_KINDS), help="tune: which sweeps (default: %(default)s)")
     p.add_argument("--host", action="store_true",
                    help="bench: also time each cell as a CUDA graph (GPU alone) and the host's time per call")
@@ -734,9 +721,11 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         profile_kernels(a.out, shapes[0], **({"methods": a.methods.split(",")} if a.methods else {}))
     else:
         if a.tuned:
-            print("tuned configs:", json.dumps(apply_tuned(a.tuned)), flush=True)
+            tuned = pick_tuned(a.tuned)
+            launches = {"gla": tuned["gla_launch"], "window": tuned["window_launch"]}
+            print("tuned launches:", json.dumps({k: dataclasses_asdict(v) for k, v in launches.items()}), flush=True)
         res = run_kernel_bench(a.out, shapes, reps=a.reps, methods=a.methods.split(",") if a.methods else None,
-                               host=a.host)
+                               host=a.host, launches=launches if a.tuned else None)
         print(render_markdown(res))
     return 0
 

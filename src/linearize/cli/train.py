@@ -99,7 +99,8 @@ def _choices() -> dict[str, tuple]:
     from ..train import config as C
 
     return {"method": tuple(methods()), "packing": C.PACKING, "transfer_target": C.TRANSFER_TARGETS,
-            "lr_schedule": C.LR_SCHEDULES, "mu_schedule": C.MU_SCHEDULES, "precision": C.PRECISIONS}
+            "lr_schedule": C.LR_SCHEDULES, "mu_schedule": C.MU_SCHEDULES, "precision": C.PRECISIONS,
+            "loss_on": C.LOSS_ON}
 
 
 def _show_default(value) -> str:

@@ -15,6 +15,11 @@ the student imitates) would mostly ignore but a recurrent student cannot. So:
 
 Shapes: ``Rows.input_ids`` (N, seq_len) int64, ``Rows.attention_mask`` (N, seq_len) bool, padding
 only on the right. ``Rows.batch`` trims columns that are padding in every row of the batch.
+
+Loss on assistant turns only: ``pack(..., loss_masks=True)`` carries each document's ``loss_mask``
+(``sources.Document``; a document without one counts whole) into ``Rows.loss_mask`` (N, seq_len)
+bool, and ``Rows.batch`` then gives label -100 to the tokens it marks False, so next-token losses
+skip them. The inputs (and stage 1, which uses no labels) still see every token.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sources import loss_mask_of, piece_of
+
 PACKING_POLICIES = ("split", "concat")
 
 
@@ -34,6 +41,7 @@ class Rows:
 
     input_ids: torch.LongTensor
     attention_mask: torch.BoolTensor
+    loss_mask: torch.BoolTensor | None = None  # (N, seq_len): tokens that get a label; None = all real ones
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -52,7 +60,7 @@ class Rows:
 
         Shapes (B, W) with W <= seq_len: trailing columns that are padding in every selected row are
         trimmed, so a batch of short rows costs less. ``labels`` are ``input_ids`` with -100 at
-        padding (the model shifts them for next-token loss).
+        padding and, with a ``loss_mask``, where it is False (the model shifts them for next-token loss).
         """
         index = torch.as_tensor(list(indices), dtype=torch.long)
         if index.numel() == 0:
@@ -63,15 +71,34 @@ class Rows:
         used = mask.any(dim=0).nonzero()
         width = int(used.max()) + 1 if used.numel() else 1
         ids, mask = ids[:, :width], mask[:, :width]
-        return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
+        labelled = mask if self.loss_mask is None else mask & self.loss_mask[index][:, :width]
+        return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~labelled, -100)}
+
+    def subset(self, indices: Sequence[int]) -> "Rows":
+        """The rows at ``indices``, in that order (loss masks kept)."""
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        return Rows(self.input_ids[index], self.attention_mask[index],
+                    None if self.loss_mask is None else self.loss_mask[index])
+
+    @staticmethod
+    def concat(parts: Sequence["Rows"]) -> "Rows":
+        """Rows of several packings one after the other (of one ``seq_len``)."""
+        if not parts:
+            raise ValueError("concat needs at least one Rows")
+        masks = None
+        if any(p.loss_mask is not None for p in parts):
+            masks = torch.cat([p.attention_mask.clone() if p.loss_mask is None else p.loss_mask for p in parts])
+        return Rows(torch.cat([p.input_ids for p in parts]), torch.cat([p.attention_mask for p in parts]), masks)
 
 
 def pack(documents: list[list[int]], seq_len: int, policy: str = "split", *, min_tokens: int = 16,
-         pad_id: int = 0) -> Rows:
+         pad_id: int = 0, loss_masks: bool = False) -> Rows:
     """Pack token documents into rows of ``seq_len`` under ``policy`` (see the module docstring).
 
     ``min_tokens`` (split only): the fewest real tokens a document's last, padded piece needs to be
     kept. ``pad_id`` fills padding (masked out, so its value only matters for tidiness).
+    ``loss_masks``: carry the documents' ``loss_mask`` into ``Rows.loss_mask`` (loss on assistant
+    turns only); off, every real token gets a label.
     """
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ValueError(f"seq_len must be an integer >= 2, got {seq_len!r}")
@@ -80,6 +107,12 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "split", *, min
     if not isinstance(min_tokens, int) or not 1 <= min_tokens <= seq_len:
         raise ValueError(f"min_tokens must be an integer in [1, seq_len={seq_len}], got {min_tokens!r}")
 
+    use_masks = loss_masks and any(loss_mask_of(doc) is not None for doc in documents)
+
+    def doc_mask(doc) -> list[bool]:
+        mask = loss_mask_of(doc)
+        return [True] * len(doc) if mask is None else mask
+
     if policy == "concat":
         stream = [token for doc in documents for token in doc]
         n = len(stream) // seq_len
@@ -87,19 +120,27 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "split", *, min
             raise ValueError(f"documents are too short to pack: {len(stream)} tokens in all, fewer than "
                              f"one row of seq_len={seq_len}")
         ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
-        return Rows(ids, torch.ones(n, seq_len, dtype=torch.bool))
+        labelled = None
+        if use_masks:
+            flags = [m for doc in documents for m in doc_mask(doc)]
+            labelled = torch.tensor(flags[: n * seq_len], dtype=torch.bool).view(n, seq_len)
+        return Rows(ids, torch.ones(n, seq_len, dtype=torch.bool), labelled)
 
-    pieces = [doc[start:start + seq_len] for doc in documents for start in range(0, len(doc), seq_len)]
-    pieces = [p for p in pieces if len(p) == seq_len or len(p) >= min_tokens]
+    pieces = [(doc, start) for doc in documents for start in range(0, len(doc), seq_len)
+              if len(doc) - start >= min(seq_len, min_tokens)]
     if not pieces:
         raise ValueError(f"documents are too short to pack: none has min_tokens={min_tokens} tokens "
                          f"for a row of seq_len={seq_len} (longest has {max(map(len, documents), default=0)})")
     ids = torch.full((len(pieces), seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(len(pieces), seq_len, dtype=torch.bool)
-    for row, piece in enumerate(pieces):
+    labelled = torch.zeros(len(pieces), seq_len, dtype=torch.bool) if use_masks else None
+    for row, (doc, start) in enumerate(pieces):
+        piece = doc[start:start + seq_len]
         ids[row, : len(piece)] = torch.tensor(piece, dtype=torch.long)
         mask[row, : len(piece)] = True
-    return Rows(ids, mask)
+        if labelled is not None:
+            labelled[row, : len(piece)] = torch.tensor(doc_mask(doc)[start:start + seq_len], dtype=torch.bool)
+    return Rows(ids, mask, labelled)
 
 
 def split_documents(documents: list[list[int]], val_fraction: float, seed: int) -> tuple[list, list]:
@@ -119,7 +160,7 @@ def split_documents(documents: list[list[int]], val_fraction: float, seed: int) 
         if len(doc) < 2:
             raise ValueError(f"cannot hold out part of a single document of {len(doc)} token(s)")
         held = min(max(1, round(val_fraction * len(doc))), len(doc) - 1)
-        return [doc[: len(doc) - held]], [doc[len(doc) - held:]]
+        return [piece_of(doc, 0, len(doc) - held)], [piece_of(doc, len(doc) - held)]
     order = list(range(n))
     random.Random(seed).shuffle(order)
     k = min(max(1, round(val_fraction * n)), n - 1)

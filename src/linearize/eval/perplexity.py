@@ -130,7 +130,8 @@ def run_ppl(models: Sequence[str], data: str, out_dir: str | Path, *, max_tokens
         model, tokenizer = load_model(name, device=device, dtype=dtype)
         if tokenizer is None:
             raise ValueError(f"model {name} has no tokenizer files; perplexity on text needs one")
-        ids = token_stream(load_documents(data, tokenizer, text_field=text_field), tokenizer.eos_token_id, max_tokens)
+        documents = load_documents(data, tokenizer, text_field=text_field, max_tokens=max_tokens)  # reads no further
+        ids = token_stream(documents, tokenizer.eos_token_id, max_tokens)
         if stream_ids is None:
             stream_ids = ids
         elif not torch.equal(ids, stream_ids):

@@ -30,7 +30,7 @@ from ..ops.delta import delta_product_chunk, delta_product_recurrent
 from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
-from ..ops.lizard_attn import lizard_attention, one_op_applies
+from ..ops.lizard_attn import lizard_attention_fused
 from ..ops.window_attn import (
     WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent, window_attn_sum,
 )
@@ -306,20 +306,20 @@ class HybridAttention(nn.Module):
     def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid,
                        need_state: bool = True) -> tuple | None:
         """Lizard (gated + window with v2 sinks, summed) as the kernels' one op (both branches and
-        the combine, the gated passes overlapping the window's on a second stream) where it
-        applies: a prefill without padding whose window starts fresh; None elsewhere. Without
-        ``need_state`` the op writes no state and ``state`` is returned as it came."""
+        the combine) for a prefill without padding whose window starts fresh, where the op says its
+        kernels apply (``lizard_attention_fused``); None elsewhere. Without ``need_state`` the op
+        writes no state and ``state`` is returned as it came."""
         c = self.config
         wkw = self._window_kwargs()
         if (step or valid is not None or "local" in state or c.local_rule != "window" or c.combine != "sum"
                 or wkw["softcap"] is not None or "sink_k" in wkw):
             return None
         sinks = wkw.get("sink_logits")
-        if not one_op_applies(fq, fk, v, log_g, lq, lk, self.alpha, sinks, state.get("global")):
+        out = lizard_attention_fused(fq, fk, v, log_g, lq, lk, self.alpha, window=c.window, sink_logits=sinks,
+                                     scale=self.scale, state=state.get("global"), return_state=need_state)
+        if out is None:
             return None
-        y, g_state, w_state = lizard_attention(
-            fq, fk, v, log_g, lq, lk, self.alpha, window=c.window, sink_logits=sinks, scale=self.scale,
-            state=state.get("global"), chunk_size=c.chunk_size, return_state=need_state)
+        y, g_state, w_state = out
         if need_state:
             state["global"], state["local"] = g_state, w_state
         return y.to(v.dtype), state

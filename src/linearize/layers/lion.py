@@ -62,7 +62,7 @@ LION_FORMS = ("auto", "chunk", "parallel", "recurrent")
 # "auto": the parallel form up to this many tokens, the chunk form beyond. On 2 CPU threads (12
 # heads of 32, lion-s, 1024 tokens per call) the parallel form ran a layer 1.1-2.5x faster than the
 # chunk form up to 128 tokens (forward, and forward + backward; pure or with exact keys), and
-# slower from 256 on: 1.1-2.4x at 256, 1.8-12x beyond (scripts/lion_forms_short.py,
+# slower from 256 on: 1.1-2.4x at 256, 1.8-12x beyond (benchmarks/probes/lion_forms_short.py,
 # docs/results/lion-forms-short.md).
 AUTO_PARALLEL_MAX = 128
 LION_FEATURE_MAPS = ("hedgehog", "t2r", "taylor", "taylor+hedgehog")

@@ -23,9 +23,10 @@ Step modules, from fast to general:
               ``z``, the ring write and the sink-softmax over the window; a "state" kernel per
               (row, head, block of value channels) for ``S = g S + k v^T`` and the readout, which
               reads the state once and writes it once, and the ``y_g + alpha * y_w`` combine
-              (the kernels live in ``ops.lizard_attn.decode``). Elsewhere (CPU, no Triton) the
-              same math runs as torch ops (``torch``).
-  ``torch``   the same layout and math as torch ops (any feature map, gate, sink kind, soft-cap).
+              (the kernels live in ``ops.lizard_attn.decode``; ``ops.lizard_attn.lizard_step_applies``
+              says where they run). Elsewhere (CPU, no Triton) the ``torch`` step runs.
+  ``torch``   the same layout, through the ops' own in-place torch steps (``ops.gla.gla_step_``,
+              ``ops.window_attn.window_ring_step_``; any feature map, gate, sink kind, soft-cap).
   ``generic`` every other method: ``HybridAttention``'s own recurrent step on the static state,
               with the new state copied into the static buffers inside the step.
 Models with kept softmax layers decode through HF's cache (eager, no graph). On CUDA, both
@@ -50,8 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.gates import SigmoidGate
-from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_launcher
-from ..ops.window_attn import soft_cap
+from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_applies, lizard_step_launcher
+from ..ops.gla import gla_step_
+from ..ops.window_attn import window_ring_step_
 from .adapters import adapter_for
 from .cache import StateLayer, iter_tensors
 
@@ -201,11 +203,10 @@ def _standard_rope(attn) -> bool:
 
 
 def _triton_ok(hybrid, device: torch.device, dtype: torch.dtype) -> bool:
-    c = hybrid.config
+    """Whether the op says its fused decode step runs this layer (``lizard_step_applies``)."""
     sinks = getattr(hybrid, "sinks", None)
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and c.feature_map == "hedgehog" and hybrid.softcap is None
-            and (sinks is None or sinks.kind == "logits"))
+    return lizard_step_applies(device, dtype, feature_map=hybrid.config.feature_map, softcap=hybrid.softcap,
+                               sink_kind=sinks.kind if sinks is not None else None)
 
 
 class StaticLayer(nn.Module):
@@ -245,7 +246,7 @@ class _FastStudentAttention(StaticLayer):
             y = self._torch(x, q, k, v, q_rope, k_rope)
         return attn._output(y, x.dtype), None
 
-    # -- the reference-equivalent torch ops
+    # -- the ops' own torch steps (ops.gla.gla_step_, ops.window_attn.window_ring_step_)
     def _torch(self, x, q, k, v, q_rope, k_rope):
         attn, hy, st = self.attn, self.attn.hybrid, self.state
         c = hy.config
@@ -258,61 +259,18 @@ class _FastStudentAttention(StaticLayer):
         dt = S.dtype
         qt, kt = fq[:, :, 0].to(dt), fk[:, :, 0].to(dt)
         vt = _repeat_kv(v, G)[:, :, 0].to(dt)
-        if c.global_rule == "gated":
-            log_g = hy._log_gates(k_e, x, None)
-            gt = log_g.to(dt).exp()[:, :, 0]  # (B, H) or (B, H, F)
-            if gt.dim() == 2:
-                gt = gt.unsqueeze(-1)
-            S.mul_(gt.unsqueeze(-1)).add_(kt.unsqueeze(-1) * vt.unsqueeze(-2))
-            z.mul_(gt).add_(kt)
-        else:
-            S.add_(kt.unsqueeze(-1) * vt.unsqueeze(-2))
-            z.add_(kt)
-        num = (qt.unsqueeze(-2) @ S).squeeze(-2)
-        den = (qt * z).sum(-1, keepdim=True)
-        y_g = (num / (den + 1e-6)).to(v.dtype).unsqueeze(2)  # (B, H, 1, d)
+        log_g = hy._log_gates(k_e, x, None)[:, :, 0] if c.global_rule == "gated" else None
+        y_g = gla_step_(qt, kt, vt, log_g, S, z, eps=1e-6).to(v.dtype).unsqueeze(2)  # (B, H, 1, d)
         if c.local_rule == "none":
             return y_g
         lq, lk = (q_rope, k_rope) if c.rope_window else (q, k)
-        y_w = self._ring_attend(lq, lk, v, dt)
-        return (y_g + hy.alpha[:, None, None].to(y_g.dtype) * y_w).to(v.dtype)
-
-    def _ring_attend(self, lq, lk, v, dt):
-        """The window op's sink softmax over the ring, query heads grouped by KV head."""
-        hy, st = self.attn.hybrid, self.state
-        ring_k, ring_v, pos = st["ring_k"], st["ring_v"], self.decoder.pos
-        B, H, _, d = lq.shape
-        Hkv, w = ring_k.shape[1], ring_k.shape[2]
-        G = H // Hkv
-        slot = (pos % w).view(B, 1, 1, 1).expand(B, Hkv, 1, d)
-        ring_k.scatter_(2, slot, lk.to(ring_k.dtype))
-        ring_v.scatter_(2, slot, v.to(ring_v.dtype))
-        j = torch.arange(w, device=pos.device)
-        slot_pos = pos[:, None] - torch.remainder(pos[:, None] - j, w)  # (B, w)
-        mask = (slot_pos >= 0)[:, None, None, :]  # (B, 1, 1, w)
-        scale = hy.scale if hy.scale is not None else d ** -0.5
-        qg = lq.reshape(B, Hkv, G, d).to(dt)
-        scores = soft_cap(qg @ ring_k.to(dt).transpose(-1, -2) * scale, hy.softcap).masked_fill(~mask, -math.inf)
-        cmax = scores.amax(-1, keepdim=True)
         sinks = getattr(hy, "sinks", None)
-        if sinks is not None and sinks.kind == "kv":
-            sk = sinks.keys.to(dt).reshape(Hkv, G, -1, d)
-            sink_scores = soft_cap((qg.unsqueeze(-2) @ sk.transpose(-1, -2)).squeeze(-2) * scale, hy.softcap)
-            cmax = torch.maximum(cmax, sink_scores.amax(-1, keepdim=True))
-        elif sinks is not None:
-            logits = sinks.logits.to(dt).reshape(1, Hkv, G, -1)
-            cmax = torch.maximum(cmax, logits.amax(-1, keepdim=True))
-        cmax = torch.where(torch.isfinite(cmax), cmax, torch.zeros_like(cmax))
-        p = torch.exp(scores - cmax)
-        num, den = p @ ring_v.to(dt), p.sum(-1, keepdim=True)
-        if sinks is not None and sinks.kind == "kv":
-            ps = torch.exp(sink_scores - cmax)
-            num = num + (ps.unsqueeze(-2) @ sinks.values.to(dt).reshape(Hkv, G, -1, d)).squeeze(-2)
-            den = den + ps.sum(-1, keepdim=True)
-        elif sinks is not None:
-            den = den + torch.exp(logits - cmax).sum(-1, keepdim=True)
-        y = num / torch.where(den > 0, den, torch.ones_like(den))
-        return y.reshape(B, H, 1, d).to(v.dtype)
+        kv_sinks = sinks is not None and sinks.kind == "kv"
+        y_w = window_ring_step_(lq, lk, v, st["ring_k"], st["ring_v"], self.decoder.pos, scale=hy.scale,
+                                sink_logits=sinks.logits if sinks is not None and not kv_sinks else None,
+                                sink_k=sinks.keys if kv_sinks else None, sink_v=sinks.values if kv_sinks else None,
+                                softcap=hy.softcap, dtype=dt)
+        return (y_g + hy.alpha[:, None, None].to(y_g.dtype) * y_w).to(v.dtype)
 
     # -- one fused kernel on CUDA
     def _triton(self, x, q, k, v, cos, sin):
@@ -518,9 +476,9 @@ class StudentDecoder(StaticDecoder):
         self.kinds = []
         for a in attns:
             kind = _fast_kind(a.hybrid) or "generic"
-            if (kind == "torch" and kernel != "torch" and _triton_ok(a.hybrid, self.device, self.dtype)
+            if (kind == "torch" and kernel != "torch"
                     and (kernel == "triton" or os.environ.get("LINEARIZE_DECODE_KERNEL", "auto") != "torch")
-                    and lizard_step_launcher() is not None):
+                    and _triton_ok(a.hybrid, self.device, self.dtype)):
                 kind = "fused"
             if kernel == "triton" and kind != "fused":
                 raise ValueError(f"kernel='triton': layer {a.layer_idx} cannot use the fused Triton step "

@@ -15,6 +15,7 @@ TRANSFER_TARGETS = ("heads", "output")
 LR_SCHEDULES = ("cosine", "plateau", "constant")
 MU_SCHEDULES = ("constant", "ramp", "cyclic", "switch")
 PRECISIONS = ("auto", "bf16", "fp32")
+LOSS_ON = ("all", "assistant")
 
 
 @dataclass
@@ -22,7 +23,7 @@ class TrainConfig:
     # what to linearize, on what, and where the run lives
     method: str = "lizard"
     model: str = "smollm2-135m"          # a bundled teacher name, a local HF directory, or a hub id
-    data: str = "shakespeare"            # a file, a folder, "shakespeare", "passkey", or a HF dataset name
+    data: str = "shakespeare"            # a file (.jsonl, .jsonl.xz, ...), a folder, "shakespeare", "passkey", a HF dataset name, or a mixture A:0.6,B:0.4
     out: str = "runs/lizard"
     softmax_layers: list[int] | float | None = None
     overrides: dict = field(default_factory=dict)  # AttentionConfig fields (window, gate, ...)
@@ -31,6 +32,7 @@ class TrainConfig:
     seq_len: int = 512
     packing: str = "split"               # split: documents never share a row | concat: the papers' packing
     val_fraction: float = 0.05
+    loss_on: str = "all"                 # stage-2 next-token loss on all tokens | assistant: only chat/Alpaca answers (plain text still counts whole)
     val_rows: int = 16                   # validation rows evaluated (at most)
     seed: int = 0
 
@@ -82,6 +84,14 @@ class TrainConfig:
         _one_of(self, "lr_schedule", LR_SCHEDULES)
         _one_of(self, "mu_schedule", MU_SCHEDULES)
         _one_of(self, "precision", PRECISIONS)
+        _one_of(self, "loss_on", LOSS_ON)
+        if str(self.method).startswith("lion-"):  # encoders read comma-joined sentence sources (train/encoder.py)
+            if not isinstance(self.data, str):
+                raise ValueError(f"data of an encoder method must be a string (sources joined by commas), got {self.data!r}")
+        else:
+            from ..data.mixture import format_data_spec
+
+            self.data = format_data_spec(self.data)  # a list/mapping from a config file -> "A:0.6,B:0.4"; names a bad spec
         for name in ("seq_len", "batch_size", "grad_accum", "lora_rank", "mu_steps", "eval_every",
                      "save_every", "max_nonfinite", "val_rows", "relational_bank"):
             _positive_int(self, name)

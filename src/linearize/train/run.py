@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import random
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data import load_documents, pack, split_documents
+from ..data import Rows, load_mixture, pack
 from ..models.checkpoint import check_directory_path, save
 from ..models.convert import convert, linearized_layers
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
@@ -81,7 +80,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
         summary["val_rows"], summary["val_tokens"] = len(val_rows), val_rows.num_tokens
 
     # what the student was trained on, kept in its checkpoint (evals report the row length as its context)
-    model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data,
+    model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data, "loss_on": config.loss_on,
                                         "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     write_json(out / "summary.json", summary)
@@ -150,21 +149,40 @@ def verdict(summary: dict, config: TrainConfig) -> str:
 
 
 def _rows(config: TrainConfig, tokenizer):
-    documents = load_documents(config.data, tokenizer)
-    train_docs, val_docs = split_documents(documents, config.val_fraction, config.seed)
+    """Training and validation rows of ``config.data`` (one source or a weighted mixture).
+
+    Each source is read only as far as the run needs (the larger stage's tokens, and ``val_rows``
+    rows of validation), its validation documents held out before mixing; validation rows are
+    taken from every source by its weight. With ``loss_on="assistant"`` the rows carry the
+    documents' assistant loss masks (train and validation alike).
+    """
+    train_tokens = max(config.stage1_tokens, config.stage2_tokens, config.seq_len * config.batch_size)
+    mixture = load_mixture(config.data, tokenizer, train_tokens=train_tokens, val_fraction=config.val_fraction,
+                           val_tokens=config.val_rows * config.seq_len, seed=config.seed,
+                           note=lambda message: print(message, flush=True))  # shown with progress off too
+    if len(mixture.sources) > 1:
+        for source, weight, tokens, val in zip(mixture.sources, mixture.weights, mixture.train_tokens, mixture.val):
+            _log(config, f"data: {source}: weight {weight:.3g}, {tokens:,} training tokens, "
+                         f"{len(val)} held-out documents")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len)}
-    train = pack(train_docs, config.seq_len, config.packing, **kw)
-    val = None
-    if val_docs:
-        val = pack(val_docs, config.seq_len, config.packing, **kw)
-        val = _subset(val, range(min(len(val), config.val_rows)))
+    kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
+    train = pack(mixture.train, config.seq_len, config.packing, **kw)
+    parts = []
+    for docs, weight in zip(mixture.val, mixture.weights):
+        if not docs:
+            continue
+        try:
+            rows = pack(docs, config.seq_len, config.packing, **kw)
+        except ValueError:  # too little held-out text of this source for a row
+            continue
+        share = config.val_rows if len(mixture.sources) == 1 else max(1, math.floor(weight * config.val_rows))
+        parts.append(_subset(rows, range(min(len(rows), share))))
+    val = Rows.concat(parts) if parts else None
     return train, val
 
 
 def _subset(rows, indices):
-    idx = torch.as_tensor(list(indices), dtype=torch.long)
-    return dataclasses.replace(rows, input_ids=rows.input_ids[idx], attention_mask=rows.attention_mask[idx])
+    return rows.subset(indices)
 
 
 def _batches(rows, batch_size: int, device):
@@ -330,12 +348,23 @@ def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Ten
 
 
 def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+    """Mean cross-entropy of each labelled token given the ones before it (labels -100 are skipped:
+    padding, and with ``loss_on="assistant"`` every token outside an assistant answer). A batch with
+    no labelled token gives 0 (with a gradient), not NaN."""
+    targets = labels[:, 1:].flatten()
+    if not bool((targets != -100).any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100)
 
 
 def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float):
-    """KL(teacher || student) over the tokens that have a label, scaled by T^2 (Hinton et al.)."""
-    keep = labels != -100
+    """KL(teacher || student) at the positions whose next token has a label (those the next-token
+    loss trains: with ``loss_on="assistant"``, the positions predicting an assistant answer), scaled
+    by T^2 (Hinton et al.). 0 (with a gradient) when no position qualifies."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != -100
+    if not bool(keep.any()):
+        return student.sum() * 0.0
     s = F.log_softmax(student[keep].float() / temperature, -1)
     t = F.log_softmax(teacher[keep].float() / temperature, -1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
@@ -351,6 +380,8 @@ def _lm_loss(model, rows, config, device) -> float:
         with autocast(device, config.precision):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         n = int((batch["labels"][:, 1:] != -100).sum())
+        if n == 0:
+            continue
         total += float(_next_token_loss(logits, batch["labels"])) * n
         count += n
     model.train(was_training)
@@ -381,8 +412,10 @@ def read_run_config(out: Path) -> dict | None:
 
 
 def changed_settings(saved: dict, config: TrainConfig) -> list[str]:
-    """The settings that differ between a recorded run and ``config`` (those a resume may change excepted)."""
+    """The settings that differ between a recorded run and ``config`` (those a resume may change excepted).
+    A setting the run did not record (added since, e.g. ``loss_on``) counts as its default."""
     now = config.to_dict()
+    saved = {**TrainConfig().to_dict(), **saved}
     return sorted(k for k in set(saved) | set(now) if k not in RESUME_IRRELEVANT and saved.get(k) != now.get(k))
 
 

@@ -203,11 +203,7 @@ def fused_segment_count(B: int, H: int, T: int, sms: int) -> int:
     """Segments for the fused Gluon forwards, Lizard's and GLA's (each one a program; its entering
     state costs a pre-pass over the sequence before it). One where the (batch x head) programs keep at least half the
     multiprocessors busy; else the most, in powers of two, that make at most two programs per
-    multiprocessor, at least 16 chunks long each. H200 (132 SMs), 32 heads, median ms
-    (docs/results/lizard-gluon-h200-segments.json, lizard-gluon-h200-v7.json):
-    B1 T32768: 4 segments 1.081, **8** 0.924, 16 0.949, 32 1.096;
-    B2 T16384: 1 1.099, 2 1.052, **4** 0.884, 8 0.906, 16 1.035;
-    B4 T8192: **1** 0.623, 2 0.869."""
+    multiprocessor, at least 16 chunks long each (the H200 sweep's optima: benchmarks/kernel-settings.md)."""
     if 2 * B * H >= sms:
         return 1
     n = 1

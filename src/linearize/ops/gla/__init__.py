@@ -24,12 +24,13 @@ from typing import Optional
 import torch
 
 from ..backend.dispatch import all_tensors, kernels_enabled, on_kernel_device
+from ..backend.settings import KernelSettings
 
 from .chunk import gla_chunk as gla_chunk_torch
 from .naive import GLAState, gla_parallel
-from .recurrent import gla_recurrent
+from .recurrent import gla_recurrent, gla_step_
 
-__all__ = ["GLAState", "gla_applies", "gla_chunk", "gla_chunk_torch", "gla_parallel", "gla_recurrent"]
+__all__ = ["GLAState", "gla_applies", "gla_chunk", "gla_chunk_torch", "gla_parallel", "gla_recurrent", "gla_step_"]
 
 
 def gla_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
@@ -49,18 +50,19 @@ def gla_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.
 def gla_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
-    eps: float = 1e-6,
+    eps: float = 1e-6, settings: Optional[KernelSettings] = None,
 ) -> tuple[torch.Tensor, GLAState]:
     """Chunked GLA: ``chunk.gla_chunk`` (same signature and result), on the Triton kernels when they apply.
 
-    The kernels use their own chunk size; ``chunk_size`` is validated and used by the torch path
-    (the result does not depend on it).
+    The kernels use their own chunk size (``KernelSettings.chunk``); ``chunk_size`` is validated and
+    used by the torch path (the result does not depend on it). ``settings``: the kernels' user
+    settings (default ``ops.backend.current_settings()``).
     """
     if gla_applies(q, k, v, log_g, state):
         from ..common import check_positive_int
         from .triton import gla_chunk_triton
         check_positive_int("chunk_size", chunk_size)
         return gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
-                                state=state, eps=eps)
+                                state=state, eps=eps, settings=settings)
     return gla_chunk_torch(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
                             state=state, chunk_size=chunk_size, eps=eps)

@@ -22,7 +22,7 @@ memory and no spills, two programs per multiprocessor, each one's loads in fligh
 computes. dS is read first (dv and dphi_k); S then comes into dS's slot while M and dphi_k are
 formed, for dphi_q last.
 
-The fused backward (``_gla_bwd_fused_kernel``, ``GLAKernelConfig.gluon_fused_bwd``): one program
+The fused backward (``_gla_bwd_fused_kernel``, ``GLALaunch.gluon_fused_bwd``): one program
 per (segment, batch x head) walks its chunks from the end, the reverse state pass and the chunk
 pass in one, so the state gradient of every chunk (as many bytes as two (B, H, T, 128) tensors)
 is never written or read back, nor are phi_q, do and o read twice. Two warp-specialised
@@ -34,29 +34,18 @@ dv in two halves of columns) and applies dS <- e^{b_end} dS + (phi_q e^{b_t})^T 
 phi_q^T in registers) and dz <- e^{b_end} dz + phi_q^T (e^{b_t} dd) as soon as the chunk partition
 has formed dd; the *chunk* partition forms dk, dq and d log_g as the chunk pass does (e^{b_t}
 scaling dn S^T's rows) and issues the loads (each chunk's tiles come into one of two slots while
-the chunk before is computed); each partition forms half of dd's rows. Why this split (cycles a chunk from the
-kernel's NPROF counters, scripts/gla_fused_bwd_probe.py, H100, B16 T2048): with all of the chunk
-pass's products in the chunk partition it worked 17.6K cycles a chunk (GLA) while the state
-partition waited 12.3K of its 17.4K; with A and dv moved and nothing scaled in place, the chunk
-partition works 13.2K and the state partition 16.3K, and the kernel takes 1.10 ms instead of
-1.30 (Lizard's, normalised and adding into the window's dv: 1.41 against 1.69;
-docs/results/gla-fused-bwd-probe-h100-v3.json). The default on Hopper since it ran there
-(docs/results/kernels-h100-newbwd.md). dv leaves by TMA through o's slot where that slot is free
-once dv is formed (Lizard's, where it held o and then the window's dv; unnormalised, where it is
-unused): 0.98 ms instead of 1.10 for GLA, 1.36 instead of 1.42 for Lizard (same run,
-docs/results/gla-fused-bwd-probe-h100-dvtma.json); the state partition reads each chunk's gates
-once into shared memory: 0.95 and 1.34 (gla-fused-bwd-probe-h100-gates.json); the chunk partition
-forms the dz update's operand (e^{b_t} dd) with dd: Lizard's 1.33 -> 1.30
-(gla-fused-bwd-probe-h100-dz-operand.json); <dS, S_out> as a product on the tensor cores from
-dS's copy, before the S of the next chunk comes: 1.31 -> 1.23 (GLA's 0.94 -> 0.96;
-docs/results/gla-fused-bwd-state-dot-h100.md). dn itself is never formed (each product scales
-do's rows or columns by 1 / (den + eps) instead), and both partitions read their row vectors
-(gates, den, z) a chunk ahead, where Nsight Compute found their latency left the warps waiting:
-Lizard's training step 3.13 -> 3.07 ms; the state partition forming half of dd: 3.02 -> 2.97
-(docs/results/gla-fused-bwd-ncu-h100.md). dk and dq leave by TMA too, through v's and k's slots
-once their readers are done (stored from the MMA layout, each 4-byte piece filled half a sector):
-Lizard's 1.217 -> 1.095 ms, GLA's 0.945 -> 0.880, Lizard's training step 2.978 -> 2.891
-(docs/results/gla-fused-bwd-tma-out-h100.md). With ``SIDE`` (Lizard's ``og_from_y``) o is y and
+the chunk before is computed); each partition forms half of dd's rows. The split balances the two
+partitions' work a chunk (read from a profiling build's per-phase cycle counters, ``prof`` below):
+with all of the chunk pass's products in the chunk partition the state partition mostly waited. dv
+leaves by TMA through o's slot where that slot is free once dv is formed (Lizard's, where it held o
+and then the window's dv; unnormalised, where it is unused); the state partition reads each chunk's
+gates once into shared memory; the chunk partition forms the dz update's operand (e^{b_t} dd) with
+dd; <dS, S_out> is a product on the tensor cores from dS's copy, before the S of the next chunk
+comes. dn itself is never formed (each product scales do's rows or columns by 1 / (den + eps)
+instead), and both partitions read their row vectors (gates, den, z) a chunk ahead, where Nsight
+Compute found their latency left the warps waiting. dk and dq leave by TMA too, through v's and
+k's slots once their readers are done (stored from the MMA layout). Each of these was kept for the
+time it saved on an H100; the measurements are in git (benchmarks/README.md names the commit). With ``SIDE`` (Lizard's ``og_from_y``) o is y and
 the window's part of do . o comes as a row vector. With ``PAIRED`` (Lizard's ``paired_states``, a
 memory option) the forward kept the states of even chunks only, and each odd chunk's is formed
 from the even one's before it (``_tq_paired``).
@@ -1342,8 +1331,7 @@ def bwd_fused(q, k, v, log_g, o, den, sc, zc, do, ds_in, dz_in, dq, dk, dv, dlog
     Lizard's fused training forward's ``paired_states``); segments then of an even number of chunks
     (or one). ``bl``: ``chunk_gates(log_g)`` where the caller has it (Lizard's fused forward made
     it), else formed here. ``prof``
-    (B*H*nseg, 16) int64, zeroed: a profiling build adds each program's cycles per phase into it
-    (scripts/gla_fused_bwd_probe.py)."""
+    (B*H*nseg, 16) int64, zeroed: a profiling build adds each program's cycles per phase into it."""
     B, H, T, F = q.shape
     DV = v.shape[-1]
     NC = T // BT
@@ -1421,15 +1409,16 @@ def segment_plan(T: int, nseg: int) -> tuple[int, int]:
     return math.ceil(T // BT / seg_chunks), seg_chunks * BT
 
 
-def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int):
+def segment_states(phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, seg_len: int, nseg: int, cfg=None):
     """The state and normaliser entering each of ``nseg`` segments of ``seg_len`` tokens, from a zero
     start: (B*H, nseg, F, Dv) and (B*H, nseg, F) fp32. The gated op's own segment pre-pass (each
-    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``)."""
+    segment's state from zero, the last segment's not needed) and its scan (``ops.gla.triton``), launched
+    as ``cfg`` (a ``GLALaunch``; default ``LAUNCH``) says."""
     from . import triton as kgla
 
     B, H, T, F = phi_k.shape
     DV = v.shape[-1]
-    cfg = kgla.CONFIG
+    cfg = cfg or kgla.LAUNCH
     f32 = dict(dtype=torch.float32, device=v.device)
     s_in = torch.empty(B * H, nseg, F, DV, **f32)
     z_in = torch.zeros(B * H, nseg, F, **f32)

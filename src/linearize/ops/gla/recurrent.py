@@ -34,3 +34,25 @@ def gla_recurrent(
         outs.append(num)
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape, dtype=dt)
     return o.to(v.dtype), GLAState(S, z)
+
+
+def gla_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: Optional[torch.Tensor], S: torch.Tensor,
+              z: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """One normalised decoding step on the state, in place (what a decoder with static buffers runs).
+
+    q, k (B, H, Dk) plain features and v (B, H, Dv), all in the state's dtype; log_g (B, H) or
+    (B, H, Dk), or None for no decay (plain linear attention); S (B, H, Dk, Dv) and z (B, H, Dk)
+    are updated in place: S = g S + k v^T, z = g z + k. Returns o (B, H, Dv) in the state's dtype,
+    the same as ``gla_recurrent`` for one token with ``normalize=True``."""
+    if log_g is not None:
+        gt = log_g.to(S.dtype).exp()
+        if gt.dim() == 2:
+            gt = gt.unsqueeze(-1)
+        S.mul_(gt.unsqueeze(-1)).add_(k.unsqueeze(-1) * v.unsqueeze(-2))
+        z.mul_(gt).add_(k)
+    else:
+        S.add_(k.unsqueeze(-1) * v.unsqueeze(-2))
+        z.add_(k)
+    num = (q.unsqueeze(-2) @ S).squeeze(-2)
+    den = (q * z).sum(-1, keepdim=True)
+    return common.normalize_output(num, den, eps)

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from .. import common
 from .naive import GLAState
+from ..backend.settings import KernelSettings, resolve as resolve_settings
 from ..backend.dispatch import (device_sms, fork_stream, fused_segment_count, gluon_kernels, join_stream, patch_interpreter,
                        pow2, sm_major, strides_bht, unit_last)
 
@@ -653,113 +654,62 @@ def _gla_bwd_chunk_kernel(
 
 
 @dataclass(frozen=True)
-class GLAKernelConfig:
-    """Block sizes and launch settings.
+class GLALaunch:
+    """How the passes launch: block sizes, warps and stages tuned once on an H200 (the fastest
+    candidates of ``linearize.bench.kernels tune``; ``benchmarks/kernel-settings.md`` names the
+    evidence). Not a user setting: ``chunk`` and ``gluon`` are copied from ``KernelSettings`` by the
+    entry points (``launch_for``); the other fields keep their defaults except where the tune sweep
+    or a test passes a variant explicitly (``gla_chunk_triton(launch=...)``).
 
-    ``chunk``: the token chunk of every pass (a power of two >= 16; fp32 inputs use at most 32,
-    for shared memory); ``fwd_bv``: the forward's V-block (the backward keeps all of V; 32 with
-    log-features hit an illegal address on an H200 with Triton 3.6, while the interpreter gives
-    correct results at the same shapes: avoid it);
-    ``par_warps`` / ``par_warps_log``: the backward's chunk pass for plain / log-features (the
-    log-feature pass holds more tiles: with 4 warps it spills);
+    ``fwd_bv``: the forward's V-block (32 with log-features hit an illegal address on an H200 with
+    Triton 3.6: avoid it). ``par_warps``: the backward's chunk pass for plain features.
     ``dstate_bv`` / ``dstate_bv_norm``: the V-block of the backward's reverse pass, unnormalised /
-    normalised (its programs split V: more of them run side by side, but with the normaliser each
-    also carries dz, so splitting costs more there). With 8 warps 64 was faster unnormalised (H200,
-    B16 T2048: GLA alone 2.484 ms fwd+bwd against 2.553 at 128; Lizard's normalised op 4.035 at 64
-    against 3.450); with ``dstate_warps`` 4, 128 wins in both modes at every bench shape (sweep3:
-    GLA alone 2.399 / 2.653 / 2.738 ms at B16 T2048 / B4 T8192 / B1 T32768 against 2.488 / 2.746 /
-    2.949 with 8 warps and 64; Lizard's op 3.115 / 3.705 / 4.021 against 3.360 / 3.908 / 4.389
-    with 8 warps and 128; 2 warps lost, 4.16-13.4);
-    ``fill``: (batch * head) programs per multiprocessor that a split of the sequence into
-    segments aims at, rounded to the nearest number of segments (the forward's main pass runs
-    NV = 2 V-blocks of each, at 2 programs per multiprocessor). On an H200 at 32 heads the sweep
-    found 9 segments best at B1 T32768 (1.48 against 1.67 for 5 and 1.52 for 17;
-    docs/results/kernels-h200-sweep2.json): fill 2 gives 8. There is no split where batch * heads *
-    NV reaches the multiprocessors (see ``_segments``): at B4 T8192 (256 main-pass programs on 132)
-    one segment beat fill 2's two (Lizard's gated op 0.880 / 3.621 ms fwd / fwd+bwd against 0.972 /
-    3.727; docs/results/kernels-h200-den-segments.json, rows ``fill``);
-    ``fused_whole``: the fused Gluon backward (below), whose programs take one multiprocessor each,
-    runs the sequence whole where the (batch x head) programs fill at least this share of the
-    multiprocessors; below, ``_segments`` splits it. By ``_segments``' rule alone, B4 T8192 (128
-    programs on an H100's 132) was cut in two: 256 programs in two waves doing the same work, plus
-    the segment pre-pass (and Lizard had to keep o_g for it). Whole, on an H100 (fwd+bwd, same runs,
-    docs/results/lizard-train-ab-h100-fill.json, gla-train-ab-h100-fill.json): Lizard 3.924 ->
-    3.406 ms, GLA 1.754 -> 1.612. Where programs are few, splitting still pays: B1 T32768 (32
-    programs), GLA 2.005 ms in 8 segments against 2.104 in 4; Lizard level (4.229 against 4.210);
-    ``seg_chunks``: forces the segment length in chunks (tests);
-    ``den_warps``: the normaliser pass's warps. Its programs each walk their segment's chunks one
-    after another, now carrying z and forming phi(q).z only (the main pass adds rowsum(A)). H200,
-    Lizard's gated forward (docs/results/kernels-h200-den-split.json): 2 warps fastest at every
-    bench shape, 0.685 / 0.974 / 1.195 ms at B16 T2048 / B4 T8192 / B1 T32768 against 0.718 /
-    1.002 / 1.227 with 4, 0.696 / 1.006 / 1.231 with 1 and 0.890 / 1.055 / 1.282 with 8. (Before
-    that split the pass also formed A, and 4 warps won where it had fewer than 3 programs per
-    multiprocessor: a rule this setting no longer needs.)
-    ``tma``: the forward's passes load their (chunk x width) tiles and store o through tensor
-    descriptors where the tensors allow it (see ``_tma``). (The backward's chunk pass, one
-    program per chunk, ran 2x slower with them on an H200, although its 2 KB of spilled
-    registers per thread went away: each program builds its descriptors for one chunk only.)
-    Measured and dropped (H200, B16 T2048, docs/results/kernels-h200-sweep2.json): a register cap
-    of 168 on the main forward pass, for 3 programs per multiprocessor instead of 2 (plain
-    forward 0.709 ms with 2 stages and 1.028 with 1, against 0.594 uncapped: the spills cost
-    more than the occupancy buys); the normaliser computed inside the main pass with plain
-    features and descriptors (Lizard's gated forward 0.925 against 0.908 with its own pass, so
-    the main pass is bound by its instructions, not by reading q and k twice).
-    ``gluon_bwd``: on Hopper, the backward's chunk pass is the hand-written Gluon kernel
-    (``ops.gla.gluon``) where its scope holds (bf16/fp16, widths 128, chunks of 64, T a
-    multiple of 64, plain features); else this module's Triton pass.
-    ``gluon_fused_bwd``: on Hopper, in that same scope and with ``gluon_bwd``, the whole backward is ONE Gluon kernel
-    (``gla_gluon.bwd_fused``: the reverse state pass and the chunk pass fused, dS carried in
-    registers, so the state gradient of every chunk is never written or read); only the segment
-    pre-pass and scan run before it, where the sequence is cut. On by default: on an H100 (B16
-    T2048, bf16, 32 heads of 128; docs/results/kernels-h100-final.md) GLA's fwd+bwd took 1.611 ms
-    against 2.321 with the two passes (1560 MiB of extra memory against 2072 in
-    kernels-h100-rebalanced.md); off, the two passes above run.
-    ``gluon_fwd``: on Hopper, in inference (no gradient recorded), in the same scope, the forward
-    is ONE Gluon kernel (``gla_gluon.fwd_fused``: Lizard's fused forward without the window), where
-    the (batch x head) pairs fill the GPU (``dispatch.fused_segment_count`` gives one segment). On
-    an H100 (bf16, 32 heads of 128, docs/results/gla-fused-forward-h100.md) 0.554 -> 0.475 ms at
-    B16 T2048, 0.536 -> 0.470 at B4 T8192; at B1 T32768, in 8 segments after the segment pre-pass
-    and scan, it took 0.82 against the Triton passes' 0.75, so there they run.
-    ``gluon_fwd_segments``: None (that rule), or the fused forward in about that many segments
-    wherever it applies (tests, probes)."""
+    normalised. ``fill``: (batch * head) programs per multiprocessor that a split of the sequence
+    into segments aims at (see ``_segments``).
+    ``tma``: the forward's passes load and store through tensor descriptors where the tensors allow
+    it (``_tma``); False only to test the path that unaligned tensors take.
+    ``gluon_fused_bwd``: the whole backward as ONE Gluon kernel where Gluon runs; False runs the
+    reverse state pass, then the Gluon chunk pass (the two-pass backward, timed by the bench's
+    "two-pass" rows and tested).
+    Test hooks (None: the rule): ``seg_chunks`` forces the segment length in chunks;
+    ``gluon_fwd_segments`` runs the fused Gluon forward in about that many segments wherever it applies."""
 
-    # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
-    # (docs/results/kernels-h200.md)
     chunk: int = 64
     fwd_bv: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
     den_warps: int = 2
     dstate_warps: int = 4
-    dstate_stages: int = 2
     dstate_bv: int = 128
     dstate_bv_norm: int = 128
     par_warps: int = 4
-    par_warps_log: int = 8
     par_stages: int = 1
     fill: int = 2
-    fused_whole: float = 0.5
-    seg_chunks: Optional[int] = None
     tma: bool = True
-    gluon_bwd: bool = True
+    gluon: bool = True
     gluon_fused_bwd: bool = True
-    gluon_fwd: bool = True
+    seg_chunks: Optional[int] = None
     gluon_fwd_segments: Optional[int] = None
 
 
-CONFIG = GLAKernelConfig()
+LAUNCH = GLALaunch()  # the tuned defaults
+# settled, never swept since: the reverse pass's stages (3 lost in sweep3); the chunk pass's warps for
+# log-features (more tiles than plain ones: 4 warps spilled); the fused backward runs the sequence whole
+# where the (batch x head) programs fill this share of the multiprocessors (else ``_segments`` cuts it)
+_DSTATE_STAGES = 2
+_PAR_WARPS_LOG = 8
+_FUSED_WHOLE = 0.5
 MAX_DIM = 128
 
 
-def set_config(**changes) -> GLAKernelConfig:
-    """Replace fields of the module-wide kernel config (benchmarks, tests); returns the old one."""
-    global CONFIG
-    old = CONFIG
-    CONFIG = replace(CONFIG, **changes)
-    return old
+def launch_for(settings: Optional[KernelSettings] = None, launch: Optional[GLALaunch] = None) -> GLALaunch:
+    """``launch`` (default ``LAUNCH``) with the user's ``chunk`` and ``gluon`` from ``settings``
+    (default: ``current_settings()``)."""
+    s = resolve_settings(settings)
+    return replace(launch or LAUNCH, chunk=s.chunk, gluon=s.gluon)
 
 
-def _tma(cfg: GLAKernelConfig, *xs: torch.Tensor) -> bool:
+def _tma(cfg: GLALaunch, *xs: torch.Tensor) -> bool:
     """Whether a pass may load and store through tensor descriptors (TMA): asked for, a GPU with the
     copy engine (sm_90+) or the interpreter, and (B, H, T, D) tensors whose per-head bases and
     row strides are 16-byte multiples with unit last stride, as TMA requires. Installs Triton's
@@ -784,23 +734,23 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _gluon_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
-    """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("gla.gluon") if cfg.gluon_bwd and q.is_cuda else None
+def _gluon_bwd(cfg: GLALaunch, q, k, v, chunk: int, log_space: bool):
+    """The ``gla_gluon`` module where the backward's chunk pass runs there (``cfg.gluon``), else None."""
+    mod = gluon_kernels("gla.gluon") if cfg.gluon and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd_chunks(q, k, v, chunk, log_space) else None
 
 
-def _gluon_fused_bwd(cfg: GLAKernelConfig, q, k, v, chunk: int, log_space: bool):
+def _gluon_fused_bwd(cfg: GLALaunch, q, k, v, chunk: int, log_space: bool):
     """The ``gla_gluon`` module where the whole backward runs there (``cfg.gluon_fused_bwd``, under
-    ``cfg.gluon_bwd``: that one turns every Gluon kernel of the backward off), else None."""
+    ``cfg.gluon``: that one turns every Gluon kernel off), else None."""
     return _gluon_bwd(cfg, q, k, v, chunk, log_space) if cfg.gluon_fused_bwd else None
 
 
-def _chunk(cfg: GLAKernelConfig, dtype: torch.dtype) -> int:
+def _chunk(cfg: GLALaunch, dtype: torch.dtype) -> int:
     return min(cfg.chunk, 32) if dtype == torch.float32 else cfg.chunk
 
 
-def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig, v_blocks: int = 1) -> tuple[int, int]:
+def _segments(T: int, BT: int, programs: int, sms: int, cfg: GLALaunch, v_blocks: int = 1) -> tuple[int, int]:
     """(number of segments, segment length in tokens, a whole number of chunks) for T tokens, with
     ``programs`` = batch * heads and ``v_blocks`` the forward main pass's programs per (batch, head).
     No split where those programs already give every multiprocessor one: the pre-pass and the scan
@@ -853,7 +803,7 @@ class FwdPlan:
     tma_qk: bool
 
 
-def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLAKernelConfig, bv: int) -> tuple[int, int, int, int, int]:
+def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLALaunch, bv: int) -> tuple[int, int, int, int, int]:
     """The forward's (chunk BT, V-block BV, V-blocks NV, segments, segment length) for a main pass
     of V-blocks of ``bv``."""
     B, H, T, _ = q.shape
@@ -865,7 +815,7 @@ def fwd_blocks(q: torch.Tensor, v: torch.Tensor, cfg: GLAKernelConfig, bv: int) 
     return BT, BV, NV, nseg, seg_len
 
 
-def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: GLAKernelConfig,
+def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: GLALaunch,
                  store_chunks: bool, bv: int, split_normaliser: bool = False,
                  z_stream: Optional["torch.cuda.Stream"] = None) -> FwdPlan:
     """Everything of the forward before its main pass, for a main pass of V-blocks of ``bv``:
@@ -947,7 +897,7 @@ def fwd_prologue(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, cfg: 
     return FwdPlan(BT, BK, BV, NV, nseg, seg_len, NC, prec, has_init, s_in, den, den_in, S_T, z_T, sc, zc, tma_qk)
 
 
-def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLALaunch,
              store_chunks: bool, ow: Optional[torch.Tensor] = None, alpha: Optional[torch.Tensor] = None,
              store_o: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The forward's main pass after ``fwd_prologue``; returns (o or None, y or None). With ``ow``
@@ -972,10 +922,10 @@ def fwd_main(q, k, v, log_g, p: FwdPlan, normalize: bool, log_space: bool, eps: 
     return o, y
 
 
-def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig):
-    """(o, S_T, z_T) from GLA's fused Gluon forward (``GLAKernelConfig.gluon_fwd``; inference only),
+def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLALaunch):
+    """(o, S_T, z_T) from GLA's fused Gluon forward (where ``cfg.gluon``; inference only),
     or None where it does not apply (off Hopper, log-space features, outside its scope)."""
-    if not cfg.gluon_fwd or log_space or not q.is_cuda:
+    if not cfg.gluon or log_space or not q.is_cuda:
         return None
     gla_gluon = gluon_kernels("gla.gluon")
     if gla_gluon is None or not gla_gluon.supports_fwd_fused(q, k, v, log_g):
@@ -998,7 +948,7 @@ def _fwd_fused(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: fl
     return o, S_T, z_T
 
 
-def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+def _fwd(q, k, v, log_g, S0, z0, normalize: bool, log_space: bool, eps: float, cfg: GLALaunch,
          store_chunks: bool):
     """Runs the forward; returns (o, den, S_T, z_T, (nseg, seg_len), sc, zc)."""
     p = fwd_prologue(q, k, v, log_g, S0, z0, normalize, log_space, cfg, store_chunks, cfg.fwd_bv)
@@ -1036,7 +986,7 @@ class BwdPlan:
 
 
 def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: int, eps: float, common_kw: dict,
-                     cfg: GLAKernelConfig):
+                     cfg: GLALaunch):
     """The state gradient leaving each of nseg segments of seg_len tokens, (B*H, nseg, Dk, Dv) and
     (B*H, nseg, Dk) fp32: each segment's own (a pre-pass over segments 1..) and a reverse scan from
     ds_in, dz_in (dS_T, dz_T fp32, or None)."""
@@ -1048,7 +998,7 @@ def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: i
     g_seg = torch.empty(B * H, nseg, **f32)
     _gla_bwd_state_kernel[(nseg - 1, B * H)](
         q, log_g, do, o_, den_, ds_buf, dz_buf, g_seg, *strides_bht(q), *strides_bht(log_g), T, H, seg_len, nseg,
-        eps, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **common_kw)
+        eps, num_warps=cfg.dstate_warps, num_stages=_DSTATE_STAGES, **common_kw)
     BVS = min(32, common_kw["BV"])
     _gla_scan_kernel[(math.ceil(DV / BVS), B * H)](
         ds_buf, dz_buf, g_seg, ds_in if ds_in is not None else ds_buf, dz_in if ds_in is not None else dz_buf,
@@ -1056,7 +1006,7 @@ def _segment_dstates(q, log_g, do, o_, den_, ds_in, dz_in, nseg: int, seg_len: i
     return ds_buf, dz_buf
 
 
-def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_space: bool, cfg: GLAKernelConfig) -> int:
+def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_space: bool, cfg: GLALaunch) -> int:
     """The segments the fused Gluon backward walks for these inputs (each beyond the first costs a
     pre-pass reading o), or 0 where that backward does not run."""
     BT = _chunk(cfg, q.dtype)
@@ -1066,17 +1016,17 @@ def fused_bwd_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_sp
     return _fused_segments(T, BT, B * H, device_sms(q), cfg)[0]
 
 
-def _fused_segments(T: int, BT: int, programs: int, sms: int, cfg: GLAKernelConfig) -> tuple[int, int]:
+def _fused_segments(T: int, BT: int, programs: int, sms: int, cfg: GLALaunch) -> tuple[int, int]:
     """(segments, segment length in tokens) of the fused backward: whole where the programs fill
-    ``cfg.fused_whole`` of the multiprocessors (unless ``cfg.seg_chunks`` forces a length), else
+    ``_FUSED_WHOLE`` of the multiprocessors (unless ``cfg.seg_chunks`` forces a length), else
     ``_segments``."""
-    if cfg.seg_chunks is None and programs >= cfg.fused_whole * sms:
+    if cfg.seg_chunks is None and programs >= _FUSED_WHOLE * sms:
         return 1, max(1, math.ceil(T / BT)) * BT
     return _segments(T, BT, programs, sms, cfg)
 
 
 def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-               eps: float, segs: tuple[int, int], cfg: GLAKernelConfig, paired: bool = False) -> BwdPlan:
+               eps: float, segs: tuple[int, int], cfg: GLALaunch, paired: bool = False) -> BwdPlan:
     """The backward up to its chunk pass: with segments, each segment's own state gradient and
     the reverse scan; then the reverse state pass (dS and dz leaving every chunk, dd). Where the
     fused Gluon backward runs (``cfg.gluon_fused_bwd``), only the segments' part, over segments of
@@ -1136,11 +1086,11 @@ def bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool
         dz_in if dz_in is not None else dlog_g, dsc, dzc, dden, yc,
         dS0 if need_dstate else dlog_g, dz0 if need_dstate else dlog_g,
         *sq, *sg, T, H, seg_len, nseg, NC, eps, HAS_DS=ds_in is not None, STORE_DS0=need_dstate,
-        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=cfg.dstate_stages, **{**common_kw, "BV": BVD})
+        BVF=BV, NVD=NVD, num_warps=cfg.dstate_warps, num_stages=_DSTATE_STAGES, **{**common_kw, "BV": BVD})
     return BwdPlan(do, den_, dden, sc, zc_, dsc, dzc, yc, dlog_g, dS0, dz0, dz_T, NC, NVD)
 
 
-def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLAKernelConfig,
+def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps: float, cfg: GLALaunch,
                dv_into: Optional[torch.Tensor] = None, side: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                bl: Optional[torch.Tensor] = None):
     """The backward's chunk pass after ``bwd_states`` (or, for a ``fused`` plan, the whole fused
@@ -1182,14 +1132,14 @@ def bwd_chunks(q, k, v, log_g, p: BwdPlan, normalize: bool, log_space: bool, eps
             q, k, v, log_g, p.do, p.den, p.dden, p.sc, p.zc, p.dsc, p.dzc, p.yc, dq, dk, dv, dlog_g,
             *strides_bht(q), *strides_bht(k), *strides_bht(v), *strides_bht(log_g), T, H, NC, eps, NVD=NVD,
             DV_ADD=dv_into is not None,
-            num_warps=cfg.par_warps_log if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
+            num_warps=_PAR_WARPS_LOG if log_space else cfg.par_warps, num_stages=cfg.par_stages, **common_kw)
     if dS0 is not None and not normalize:
         dz0 = p.dz_T.float() if p.dz_T is not None else torch.zeros(B, H, DK, dtype=torch.float32, device=dev)
     return dq, dk, dv, dlog_g.view(B, H, T).to(log_g.dtype), dS0, dz0
 
 
 def _bwd(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate: bool, normalize: bool, log_space: bool,
-         eps: float, segs: tuple[int, int], cfg: GLAKernelConfig):
+         eps: float, segs: tuple[int, int], cfg: GLALaunch):
     """Runs the backward; returns (dq, dk, dv, dlog_g, dS0, dz0)."""
     p = bwd_states(q, k, v, log_g, o, den, sc, zc, do, dS_T, dz_T, need_dstate, normalize, log_space, eps, segs, cfg)
     return bwd_chunks(q, k, v, log_g, p, normalize, log_space, eps, cfg)
@@ -1247,9 +1197,12 @@ def gla_chunk_checks(q, k, v, log_g, eps, state: Optional[GLAState]) -> tuple:
 def gla_chunk_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, eps: float = 1e-6,
-    config: Optional[GLAKernelConfig] = None,
+    settings: Optional[KernelSettings] = None, launch: Optional[GLALaunch] = None,
 ) -> tuple[torch.Tensor, GLAState]:
     """``ops.gla.gla_chunk`` on the Triton kernels (forward and backward, initial state included).
+
+    ``settings``: the user's kernel settings (default ``current_settings()``); ``launch``: a launch
+    variant (the tune sweep, tests; default ``LAUNCH``). The backward runs with those of its forward.
 
     Inputs must satisfy ``supports``; the final state comes back in fp32. Differentiable in q, k,
     v, log_g and the initial state. When a gradient is needed (grad mode on and an input that
@@ -1259,5 +1212,5 @@ def gla_chunk_triton(
     S0, z0 = gla_chunk_checks(q, k, v, log_g, eps, state)
     q, k, v = (unit_last(x) for x in (q, k, v))
     o, S, z = _GLAFunction.apply(q, k, v, log_g, S0, z0, bool(normalize), bool(log_space_features),
-                                 float(eps), config or CONFIG, torch.is_grad_enabled())
+                                 float(eps), launch_for(settings, launch), torch.is_grad_enabled())
     return o, GLAState(S, z)

@@ -9,7 +9,7 @@ sink_logits (H, m) or None. Returns y (B, H, T, Dv) in the dtype of v, the gated
 and the window's.
 
 On CUDA with the kernels enabled this is one autograd op (``_LizardFunction``), its passes
-spread over two CUDA streams where that pays (``LizardKernelConfig``). Forward, gated first:
+spread over two CUDA streams where that pays (``KernelSettings.side_streams``). Forward, gated first:
 the gated passes, then the window kernel with the combine in its epilogue. Forward, window
 first (where the gated passes before the main pass walk long): the window kernel writes its
 output o_w while those gated passes (segment pre-pass and scan, normaliser), which need nothing
@@ -18,8 +18,8 @@ epilogue. Backward: the gated reverse state passes on the second stream beside t
 backward, then the gated chunk pass adding its dv into the window's. The sequential passes walk
 their chunks one after another in few programs, and the window's many short programs fill the
 rest of the GPU. On Hopper, where their scope holds, the passes are hand-written Gluon kernels
-instead: the whole forward is one (``lizard_gluon``; ``LizardKernelConfig.fused_fwd`` in inference,
-``fused_train`` in training, where it also stores what the backward reads; either way it writes
+instead (unless ``KernelSettings.gluon`` is off): the whole forward is one (``lizard_gluon``, in
+inference and in training, where it also stores what the backward reads; either way it writes
 the window's decode state from its key/value ring), and so are the
 window's backward (``window_gluon``) and the gated chunk pass (``gla_gluon``). Elsewhere
 the torch ops and a torch combine, the same computation ``layers.hybrid.HybridAttention`` runs for
@@ -28,7 +28,7 @@ Lizard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,118 +39,67 @@ from ..window_attn import WindowState
 from ..gla import gla_applies, gla_chunk
 from ..window_attn import window_applies, window_attn_sum
 from ..window_attn.chunk import window_attn_chunk as _window_chunk_torch
+from ..backend.settings import KernelSettings, resolve as resolve_settings
 from ..backend.dispatch import fork_stream, fused_segment_count, gluon_kernels, join_stream, unit_last
 
 
-@dataclass
-class LizardKernelConfig:
-    """How ``lizard_attention`` runs on the kernels (each pass takes its own launch settings from
-    ``gla.CONFIG`` and ``window.CONFIG``).
+@dataclass(frozen=True)
+class LizardPlan:
+    """Test and benchmark hooks of ``lizard_attention``: force a path the rules below would not
+    pick. Not a user setting (those are ``KernelSettings``); ``plan=None`` is what every caller gets.
 
-    ``one_op``: False runs the gated op, then the window op with the combine in its epilogue, as
-    two autograd ops in one stream (the code before 805d262, kept to measure against); the
-    fields below apply to the one op.
-    ``window_first``: the forward runs the window kernel first and combines in the gated main
-    pass's epilogue, so that the gated passes before that main pass (segment pre-pass, scan,
-    normaliser) depend on nothing the window does and can run beside it (``overlap_fwd``).
-    Else the gated forward runs first and the window kernel combines in its epilogue. The
-    combine costs the gated main pass more than it costs the window kernel, whose loads hide
-    behind its many programs, so the order pays only where those gated passes leave most of the
-    GPU idle for long. None (auto): window first when the sequence is split into segments (a
-    pre-pass and a scan run) or the normaliser has fewer (batch x head) programs than the GPU
-    has multiprocessors. On an H200 (bf16, 32 heads; docs/results/kernels-h200-lizard-order.json)
-    that rule picked the faster order at all six shapes measured: window first, forward
-    1.386 -> 1.302 ms at B4 T8192 and 1.550 -> 1.502 at B1 T32768; gated first, 1.216 against
-    1.329 at B16 T2048 and 2.333 against 2.538 at B16 T4096; level at B8 T4096.
-    ``overlap_fwd``: with the window first, those gated passes run on a second CUDA stream; in
-    either order, when no gradient is recorded, the window's state for decoding is copied on a
-    third (unless the fused forward runs: it writes that state itself).
-    ``overlap_bwd``: the gated reverse state passes run on that stream beside the window's
-    backward (forward + backward, gated first, one stream against two: 5.401 -> 5.330 ms at
-    B16 T2048, 5.896 -> 5.489 at B4 T8192). Not where the fused gated backward walks one segment:
-    there are no such passes then, and the fork and join (the join marks the plan's tensors as
-    used on the caller's stream) cost the host time alone: on an H100 machine, B16 T2048, the
-    op's backward function took 1.53 ms of CPU with the side stream and 0.94 without, the training
-    step 2.55 against 1.85 ms, where the GPU's work is 2.86 ms on an H100 and less on an H200
-    (docs/results/lizard-host-time-h100.md).
-    ``side_priority``: that stream's priority (lower is higher; CUDA clamps it to its range):
-    its sequential programs must start first, or they queue behind the window's (priority 0
-    lost the whole gain of the window-first forward, 1.505 against 1.302 ms at B4 T8192).
-    ``split_prologue``: with the window first, overlap_fwd and segments, the normaliser's chain
-    (its segment pre-pass, scan and pass) runs on a stream of its own beside the state's
-    (``gla.fwd_prologue``'s ``z_stream``), both beside the window (H200, forward: 1.50 -> 1.46 ms
-    at B1 T32768, 1.47 -> 1.40 at B2 T16384; docs/results/kernels-h200-split-prologue.json).
-    ``fused_fwd``: where no gradient is recorded, on Hopper (sm_90), the whole forward runs as ONE
-    hand-written Gluon kernel (``ops.lizard_attn.gluon``: a warpgroup for the window and the output
-    beside one carrying the state), when its scope holds (bf16/fp16, widths 128, T a multiple of
-    64, window 65..129, no padding, normalised plain features). H200, bf16, 32 heads, median ms,
-    against the Triton passes above: 0.629 against 1.237 at B16 T2048, 0.623 against 1.297 at
-    B4 T8192 (docs/results/lizard-gluon-h200-v7.json).
-    ``fused_train``: the same kernel for the forward of training (where a gradient is recorded),
-    storing what the backward reads as the Triton passes would (den, lse, the state entering
-    every chunk, o_w, and o_g where ``og_from_y`` does not spare it); the backward is the same
-    either way.
-    ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``);
-    with more than one, each segment's entering state comes from the gated op's segment pre-pass
-    and scan, and every segment is a program of its own.
-    ``og_from_y``: with ``fused_train``, where the backward's window kernel forms dy . o_w itself
-    (``window.forms_dyo``) and the fused gated backward walks one segment, the forward stores no
-    o_g: the gated backward takes dy . o_g as dy . y - alpha_h (dy . o_w), from y (kept as the op's
-    output) and the window's rows. One (B, H, T, Dv) tensor fewer written and kept: on an H100
-    (bf16, 32 heads, B16 T2048, medians, same run) fwd+bwd 3.585 -> 3.417 ms, the training forward
-    1.288 -> 1.093, peak memory 2344 -> 2088 MiB. The price is y's rounding in dd: against the torch
-    path in fp32 (B8 T2048) d phi_q 0.41% -> 0.49% relative RMS, d log_g 0.37% -> 0.54%, every other
-    gradient unchanged (docs/results/og-from-y-h100.md). Not where the gated backward runs in
-    segments (pairs filling less than half the multiprocessors, ``GLAKernelConfig.fused_whole``:
-    B1 T32768 keeps o_g), whose pre-pass reads o_g beside the window's backward, before dy . o_w
-    exists.
-    ``ow_from_scores`` (off by default): where the backward's window kernel forms dy . o_w itself
-    (``window.forms_dyo``), the forward keeps no o_w either: that kernel forms it from its scores,
-    sum_s p_ts (dy_t . v_s). A memory option: one (B, H, T, Dv) tensor fewer kept per layer until
-    its backward, at a cost in time, the window kernel's dq partition forming three more score
-    tiles a chunk (H100, same run: fwd+bwd 3.422 -> 3.572 ms at B16 T2048, 3.909 -> 4.014 at
-    B4 T8192; the training forward 1.097 -> 1.088 and 1.229 -> 1.129; gradients as accurate;
-    docs/results/og-from-y-h100.md).
-    ``overlap_sums``: where the window's walking backward forms dy . o_w, the sink logits' and
-    alpha's gradients (two small kernels over it) run on a stream of their own, queued after the
-    gated backward, instead of between the two backwards (``_sums_beside``).
-    ``paired_states`` (off by default): with ``fused_train`` and the fused gated backward in one
-    segment, the forward keeps the gated state entering every second chunk only (and the last
-    one): half of those bytes written, kept until the backward and read back (at B16 T2048, 32
-    heads: 277 of 554 MB a layer). The backward forms each odd chunk's state from the even one
-    before it and that chunk's keys and values, which it holds anyway (``gla_gluon._tq_paired``).
-    A memory option: on an H100 (bf16, 32 heads, B16 T2048, medians of two processes each) the
-    op's peak memory 2088 -> 1832 MiB and its training forward 0.942 -> 0.836 ms, but fwd+bwd
-    2.891 -> 2.974 ms: the backward's chunk partition, its bound, waits for the next chunk's tiles
-    and forms two more products, and its dk cannot leave through v's slot (the state partition
-    reads v there); gradients as accurate (docs/results/gla-fused-bwd-tma-out-h100.md)."""
+    ``gla`` / ``window``: launch variants of the branches' passes (``GLALaunch``, ``WindowLaunch``;
+    None: their ``LAUNCH``; ``chunk`` and ``gluon`` come from the settings either way).
+    ``window_first``: the forward runs the window kernel first and combines in the gated main pass's
+    epilogue (so that the gated passes before it can run beside the window on a side stream), or
+    gated first with the combine in the window kernel's epilogue. None: the rule of
+    ``_window_first`` (window first where the gated forward is cut into segments or its normaliser
+    has fewer (batch x head) programs than there are multiprocessors).
+    ``fused_fwd`` / ``fused_train``: False runs the Triton passes instead of the fused Gluon forward,
+    in inference / in training, where ``KernelSettings.gluon`` would have run it.
+    ``fused_segments``: the fused forward's sequence segments (None: ``fused_segment_count``)."""
 
-    one_op: bool = True
+    gla: Optional[object] = None
+    window: Optional[object] = None
     window_first: Optional[bool] = None
-    overlap_fwd: bool = True
-    overlap_bwd: bool = True
-    side_priority: int = -1
-    split_prologue: bool = True
     fused_fwd: bool = True
     fused_train: bool = True
     fused_segments: Optional[int] = None
-    og_from_y: bool = True
-    ow_from_scores: bool = False
-    overlap_sums: bool = True
-    paired_states: bool = False
 
 
-CONFIG = LizardKernelConfig()
+@dataclass(frozen=True)
+class _Run:
+    """Everything ``_LizardFunction`` reads about how to run, resolved once from the settings and the plan."""
+
+    gla: object  # GLALaunch
+    window: object  # WindowLaunch
+    window_first: Optional[bool]
+    side_streams: bool
+    fused_fwd: bool
+    fused_train: bool
+    fused_segments: Optional[int]
+    og_from_y: bool
+    ow_from_scores: bool
+    paired_states: bool
+
+
+def _run_for(settings: KernelSettings, plan: Optional[LizardPlan]) -> _Run:
+    from ..gla import triton as kgla
+    from ..window_attn import triton as kwin
+
+    plan = plan or LizardPlan()
+    return _Run(gla=kgla.launch_for(settings, plan.gla), window=kwin.launch_for(settings, plan.window),
+                window_first=plan.window_first, side_streams=settings.side_streams,
+                fused_fwd=settings.gluon and plan.fused_fwd, fused_train=settings.gluon and plan.fused_train,
+                fused_segments=plan.fused_segments, og_from_y=settings.og_from_y,
+                ow_from_scores=settings.ow_from_scores, paired_states=settings.paired_states)
+
+
+# the side streams' priority (lower is higher; CUDA clamps it to its range): their sequential programs
+# must start before the window's many short ones queue up, or the overlap gains nothing
+_SIDE_PRIORITY = -1
 _SIDE_STREAMS: dict = {}
 _SUMS_EVENTS: dict = {}
-
-
-def set_config(**changes) -> LizardKernelConfig:
-    """Replace fields of the module-wide config (benchmarks, tests); returns the old one."""
-    global CONFIG
-    old = CONFIG
-    CONFIG = replace(CONFIG, **changes)
-    return old
 
 
 def _side_stream(x: torch.Tensor, wanted: bool, priority: int, name: str = "side") -> Optional["torch.cuda.Stream"]:
@@ -163,7 +112,7 @@ def _side_stream(x: torch.Tensor, wanted: bool, priority: int, name: str = "side
     return _SIDE_STREAMS[key]
 
 
-def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.Tensor) -> bool:
+def _window_first(cfg: _Run, gcfg, phi_q: torch.Tensor, v: torch.Tensor) -> bool:
     """``cfg.window_first``, or when None: whether ``gla._fwd`` would cut the sequence into
     segments, or give the normaliser fewer (batch x head) programs than there are multiprocessors."""
     if cfg.window_first is not None:
@@ -176,27 +125,27 @@ def _window_first(cfg: LizardKernelConfig, gcfg, phi_q: torch.Tensor, v: torch.T
 
 
 def _fwd(phi_q, phi_k, v, log_g, q_w, k_w, sinks, kmin, alpha, S0, z0, normalize: bool, log_space: bool,
-         eps: float, window: int, scale: float, store: bool, cfg: LizardKernelConfig):
+         eps: float, window: int, scale: float, store: bool, cfg: _Run):
     """Returns y, o_g, o_w, lse, den, S_T, z_T, segs, sc, zc; o_g, o_w, lse, den, sc and zc are what a
     backward reads, complete only with ``store``."""
     from ..gla import triton as kgla
     from ..window_attn import triton as kwin
 
-    gcfg = kgla.CONFIG
+    gcfg, wcfg = cfg.gla, cfg.window
     if _window_first(cfg, gcfg, phi_q, v):
-        side = _side_stream(v, cfg.overlap_fwd, cfg.side_priority)
-        z_side = _side_stream(v, cfg.overlap_fwd and cfg.split_prologue, cfg.side_priority, "normaliser")
+        side = _side_stream(v, cfg.side_streams, _SIDE_PRIORITY)
+        z_side = _side_stream(v, cfg.side_streams, _SIDE_PRIORITY, "normaliser")
         with fork_stream(side):
             p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv,
-                                  split_normaliser=cfg.split_prologue, z_stream=z_side)
-        o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, kwin.CONFIG)
+                                  split_normaliser=True, z_stream=z_side)
+        o_w, _, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, None, None, window, scale, True, wcfg)
         join_stream(side, *vars(p).values())
         o_g, y = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store, ow=o_w,
                                alpha=alpha, store_o=store)
     else:
         p = kgla.fwd_prologue(phi_q, phi_k, v, log_g, S0, z0, normalize, log_space, gcfg, store, gcfg.fwd_bv)
         o_g, _ = kgla.fwd_main(phi_q, phi_k, v, log_g, p, normalize, log_space, eps, gcfg, store)
-        o_w, y, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, o_g, alpha, window, scale, store, kwin.CONFIG)
+        o_w, y, lse = kwin._fwd(q_w, k_w, v, sinks, kmin, o_g, alpha, window, scale, store, wcfg)
     return y, o_g, o_w, lse, p.den, p.S_T, p.z_T, (p.nseg, p.seg_len), p.sc, p.zc
 
 
@@ -213,8 +162,8 @@ class _LizardFunction(torch.autograd.Function):
         store = grad_mode and any(ctx.needs_input_grad[:10])
         fused = None
         # the backward's gated kernel can take dy . o_g from y and the window's dy . o_w (see og_from_y)
-        window_dyo = store and kwin.forms_dyo(kwin.CONFIG, q_w, k_w, v, window, kmin)
-        one_segment = store and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, kgla.CONFIG) == 1
+        window_dyo = store and kwin.forms_dyo(cfg.window, q_w, k_w, v, window, kmin)
+        one_segment = store and kgla.fused_bwd_segments(phi_q, phi_k, v, log_space, cfg.gla) == 1
         og_from_y = window_dyo and normalize and cfg.og_from_y and one_segment
         paired = one_segment and cfg.fused_train and cfg.paired_states
         ow_from_scores = window_dyo and cfg.ow_from_scores
@@ -237,7 +186,7 @@ class _LizardFunction(torch.autograd.Function):
         else:
             paired = False  # (the Triton passes keep every chunk's state)
             bl = None
-            copier = _side_stream(v, cfg.overlap_fwd and w_state is not None, 0, "copy")
+            copier = _side_stream(v, cfg.side_streams and w_state is not None, 0, "copy")
             with fork_stream(copier):
                 if w_state is not None:
                     _fill_window_state(w_state, k_w, v)
@@ -254,8 +203,8 @@ class _LizardFunction(torch.autograd.Function):
         # as its last reader is queued (saved tensors would all live until the backward returns)
         # (bl: the gates' sums within chunks that the fused forward read, read again by the fused backward)
         ctx.inter = dict(o_g=o_g, o_w=o_w, lse=lse, den=den, sc=sc, zc=zc, paired=paired, bl=bl) if store else None
-        # the backward runs with the kernel configs of its forward (a later set_config changes neither)
-        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, kgla.CONFIG, kwin.CONFIG)
+        # the backward runs with the settings of its forward (a later kernel_settings block changes nothing)
+        ctx.args = (normalize, log_space, eps, window, scale, segs, S0 is not None, cfg, cfg.gla, cfg.window)
         ctx.state_len = state_len
         ctx.one_segment = one_segment
         ctx.window_dyo = window_dyo  # (the window's backward, with the configs kept above, forms dy . o_w)
@@ -280,8 +229,8 @@ class _LizardFunction(torch.autograd.Function):
             dy = torch.zeros_like(v)
         need_dstate = has_state and (ctx.needs_input_grad[8] or ctx.needs_input_grad[9])
         # (the fused gated backward in one segment has no reverse passes to run beside the window's: no
-        # side stream, whose fork and join cost the host more than they could save; see overlap_bwd)
-        side = _side_stream(v, cfg.overlap_bwd and not ctx.one_segment, cfg.side_priority)
+        # side stream, whose fork and join cost the host more than they could save)
+        side = _side_stream(v, cfg.side_streams and not ctx.one_segment, _SIDE_PRIORITY)
         o_g = inter.pop("o_g")  # None where y stands in (og_from_y)
         with fork_stream(side):  # the reverse state passes walk their chunks in order: beside the window's
             gp = kgla.bwd_states(phi_q, phi_k, v, log_g, (y if o_g is None else o_g) if normalize else None,
@@ -290,7 +239,7 @@ class _LizardFunction(torch.autograd.Function):
         # o_w is freed as this returns (its readers are queued on this stream, before anything that
         # could take its memory); lse too, unless the sums below read it on their own stream
         lse = inter.pop("lse")
-        later = cfg.overlap_sums and ctx.window_dyo
+        later = cfg.side_streams and ctx.window_dyo
         dq_w, dk_w, dv_w, d_sinks, d_alpha, dyo_w = kwin._bwd(q_w, k_w, v, sinks, kmin, inter.pop("o_w"), lse,
                                                               alpha, dy, window, scale, wcfg, sums=not later)
         if not later:
@@ -362,8 +311,8 @@ def lizard_attention(
     q_w: torch.Tensor, k_w: torch.Tensor, alpha: torch.Tensor, *, window: int = 128,
     sink_logits: Optional[torch.Tensor] = None, scale: Optional[float] = None, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
-    eps: float = 1e-6, window_state: Optional[WindowState] = None, config: Optional[LizardKernelConfig] = None,
-    return_state: bool = True,
+    eps: float = 1e-6, window_state: Optional[WindowState] = None, return_state: bool = True,
+    settings: Optional[KernelSettings] = None, plan: Optional[LizardPlan] = None,
 ) -> tuple[torch.Tensor, Optional[GLAState], Optional[WindowState]]:
     """Lizard's attention output and the two branch states (see the module docstring).
 
@@ -372,16 +321,21 @@ def lizard_attention(
     caller zeroes the padding's features and gates for the gated branch).
     ``return_state``: False returns (y, None, None), for a caller that keeps no state (a training
     step, attention transfer): the fused kernel then writes neither the window's state nor the gated
-    branch's final one (100 MB at B16 T2048 and 32 heads, fp32); y and every gradient are the same."""
-    cfg = config or CONFIG
-    if cfg.one_op and one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
-        return _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
-                              scale=scale, normalize=normalize, log_space_features=log_space_features,
-                              state=state, eps=eps, window_state=window_state, config=cfg, return_state=return_state)
+    branch's final one (100 MB at B16 T2048 and 32 heads, fp32); y and every gradient are the same.
+    ``settings``: the kernels' user settings (default ``current_settings()``); ``plan``: tests and
+    benchmarks only (``LizardPlan``). Where the one op does not apply, the branches' own ops run
+    (each on its kernels where they apply) and a torch combine."""
+    settings = resolve_settings(settings)
+    fused = lizard_attention_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
+                                   scale=scale, normalize=normalize, log_space_features=log_space_features,
+                                   state=state, eps=eps, window_state=window_state, return_state=return_state,
+                                   settings=settings, plan=plan)
+    if fused is not None:
+        return fused
     y_g, g_state = gla_chunk(phi_q, phi_k, v, log_g, normalize=normalize, log_space_features=log_space_features,
-                             state=state, chunk_size=chunk_size, eps=eps)
+                             state=state, chunk_size=chunk_size, eps=eps, settings=settings)
     fused = window_attn_sum(q_w, k_w, v, y_g, alpha, window=window, scale=scale, sink_logits=sink_logits,
-                            state=window_state, chunk_size=chunk_size, fresh_state=True)
+                            state=window_state, chunk_size=chunk_size, fresh_state=True, settings=settings)
     if fused is not None:
         y, w_state = fused
         return (y, g_state, w_state) if return_state else (y, None, None)
@@ -393,6 +347,25 @@ def lizard_attention(
                                        state=window_state, chunk_size=chunk_size)
     y = (y_g + alpha[:, None, None].to(y_g.dtype) * y_w).to(v.dtype)
     return (y, g_state, w_state) if return_state else (y, None, None)
+
+
+def lizard_attention_fused(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor,
+    q_w: torch.Tensor, k_w: torch.Tensor, alpha: torch.Tensor, *, window: int = 128,
+    sink_logits: Optional[torch.Tensor] = None, scale: Optional[float] = None, normalize: bool = True,
+    log_space_features: bool = False, state: Optional[GLAState] = None, eps: float = 1e-6,
+    window_state: Optional[WindowState] = None, return_state: bool = True,
+    settings: Optional[KernelSettings] = None, plan: Optional[LizardPlan] = None,
+) -> Optional[tuple[torch.Tensor, Optional[GLAState], Optional[WindowState]]]:
+    """``lizard_attention`` as its one op on the kernels (``_LizardFunction``: both branches and the
+    combine, the passes spread over streams), or None where that op does not apply (``one_op_applies``);
+    a caller with its own torch path (``layers.hybrid``) then runs it. Same arguments and result."""
+    if not one_op_applies(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sink_logits, state, window_state):
+        return None
+    return _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, window=window, sink_logits=sink_logits,
+                          scale=scale, normalize=normalize, log_space_features=log_space_features, state=state,
+                          eps=eps, window_state=window_state, config=_run_for(resolve_settings(settings), plan),
+                          return_state=return_state)
 
 
 def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logits, scale, normalize,
@@ -434,8 +407,7 @@ def _lizard_one_op(phi_q, phi_k, v, log_g, q_w, k_w, alpha, *, window, sink_logi
     kernel_state = inference and return_state and window_state is None and dt == torch.float32 and v.is_cuda
     if kernel_state:
         # the fused kernel writes the window's state from its ring, instead of a copy of the inputs'
-        # last keys and values (H100, B16 T2048: the op 0.705 -> 0.699 ms, 0.735 -> 0.699 on one
-        # stream; docs/results/lizard-launch-overhead-h100.md)
+        # last keys and values (a little faster: docs/results/lizard-launch-overhead-h100.md)
         w_out = _window_state_buffers(k_w, v, L, dt)
         fused = fused_forward(w_out)
         if fused is not None:
@@ -503,7 +475,7 @@ def _fused_forward(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, S0, z0, kmin,
         s_in = S0.float().reshape(B * H, 1, *S0.shape[2:]).contiguous()
         z_in = z0.float().reshape(B * H, 1, z0.shape[-1]).contiguous()
     elif nseg > 1:
-        s_in, z_in = gla_gluon.segment_states(phi_k, v, log_g, seg_len, nseg)
+        s_in, z_in = gla_gluon.segment_states(phi_k, v, log_g, seg_len, nseg, cfg.gla)
     out = lizard_gluon.lizard_fwd_fused(phi_q, phi_k, v, log_g, q_w, k_w, alpha, sinks, window=window, scale=scale,
                                         eps=eps, nseg=nseg, S_in=s_in, z_in=z_in, store=store, store_og=store_og,
                                         store_ow=store_ow, window_state=window_state, paired_states=paired_states,

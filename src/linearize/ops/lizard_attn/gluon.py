@@ -26,8 +26,7 @@ Per chunk, with b_t the gates' cumulative sum from the chunk start (<= 0, decrea
 
 Only factors <= 1 are ever formed (docs/design.md, Lizard's factorisation). The Triton kernels
 (``ops.lizard_attn.fused``) run the same forward as three passes, about twice as long; a fused walk
-needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper
-(docs/results/kernels-h200.md has the versions, their profiles and timings).
+needs the warp specialisation and explicit prefetching that Triton 3.6 does not give on Hopper.
 
 Scope: CUDA sm_90, bf16/fp16 inputs, F = D = Dv = 128, T a multiple of 64, window 65..129
 (three key tiles), v2 sink logits or none, normalised features (not log-space), no padding;

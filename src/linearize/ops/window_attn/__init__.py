@@ -28,14 +28,15 @@ from typing import Optional
 import torch
 
 from ..backend.dispatch import all_tensors, kernels_enabled, on_kernel_device
+from ..backend.settings import KernelSettings
 
 from .chunk import window_attn_chunk as window_attn_chunk_torch
 from .naive import WindowState, cache_len, check_softcap, soft_cap, visible, window_attn_parallel
-from .recurrent import window_attn_recurrent
+from .recurrent import window_attn_recurrent, window_ring_step_
 
 __all__ = ["WindowState", "cache_len", "check_softcap", "soft_cap", "visible", "window_applies",
            "window_attn_chunk", "window_attn_chunk_torch", "window_attn_parallel", "window_attn_recurrent",
-           "window_attn_sum"]
+           "window_attn_sum", "window_ring_step_"]
 
 
 def window_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: bool = False,
@@ -60,10 +61,11 @@ def window_attn_chunk(
     scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
     sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
     state: Optional[WindowState] = None, softcap: Optional[float] = None, chunk_size: int = 64,
-    fresh_state: bool = False,
+    fresh_state: bool = False, settings: Optional[KernelSettings] = None,
 ) -> tuple[torch.Tensor, WindowState]:
     """Chunked window attention: ``chunk.window_attn_chunk`` (same result), on the Triton kernels when they apply.
 
+    ``settings``: the kernels' user settings (default ``ops.backend.current_settings()``).
     ``fresh_state=True`` promises that ``state`` was just made for this input (``pos <= 0``:
     its cache is never visible), which lets the kernels take it without a device sync.
     """
@@ -72,7 +74,8 @@ def window_attn_chunk(
         from ..common import check_positive_int
         from .triton import window_attn_triton
         check_positive_int("chunk_size", chunk_size)
-        return window_attn_triton(q, k, v, window=window, scale=scale, sink_logits=sink_logits, state=state)
+        return window_attn_triton(q, k, v, window=window, scale=scale, sink_logits=sink_logits, state=state,
+                                  settings=settings)
     return window_attn_chunk_torch(q, k, v, window=window, terraced=terraced, scale=scale, sink_logits=sink_logits,
                                sink_k=sink_k, sink_v=sink_v, state=state, softcap=softcap, chunk_size=chunk_size)
 
@@ -83,6 +86,7 @@ def window_attn_sum(
     sink_logits: Optional[torch.Tensor] = None, sink_k: Optional[torch.Tensor] = None,
     sink_v: Optional[torch.Tensor] = None, state: Optional[WindowState] = None,
     softcap: Optional[float] = None, chunk_size: int = 64, fresh_state: bool = False,
+    settings: Optional[KernelSettings] = None,
 ) -> Optional[tuple[torch.Tensor, WindowState]]:
     """Lizard's ``y = y_global + alpha[h] * window_attn(q, k, v)`` (B, H, T, Dv) in the dtype of
     v, with the combine fused into the window kernel; None when the kernels do not apply."""
@@ -94,4 +98,4 @@ def window_attn_sum(
     from .triton import window_attn_triton
     check_positive_int("chunk_size", chunk_size)
     return window_attn_triton(q, k, v, window=window, scale=scale, sink_logits=sink_logits, state=state,
-                              y_global=y_global, alpha=alpha)
+                              y_global=y_global, alpha=alpha, settings=settings)

@@ -17,26 +17,19 @@ dq (scores of its queries against three key tiles), the other dk and dv in the t
 dv += p^T dy and dk += ds^T q straight from registers, as FlashAttention's backward does). Tiles
 before the first chunk or after the last are clamped to a real chunk and masked out.
 
-The walking kernel (``_win_bwd_walk_kernel``, ``WindowKernelConfig.gluon_bwd_walk``) does the same
+The walking kernel (``_win_bwd_walk_kernel``, ``WindowLaunch.gluon_bwd_walk``) does the same
 work with one program per segment of chunks: its twelve slots are two rings (query and dy tiles
 of three consecutive chunks, key and value tiles of three), each tile is read once per segment and
 comes by TMA while the chunks before it are computed, where the one-chunk kernel waits for its
 twelve tiles with nothing else to do (one program per multiprocessor) and reads each tile three
-times. The default on Hopper since it ran there (an H100: 1.00 ms against 1.19 for the one-chunk
-kernel in Lizard's backward at B16 T2048, docs/results/kernels-h100-newbwd.md). Its dk and dv
-leave by TMA through two staging tiles (stored from registers they cost the dk/dv partition 4.0K
-cycles a chunk, now 1.3K), and it forms D itself (``WindowKernelConfig.gluon_walk_delta``; the
-dq partition reads each next tile's o ahead): the window's whole backward at B16 T2048 on an H100,
-1.233 ms with the delta pre-pass and register stores, 0.956 then (docs/results/window-walk-h100.md).
-The dk/dv partition takes all 256 registers a thread (the dq partition keeps 256 too: 65536 in
-all): with 248 it spilled 116 bytes a thread, and Nsight Compute found its reloads, missing the
-small L1 beside 231 KB of shared memory, waiting on L2; with 256 it spills 44 and the window's
-backward takes 0.888 ms instead of 0.924; the dq partition then waited for o, read at each
-chunk's start, so it reads the tile after next's o a chunk ahead: 0.876 ms
-(docs/results/gla-fused-bwd-ncu-h100.md). dq leaves by TMA too, through a staging tile of its
-own, dk and dv sharing the other (each written once the store before it has left): the dq
-partition's store 1.4K -> 0.5K cycles a chunk, the window's backward 0.906 -> 0.845 ms, Lizard's
-training step 2.890 -> 2.868 (docs/results/window-walk-dq-tma-h100.md).
+times. The default on Hopper since it ran there (faster than the one-chunk kernel in Lizard's
+backward on an H100). Its dk and dv leave by TMA through one staging tile and dq through another
+(each written once the store before it has left), and it forms D itself
+(``WindowLaunch.gluon_walk_delta``; the dq partition reads the tile after next's o a chunk
+ahead, where Nsight Compute found it waiting). The dk/dv partition takes all 256 registers a thread
+(the dq partition keeps 256 too: 65536 in all): with 248 it spilled, and its reloads, missing the
+small L1 beside 231 KB of shared memory, waited on L2. Each of these was kept for the time it saved
+on an H100; the measurements are in git (benchmarks/README.md names the commit).
 
 Scope: CUDA sm_90, bf16/fp16, D = Dv = 128, T a multiple of 64, window <= 129, no left padding;
 q, k, v (B, H, T, D) contiguous or a model's (B, T, H, D) transposed; dy, lse, D contiguous.

@@ -34,6 +34,7 @@ import triton.language as tl
 from .. import common
 from .naive import WindowState, check_pos, check_sinks, check_window, keep_last
 from ..backend.dispatch import device_sms, gluon_kernels, patch_interpreter, pow2, strides_bht, unit_last
+from ..backend.settings import KernelSettings, resolve as resolve_settings
 
 patch_interpreter()
 
@@ -312,33 +313,23 @@ def _win_bwd_dkdv_kernel(
 
 
 @dataclass(frozen=True)
-class WindowKernelConfig:
-    """Query block BM, key block BN (powers of two >= 16) and launch settings per pass.
+class WindowLaunch:
+    """How the passes launch: query block BM, key block BN (powers of two >= 16), warps and stages,
+    tuned once on an H200 (the fastest candidates of ``linearize.bench.kernels tune``;
+    ``benchmarks/kernel-settings.md`` names the evidence). Not a user setting: ``gluon`` is copied
+    from ``KernelSettings`` by the entry points (``launch_for``); the other fields keep their
+    defaults except where the tune sweep or a test passes a variant explicitly
+    (``window_attn_triton(launch=...)``).
 
     ``bm`` / ``bn`` serve the forward and the backward's dq pass (a query block visiting key
     blocks); ``kv_bm`` / ``kv_bn`` / ``kv_warps`` the dk/dv pass (a key block visiting query
-    blocks), None meaning the same as ``bm`` / ``bn`` / ``bwd_warps``. The dk/dv pass reads the
-    query and output-gradient tiles of every query block whose window meets its keys, about
-    (w + kv_bn + kv_bm) / kv_bn rows per key: wider key blocks read less per key. (On an H200
-    with Triton 3.6 a kv_bm of 16 gave dk 5% off in bf16, right under the interpreter: keep query
-    blocks at 32 or more.)
-    ``gluon_bwd``: on Hopper, the backward is one hand-written Gluon kernel (``ops.window_attn.gluon``,
-    after a small Triton pass for D and the sink and alpha sums) where its scope holds (bf16/fp16,
-    head dims 128, T a multiple of 64, window <= 129, no left padding); else the two passes here.
-    ``gluon_bwd_walk``: that backward as the *walking* Gluon kernel instead (one program per segment
-    of chunks, each tile read once and brought while the chunks before are computed). On by
-    default: on an H100 (docs/results/kernels-h100-newbwd.md) Lizard's fwd+bwd with it and the
-    fused gated backward took 4.281 ms at B16 T2048 against 4.452 with the fused gated backward
-    alone, and no more at B4 T8192 (4.566 against 4.613) or B1 T32768 (4.928 against 5.063).
-    ``gluon_walk_delta``: the walking kernel forms D = alpha (dy . o) itself (its dq partition, as
-    each query tile comes, shared with the dk/dv partition through shared memory) instead of the
-    delta pre-pass reading dy and o once more; a small pass after it sums d alpha and the sinks'
-    gradient from the dy . o it leaves (H100, the window's backward at B16 T2048: 0.956 ms against
-    1.067 with the pre-pass, same run; docs/results/window-walk-h100.md)."""
+    blocks), None meaning the same as ``bm`` / ``bn`` / ``bwd_warps``. (On an H200 with Triton 3.6
+    a kv_bm of 16 gave dk 5% off in bf16, right under the interpreter: keep query blocks at 32 or more.)
+    ``gluon_bwd_walk``: where Gluon runs, the backward is the *walking* Gluon kernel (one program
+    per segment of chunks, each tile read once); False runs the Gluon kernel of one program per
+    chunk (the bench's "two-pass" rows; tested). ``gluon_walk_delta``: the walking kernel forms
+    D = alpha (dy . o) itself instead of a pre-pass reading dy and o once more (False: tested)."""
 
-    # defaults: the fastest candidates of `python -m linearize.bench.kernels tune` on one H200
-    # (kv_*: the window alone at B16 T2048, fwd+bwd 2.393 / 2.406 / 2.403 ms in three sweeps, against
-    # 2.509 / 2.524 / 2.523 with the dk/dv pass on the shared 64 x 32; docs/results/kernels-h200-sweep3.json)
     bm: int = 64
     bn: int = 32
     fwd_warps: int = 4
@@ -348,21 +339,21 @@ class WindowKernelConfig:
     kv_bm: Optional[int] = 32
     kv_bn: Optional[int] = 64
     kv_warps: Optional[int] = 4
-    gluon_bwd: bool = True
+    gluon: bool = True
     gluon_bwd_walk: bool = True
     gluon_walk_delta: bool = True
 
 
-CONFIG = WindowKernelConfig()
+LAUNCH = WindowLaunch()  # the tuned defaults
+
+
+def launch_for(settings: Optional[KernelSettings] = None, launch: Optional[WindowLaunch] = None) -> WindowLaunch:
+    """``launch`` (default ``LAUNCH``) with the user's ``gluon`` from ``settings`` (default:
+    ``current_settings()``)."""
+    return replace(launch or LAUNCH, gluon=resolve_settings(settings).gluon)
+
+
 MAX_DIM = 256
-
-
-def set_config(**changes) -> WindowKernelConfig:
-    """Replace fields of the module-wide kernel config (benchmarks, tests); returns the old one."""
-    global CONFIG
-    old = CONFIG
-    CONFIG = replace(CONFIG, **changes)
-    return old
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, terraced: bool = False,
@@ -390,7 +381,7 @@ def _query_blocks(window: int, BM: int, BN: int) -> int:
     return max((n0 + BN + window - 2) // BM - n0 // BM + 1 for n0 in range(0, BN * (BM + 1), BN))
 
 
-def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bool, cfg: WindowKernelConfig):
+def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bool, cfg: WindowLaunch):
     B, H, T, D = q.shape
     DV = v.shape[-1]
     BM, BN = cfg.bm, cfg.bn
@@ -415,7 +406,7 @@ def _fwd(q, k, v, sinks, kmin, yg, alpha, window: int, scale: float, store_o: bo
     return o, y, lse
 
 
-def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowKernelConfig,
+def _bwd(q, k, v, sinks, kmin, o, lse, alpha, dy, window: int, scale: float, cfg: WindowLaunch,
          sums: bool = True):
     """Returns dq, dk, dv, d sink_logits (or None), d alpha (or None), and the rows' dy . o
     ((B*H, T) fp32) where the walking kernel formed it (``forms_dyo``), else None. o may be None
@@ -550,20 +541,20 @@ def _head_sums(dsink, dalpha, d_sinks, d_alpha, B: int, H: int, nmb: int, nsink:
                                 BN=min(pow2(N), 1024), HAS_SINK=nsink > 0, HAS_ALPHA=has_alpha, num_warps=4)
 
 
-def _gluon_bwd(cfg: WindowKernelConfig, q, k, v, window: int, kmin):
-    """The ``window_gluon`` module where the backward runs there (``cfg.gluon_bwd``), else None."""
-    mod = gluon_kernels("window_attn.gluon") if cfg.gluon_bwd and q.is_cuda else None
+def _gluon_bwd(cfg: WindowLaunch, q, k, v, window: int, kmin):
+    """The ``window_gluon`` module where the backward runs there (``cfg.gluon``), else None."""
+    mod = gluon_kernels("window_attn.gluon") if cfg.gluon and q.is_cuda else None
     return mod if mod is not None and mod.supports_bwd(q, k, v, window, kmin) else None
 
 
-def forms_dyo(cfg: WindowKernelConfig, q, k, v, window: int, kmin) -> bool:
+def forms_dyo(cfg: WindowLaunch, q, k, v, window: int, kmin) -> bool:
     """Whether ``_bwd`` runs the walking Gluon kernel that forms D itself (from a contiguous o, or
     from the scores where o is None: a forward need not keep o), and so leaves the rows' dy . o for
     a caller (Lizard's gated backward takes dy . o_g from it and y)."""
     return _walk_forms_d(cfg, _gluon_bwd(cfg, q, k, v, window, kmin))
 
 
-def _walk_forms_d(cfg: WindowKernelConfig, gluon) -> bool:
+def _walk_forms_d(cfg: WindowLaunch, gluon) -> bool:
     """``forms_dyo`` once ``_gluon_bwd`` has given the module (or None)."""
     return gluon is not None and cfg.gluon_bwd_walk and cfg.gluon_walk_delta
 
@@ -620,9 +611,12 @@ def window_attn_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, scale: Optional[float] = None,
     sink_logits: Optional[torch.Tensor] = None, state: Optional[WindowState] = None,
     y_global: Optional[torch.Tensor] = None, alpha: Optional[torch.Tensor] = None,
-    config: Optional[WindowKernelConfig] = None,
+    settings: Optional[KernelSettings] = None, launch: Optional[WindowLaunch] = None,
 ) -> tuple[torch.Tensor, WindowState]:
     """``ops.window_attn.window_attn_chunk`` (standard window, v2 sinks) on the Triton kernels.
+
+    ``settings``: the user's kernel settings (default ``current_settings()``); ``launch``: a launch
+    variant (the tune sweep, tests; default ``LAUNCH``). The backward runs with those of its forward.
 
     ``state`` may only be a fresh one (``pos <= 0`` in every row, so its cache is never seen:
     left padding at negative positions); the caller guarantees that, nothing here synchronises
@@ -660,5 +654,5 @@ def window_attn_triton(
         kmin = (-state.pos).clamp_min(0).to(torch.int32).contiguous()
     q, k, v = (unit_last(x) for x in (q, k, v))
     out = _WindowFunction.apply(q, k, v, sinks, y_global, alpha.contiguous() if alpha is not None else None,
-                                kmin, int(window), float(scale), config or CONFIG, torch.is_grad_enabled())
+                                kmin, int(window), float(scale), launch_for(settings, launch), torch.is_grad_enabled())
     return out, _new_state(state, k, v, L, dt)

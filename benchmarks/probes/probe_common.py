@@ -1,0 +1,70 @@
+"""What the GPU probes in benchmarks/probes/ share: other versions of a kernel file timed beside the current
+one (``--alt NAME=FILE``), and their JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+from linearize.bench.kernels import _env
+
+
+def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Namespace:
+    """--out, --shape (repeatable BxT; ``shapes`` by default), --rounds, --alt NAME=FILE; the
+    parsed arguments, with ``shapes`` the list of (B, T)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", action="append", default=None, help=f"BxT (repeatable; default {', '.join(shapes)})")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--alt", action="append", default=[], help=f"NAME=FILE: another {kernel_file} to time beside")
+    a = p.parse_args()
+    a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape or shapes]
+    return a
+
+
+def host_probe_parser(calls: int, rounds: Optional[int] = 5) -> argparse.ArgumentParser:
+    """The arguments the host-time probes share: --out, --shape BxT (one), --calls (calls queued a
+    round) and, unless ``rounds`` is None, --rounds."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", default="16x2048", help="BxT (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=calls)
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
+def parse_shape(shape: str) -> tuple[int, int]:
+    """'16x2048' -> (16, 2048)."""
+    B, T = (int(v) for v in shape.split("x"))
+    return B, T
+
+
+def alt_modules(current: ModuleType, alts: list[str]) -> dict[str, ModuleType]:
+    """{"current": current, NAME: the module of FILE for each "NAME=FILE"}: each FILE a copy of
+    current's file, loaded into current's package so that its relative imports resolve."""
+    mods = {"current": current}
+    package = current.__name__.rpartition(".")[0]
+    for alt in alts:
+        name, sep, path = alt.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--alt takes NAME=FILE with FILE an existing copy of {current.__file__}, got {alt!r}")
+        spec = importlib.util.spec_from_file_location(f"{current.__name__}_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__package__ = package
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    return mods
+
+
+def write_rows(out_dir: str, filename: str, script: str, rows: list[dict]) -> Path:
+    """rows with the run's environment into out_dir/filename (JSON); returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / filename
+    path.write_text(json.dumps({"env": _env(script), "rows": rows}, indent=1))
+    return path
