@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python -m pytest -q -p no:cacheprovider tests/test_decode.py -k cuda 2>&1 | tee "$OUT/test_decode_cuda.log" | tail -25
+  python -m pytest -q -p no:cacheprovider tests/models/test_decode.py -k cuda 2>&1 | tee "$OUT/test_decode_cuda.log" | tail -25
 fi
 if [ -n "${PROFILE:-}" ]; then  # PROFILE=<context>: where one decode step's time goes, per kernel
   python -m linearize.bench.generate --out "$OUT" --models $MODELS --profile "$PROFILE" --batch-size 16 \

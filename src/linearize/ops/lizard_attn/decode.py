@@ -5,7 +5,7 @@ sinks for one new token per row: a prep kernel per (row, head) (RoPE, Hedgehog f
 the window over the ring buffer, the normaliser) and a state kernel per (row, head, value
 block) that updates S in place and writes y. ``launch_rmsnorm`` is the one-kernel RMSNorm the
 decoder swaps in for HF's. Both round intermediate values to the model's dtype where the torch
-ops do, so the step matches ``HybridAttention``'s recurrent form (tests/test_decode.py).
+ops do, so the step matches ``HybridAttention``'s recurrent form (tests/models/test_decode.py).
 
 Triton is optional: without it ``lizard_step_launcher()`` is None and the decoder keeps the
 torch step.

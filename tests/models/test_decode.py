@@ -289,7 +289,7 @@ _INTERPRET = textwrap.dedent("""
 
 def test_fused_kernel_matches_torch_step_in_triton_interpreter():
     pytest.importorskip("triton")
-    code = _INTERPRET.format(tests=str(Path(__file__).parent))
+    code = _INTERPRET.format(tests=str(Path(__file__).resolve().parents[1]))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

@@ -456,7 +456,7 @@ def test_quiet_git_keeps_the_lookup_and_restores_lm_eval(tmp_path, capfd, monkey
     from linearize.eval.lm_eval_run import quiet_git
 
     original = evaluator.get_git_commit_hash
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
     expected = original()  # inside the repository: the same hash through either
     with quiet_git():

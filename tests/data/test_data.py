@@ -445,7 +445,7 @@ def test_passkey_documents(tok):
 # ---------------------------------------------------------------------------------------------
 # chat records, assistant loss masks (issue 43)
 
-MIX = Path(__file__).resolve().parents[2] / "shared" / "data" / "mix"  # ../shared/data/mix beside the repo
+MIX = Path(__file__).resolve().parents[3] / "shared" / "data" / "mix"  # ../shared/data/mix beside the repo
 
 
 def _runs(doc, decode) -> list[str]:
