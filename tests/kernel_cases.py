@@ -1,8 +1,9 @@
-"""Kernel-vs-reference cases, shared by tests/ops/test_kernels.py.
+"""Kernel-vs-reference cases, shared by the kernel tests of tests/ops/test_gla.py, test_window_attn.py
+and test_lizard_attn.py.
 
 Each case runs the Triton path (forward and backward) and the torch reference on the same
 inputs and returns the relative RMS error of every output and gradient. The GPU tests call the
-cases in process on CUDA; the CPU tests run ``python kernel_cases.py`` in a subprocess with
+cases in process on CUDA; the CPU tests run ``python kernel_cases.py <op>`` in a subprocess with
 ``TRITON_INTERPRET=1`` (Triton reads it when the kernels are decorated, i.e. at import), which
 prints one JSON object {case name: {quantity: error}}.
 
@@ -755,6 +756,20 @@ INTERPRETER_CASES = {
 CASE_TOL = {"model bf16 autocast lizard": 3e-2}  # bf16 autocast against fp32, not kernel against kernel
 
 
+# op -> the first words of its cases' names: each op's test file (tests/ops/test_gla.py,
+# test_window_attn.py, test_lizard_attn.py: the hybrid layer and the model are Lizard's) runs its own
+# cases in one subprocess, ``python kernel_cases.py <op>``
+CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model")}
+
+
+def cases_of(op: str) -> list[str]:
+    """The names of ``op``'s interpreter cases (a key of CASE_OPS), in INTERPRETER_CASES' order."""
+    return [name for name in INTERPRETER_CASES if name.split()[0] in CASE_OPS[op]]
+
+
+assert sorted(n for op in CASE_OPS for n in cases_of(op)) == sorted(INTERPRETER_CASES), "a case of no op"
+
+
 def run(names: list[str], device: str) -> dict[str, dict]:
     out = {}
     for name in names:
@@ -769,5 +784,6 @@ def run(names: list[str], device: str) -> dict[str, dict]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    names = sys.argv[1:] or list(INTERPRETER_CASES)
+    # arguments: ops (keys of CASE_OPS: their cases) or case names; none: every case
+    names = [n for a in sys.argv[1:] for n in (cases_of(a) if a in CASE_OPS else [a])] or list(INTERPRETER_CASES)
     print(json.dumps(run(names, "cpu")))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The Triton kernels on a GPU machine: tests, launch-config sweep, benchmark.
 #
-#   benchmarks/gpu/gpu_kernels.sh test  [OUT]   GPU tests of tests/ops/test_kernels.py (kernels vs torch reference) and
-#                                        tests/models/test_decode.py (Triton decode step, CUDA graphs)
+#   benchmarks/gpu/gpu_kernels.sh test  [OUT]   the GPU tests (marked gpu) of tests/ops/ (kernels vs torch reference:
+#                                        test_gla.py, test_window_attn.py, test_lizard_attn.py, test_backend.py),
+#                                        tests/bench/test_kernels_bench.py and tests/models/test_decode.py
+#                                        (Triton decode step, CUDA graphs)
 #   benchmarks/gpu/gpu_kernels.sh tune  [OUT]   time the candidate launch configs (bench/kernels.py *_CANDIDATES)
 #   benchmarks/gpu/gpu_kernels.sh bench [OUT]   the side-by-side benchmark: OUT/kernels.{json,md,png}
 #   benchmarks/gpu/gpu_kernels.sh all   [OUT]   test, then bench
@@ -39,8 +41,8 @@ NPROC=$(nproc)
 
 run_tests() {
     # Compilation dominates: split the GPU tests over several processes (the GPU work is small).
-    # TEST_FILTER narrows the kernel tests (a pytest -k expression, and-ed with gpu).
-    { python3 -m pytest -q --co tests/ops/test_kernels.py -k "gpu${TEST_FILTER:+ and ($TEST_FILTER)}" 2>/dev/null
+    # TEST_FILTER narrows the kernel tests (a pytest -k expression, with -m gpu).
+    { python3 -m pytest -q --co tests/ops tests/bench/test_kernels_bench.py -m gpu ${TEST_FILTER:+-k "$TEST_FILTER"} 2>/dev/null
       [ -n "${TEST_FILTER:-}" ] || python3 -m pytest -q --co tests/models/test_decode.py -m gpu 2>/dev/null; } \
         | grep '::' > /tmp/gpu_tests.txt || true
     local n=$(( NPROC / 2 > 1 ? NPROC / 2 : 1 ))

@@ -1,10 +1,11 @@
 """The Triton kernels compile for Hopper (sm_90a) on a machine without a GPU.
 
-The interpreter (tests/ops/test_kernels.py) checks what the kernels compute, but it never compiles
-them: a kernel can be right under the interpreter and still fail Triton's type checks or
-ptxas on a GPU (a dummy pointer of the wrong dtype in a branch that the launch never takes did
-exactly that once). Here every launch the host code makes, forward and backward, is captured
-instead of run, and compiled for sm_90a with Triton's own ptxas, so CI sees such a failure.
+The interpreter (the kernel tests of tests/ops/test_gla.py, test_window_attn.py and
+test_lizard_attn.py) checks what the kernels compute, but it never compiles them: a kernel can be
+right under the interpreter and still fail Triton's type checks or ptxas on a GPU (a dummy pointer
+of the wrong dtype in a branch that the launch never takes did exactly that once). Here every
+launch the host code makes, forward and backward, is captured instead of run, and compiled for
+sm_90a with Triton's own ptxas, so CI sees such a failure.
 No kernel runs: the tensors stay on the CPU and their contents are never read.
 """
 
@@ -243,7 +244,7 @@ def test_gluon_lizard_forward_compiles_for_hopper(has_init, nsink, model_layout,
     words a thread in training: its MMAs read single tiles through ``gla_gluon.tile_at_step``, else their
     hoisted descriptors spilled (up to 47 words a thread in inference, 71 in training, reloaded
     every chunk), also keeping the gated states of even chunks only (``paired``). What it computes is
-    checked on a GPU (tests/ops/test_kernels.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
+    checked on a GPU (tests/ops/test_lizard_attn.py, test_gpu_lizard_fused_forward_*, test_gpu_lizard_one_op_gluon_*,
     test_gpu_lizard_fused_training_forward)."""
     from linearize.ops.lizard_attn import gluon as lizard_gluon
 

@@ -8,6 +8,8 @@ from helpers import TOL, assert_rel_close, assert_state_close, capped, count_chu
 from linearize.ops.window_attn import (
     WindowState, cache_len, window_attn_chunk, window_attn_parallel, window_attn_recurrent,
 )
+from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, window_case
+from kernel_checks import _gluon_spy, _LaunchRecorder, assert_errors, needs_cuda, needs_triton
 
 B, H, T, DK, DV = 2, 3, 37, 8, 5
 M_LOGITS, M_KV = 2, 3
@@ -307,3 +309,180 @@ def test_ring_step_is_the_recurrent_form(sinks, softcap):
         outs.append(window_ring_step_(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], ring_k, ring_v, pos,
                                       softcap=softcap, dtype=torch.float64, **kw))
     assert_rel_close(torch.cat(outs, 2), ref, TOL[torch.float64])
+
+
+# ----------------------------------------------------------------------------- window: the kernels
+
+# CPU, Triton interpreter: this op's cases of kernel_cases.INTERPRETER_CASES, in one subprocess
+# (tests/ops/conftest.py, interpreter_results)
+INTERPRETER_OP = "window"
+
+
+@needs_triton
+@pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
+def test_interpreter_kernels_match_reference(interpreter_results, name):
+    result = interpreter_results[name]
+    assert "exception" not in result, result.get("exception")
+    dtype = INTERPRETER_CASES[name][2]
+    # the hybrid case compares kernels on vs off in fp32: tight
+    assert_errors(result["errors"], CASE_TOL.get(name, KTOL[dtype]), name)
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant, dtype", [("sinks fused padded", torch.float32),
+                                            ("sinks fused padded", torch.bfloat16), ("no sinks", torch.bfloat16),
+                                            ("short", torch.bfloat16), ("w=1", torch.bfloat16),
+                                            ("sinks fused padded kv 64x32", torch.bfloat16),
+                                            ("sinks fused padded kv 32x32", torch.bfloat16)])
+def test_gpu_window_matches_reference(variant, dtype):
+    kw = dict(T=333, D=128, DV=128, W=128, nsink=4, bm=None)
+    if " kv " in variant:  # the dk/dv pass's blocks of other tune candidates (the default is 32 x 64)
+        kv_bm, kv_bn = (int(x) for x in variant.split()[-1].split("x"))
+        kw["kv"] = dict(kv_bm=kv_bm, kv_bn=kv_bn)
+    if variant == "no sinks":
+        kw["nsink"] = 0
+    if "fused" in variant:
+        kw["fuse"] = True
+    if "padded" in variant:
+        kw["pad"] = 17
+    if variant == "short":
+        kw["T"] = 50
+    if variant == "w=1":
+        kw["W"] = 1
+    err = window_case("cuda", dtype, **kw)
+    assert_errors(err, KTOL[dtype], f"window {variant} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "sinks", "window 100", "window 129",
+                                     "window 1 sinks", "T=64", "fp16 sinks fused", "model layout sinks fused"])
+def test_gpu_window_gluon_backward_matches_reference(variant, gluon_window_calls):
+    """The window's backward as the Gluon kernel (what window_attn_triton and Lizard's op run on
+    Hopper where its scope holds) against the fp64 reference: dq, dk, dv, d sinks, and with the
+    combine fused d y_g and d alpha; windows of 1 to 129, one chunk, fp16, a model's layout. (A
+    window of 1 takes sinks: without them each row's one probability is exactly 1, dq and dk are
+    exactly 0, and any rounding of dy . v against D is an infinite relative error: that case
+    failed once on the H200 with differences of 1e-4.)"""
+    dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
+    W = int(variant.split()[1]) if variant.startswith("window") else 128
+    kw = dict(T=64 if variant == "T=64" else 1024, D=128, DV=128, W=W, nsink=4 if "sinks" in variant else 0,
+              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
+              kv=dict(gluon_bwd_walk=False))  # the kernel of one program per chunk (walking is the default)
+    err = window_case("cuda", dtype, **kw)
+    assert gluon_window_calls == [W], gluon_window_calls
+    assert_errors(err, KTOL[dtype], f"window gluon backward {variant}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["sinks fused", "no sinks", "window 100", "window 1 sinks", "T=64", "T=128",
+                                     "T=192", "T=1216 sinks", "T=4096 fp16 sinks", "model layout sinks fused",
+                                     "pre-pass sinks fused", "pre-pass T=1216 sinks", "pre-pass T=128",
+                                     "scores sinks fused", "scores T=64", "scores T=128", "scores T=192",
+                                     "scores T=1216 sinks", "scores T=4096 fp16 sinks", "scores window 1 sinks",
+                                     "scores window 100", "scores model layout sinks fused"])
+def test_gpu_window_gluon_walk_backward_matches_reference(variant, monkeypatch):
+    """The window's backward as the walking Gluon kernel (WindowLaunch.gluon_bwd_walk: one
+    program per segment of chunks, two rings of tile slots) against the fp64 reference: dq, dk,
+    dv, d sinks, with the combine fused d y_g and d alpha; one, two and three chunks (the rings'
+    edges), two segments of 10 and 9 chunks, eight segments in fp16, windows of 1 and 100, a
+    model's layout. D formed in the kernel (the default), "scores": in the kernel from its scores
+    (o not given: what Lizard's op runs, KernelSettings.ow_from_scores), or, "pre-pass", by the
+    delta pass."""
+    calls = _gluon_spy(monkeypatch, "window_attn.gluon", "bwd", "walk")
+    own = not variant.startswith("pre-pass")
+    scores = variant.startswith("scores")
+    variant = variant.removeprefix("pre-pass ").removeprefix("scores ")
+    dtype = torch.float16 if "fp16" in variant else torch.bfloat16
+    W = int(variant.split()[1]) if variant.startswith("window") else 128
+    T = int(variant.split()[0][2:]) if variant.startswith("T=") else 1024
+    kw = dict(T=T, D=128, DV=128, W=W, nsink=4 if "sinks" in variant or variant.startswith("window 1 ") else 0,
+              fuse="fused" in variant, bm=None, bthd=variant.startswith("model layout"),
+              kv=dict(gluon_bwd_walk=True, gluon_walk_delta=own))
+    from linearize.ops.window_attn import gluon as window_gluon
+
+    bwd, seen = window_gluon.bwd, []
+
+    def spy(*a, **k):
+        seen.append(k.get("o") is not None)
+        if scores:  # the window op keeps o: the kernel is told to form D from its scores instead
+            k = {**k, "o": None, "scores_delta": k.get("o") is not None}
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(window_gluon, "bwd", spy)
+    err = window_case("cuda", dtype, **kw)
+    assert calls == [True] and seen == [own], (calls, seen)
+    assert_errors(err, KTOL[dtype], f"window gluon walk backward {variant} (D {'own' if own else 'pre-pass'})")
+
+
+def test_gluon_window_backward_launch_host_side(monkeypatch):
+    """window_gluon.bwd up to its launch, on CPU: the grid, scales and constexprs, and its refusal
+    of layouts TMA cannot read."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.ops.window_attn import gluon as window_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(window_gluon, "_win_bwd_kernel", rec)
+    B, H, T, D = 2, 3, 192, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # a model's layout
+    lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
+    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    window_gluon.bwd(q, k, v, dy, lse, delta, torch.ones(H), dq, dk, dv, window=100, scale=0.125)
+    (grid, args, kw), = rec.calls
+    assert grid == (T // 64, B * H)
+    assert kw == dict(MODEL_LAYOUT=0b010, HAS_ALPHA=True, W=100, C=64, D=D, DV=D, num_warps=4)
+    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    with pytest.raises(ValueError, match="outside its scope"):
+        window_gluon.bwd(q, k, v.transpose(2, 3), dy, lse, delta, None, dq, dk, dv, window=100, scale=0.125)
+
+
+@pytest.mark.parametrize("T, D_from", [(64, "pre-pass"), (1216, "pre-pass"), (1216, "o"), (1216, "scores")])
+def test_gluon_window_walk_backward_launch_host_side(T, D_from, monkeypatch):
+    """window_gluon.bwd with walk=True up to its launch, on CPU: the grid (segments x batch*heads,
+    the last segment shorter), the segment length, dk's, dv's and dq's tiles (they leave by TMA),
+    the constexprs (OWN_DELTA where o is given
+    or scores_delta, D_SCORES with the latter); o, scores_delta and prof refused with the
+    one-chunk kernel, o with scores_delta refused, o of another shape and prof of another size
+    refused by name."""
+    pytest.importorskip("triton.experimental.gluon")
+    from linearize.ops.window_attn import gluon as window_gluon
+
+    rec = _LaunchRecorder()
+    monkeypatch.setattr(window_gluon, "_win_bwd_walk_kernel", rec)
+    B, H, D = 1, 2, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy, o = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(5))
+    lse, delta = torch.zeros(B * H, T), torch.zeros(B * H, T)
+    dq, dk, dv = (torch.empty(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+    window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, sms=132,
+                     o=o if D_from == "o" else None, scores_delta=D_from == "scores")
+    (grid, args, kw), = rec.calls
+    nseg, seg_chunks = (1, 1) if T == 64 else (2, 10)  # 19 chunks: segments of 10 and 9
+    assert grid == (nseg, B * H) and args[14] == seg_chunks
+    assert args[10] is (o if D_from == "o" else dy)
+    assert [a.base.data_ptr() for a in args[7:10]] == [x.data_ptr() for x in (dk, dv, dq)]  # out by TMA
+    assert kw == dict(MODEL_LAYOUT=0, HAS_ALPHA=False, W=128, C=64, D=D, DV=D, OWN_DELTA=D_from != "pre-pass",
+                      D_SCORES=D_from == "scores", NPROF=0, num_warps=4)
+    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    with pytest.raises(ValueError, match="walking kernel"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, o=o)
+    with pytest.raises(ValueError, match="walking kernel"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, scores_delta=True)
+    with pytest.raises(ValueError, match="not both"):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True, o=o,
+                         scores_delta=True)
+    with pytest.raises(ValueError, match=r"o must be contiguous \(1, 2, %d, 128\)" % T):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
+                         o=o[..., :64])
+    with pytest.raises(ValueError, match=r"prof must be \(%d, 16\), got \(3, 16\)" % (nseg * B * H * 2)):
+        window_gluon.bwd(q, k, v, dy, lse, delta, None, dq, dk, dv, window=128, scale=0.125, walk=True,
+                         prof=torch.zeros(3, 16, dtype=torch.int64))
+
+
+def test_window_walk_segment_rule():
+    """walk_segments: doubled while batch x heads leave multiprocessors idle, segments at least 8 chunks."""
+    from linearize.ops.window_attn.gluon import walk_segments
+
+    assert [walk_segments(B * 32, T // 64, 132) for B, T in ((16, 2048), (4, 8192), (1, 32768))] == [1, 2, 8]
+    assert walk_segments(2, 16, 132) == 2 and walk_segments(2, 15, 132) == 1 and walk_segments(1, 1, 132) == 1
