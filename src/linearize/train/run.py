@@ -162,7 +162,7 @@ def _rows(config: TrainConfig, tokenizer):
                            note=lambda message: print(message, flush=True))  # shown with progress off too
     if len(mixture.sources) > 1:
         for source, weight, tokens, val in zip(mixture.sources, mixture.weights, mixture.train_tokens, mixture.val):
-            _log(config, f"data: {source}: weight {weight:.3g}, {tokens:,} training tokens, "
+            log_progress(config, f"data: {source}: weight {weight:.3g}, {tokens:,} training tokens, "
                          f"{len(val)} held-out documents")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
