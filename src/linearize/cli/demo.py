@@ -34,8 +34,8 @@ DEFAULT_PROMPTS = (
 
 # Seconds per optimizer step on the 2-core CPU this demo targets (SmolLM2-135M, lizard, seq_len 256, batch 2,
 # nothing else running; validations included), used only for the printed estimate.
-CPU_STAGE1_STEP_S = 4.0
-CPU_STAGE2_STEP_S = 9.0
+CPU_STAGE1_STEP_S = 4.3
+CPU_STAGE2_STEP_S = 9.5
 
 # Token budgets of the papers, per stage (lizard-v2 Table: 20M tokens per stage; LoLCATs: 20M
 # tokens for attention transfer and 20M for LoRA, "40M tokens overall").
@@ -49,7 +49,7 @@ _started = time.perf_counter()  # reset by run_demo; headings show the time sinc
 def run_demo(out: str = "runs/demo", device: str = "auto", *, model: str = "smollm2-135m",
              seq_len: int = 256, batch_size: int = 2, stage1_steps: int = 48, stage2_steps: int = 16,
              prompts: list[str] | None = None, max_new_tokens: int = 40,
-             contexts: tuple[int, ...] = (256, 1024, 4096)) -> int:
+             contexts: tuple[int, ...] = (256, 1024, 2048)) -> int:
     """Run the demo end to end; returns the process exit code (0 on success, 2 when ``out``
     holds a different run)."""
     global _started
@@ -416,8 +416,8 @@ def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
     print(f"  linearize train --method lizard --model {config.model} --data shakespeare --out runs/lizard \\\n"
           "      --stage1-tokens 2M --stage2-tokens 2M --seq-len 1024 --batch-size 8 --device cuda")
     print('  linearize generate --model runs/lizard --chat --prompt "What is the capital of France?"')
-    print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl, Alpaca records); "
-          "`linearize train --help` lists every setting.")
+    print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl with text, Alpaca or chat records, "
+          "also .gz/.xz; A:0.6,B:0.4 mixes sources); `linearize train --help` lists every setting.")
 
 
 # ------------------------------------------------------------------------------------ command
