@@ -25,6 +25,17 @@ def assert_errors(errors: dict, tol: float, what: str) -> None:
     assert not bad, f"{what}: over {tol:.0e}: {bad} (all: { {k: f'{v:.1e}' for k, v in errors.items()} })"
 
 
+def assert_interpreter_case(results: dict, name: str) -> None:
+    """One case of ``kernel_cases.INTERPRETER_CASES`` as the interpreter subprocess ran it: no exception,
+    every error within its dtype's tolerance (``CASE_TOL`` where a case is tighter, e.g. the hybrid
+    case comparing kernels on vs off in fp32)."""
+    from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL
+
+    result = results[name]
+    assert "exception" not in result, result.get("exception")
+    assert_errors(result["errors"], CASE_TOL.get(name, KTOL[INTERPRETER_CASES[name][2]]), name)
+
+
 def _needs_hopper_gluon():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused Gluon forward is for Hopper (sm_90)")

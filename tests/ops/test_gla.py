@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps
 from linearize.ops.gla import GLAState, gla_chunk, gla_parallel, gla_recurrent
 from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, gla_case, rel_rms
-from kernel_checks import _LaunchRecorder, _needs_hopper_gluon, assert_errors, needs_cuda, needs_triton
+from kernel_checks import assert_interpreter_case, _LaunchRecorder, _needs_hopper_gluon, assert_errors, needs_cuda, needs_triton
 
 B, H, T, DK, DV = 2, 3, 37, 8, 5
 GATES = ["scalar", "vector"]
@@ -305,11 +305,7 @@ INTERPRETER_OP = "gla"
 @needs_triton
 @pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
 def test_interpreter_kernels_match_reference(interpreter_results, name):
-    result = interpreter_results[name]
-    assert "exception" not in result, result.get("exception")
-    dtype = INTERPRETER_CASES[name][2]
-    # the hybrid case compares kernels on vs off in fp32: tight
-    assert_errors(result["errors"], CASE_TOL.get(name, KTOL[dtype]), name)
+    assert_interpreter_case(interpreter_results, name)
 
 
 def test_sequence_split_follows_the_sweep():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, hybrid_case, lizard_case, rel_rms
-from kernel_checks import _LaunchRecorder, _needs_hopper_gluon, _spy, assert_errors, needs_cuda, needs_triton
+from kernel_checks import assert_interpreter_case, _LaunchRecorder, _needs_hopper_gluon, _spy, assert_errors, needs_cuda, needs_triton
 
 
 # ----------------------------------------------------------------------------- Lizard's one op: the kernels
@@ -27,11 +27,7 @@ INTERPRETER_OP = "lizard"
 @needs_triton
 @pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
 def test_interpreter_kernels_match_reference(interpreter_results, name):
-    result = interpreter_results[name]
-    assert "exception" not in result, result.get("exception")
-    dtype = INTERPRETER_CASES[name][2]
-    # the hybrid case compares kernels on vs off in fp32: tight
-    assert_errors(result["errors"], CASE_TOL.get(name, KTOL[dtype]), name)
+    assert_interpreter_case(interpreter_results, name)
 
 
 @needs_cuda

@@ -9,7 +9,7 @@ from linearize.ops.window_attn import (
     WindowState, cache_len, window_attn_chunk, window_attn_parallel, window_attn_recurrent,
 )
 from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, window_case
-from kernel_checks import _gluon_spy, _LaunchRecorder, assert_errors, needs_cuda, needs_triton
+from kernel_checks import assert_interpreter_case, _gluon_spy, _LaunchRecorder, assert_errors, needs_cuda, needs_triton
 
 B, H, T, DK, DV = 2, 3, 37, 8, 5
 M_LOGITS, M_KV = 2, 3
@@ -321,11 +321,7 @@ INTERPRETER_OP = "window"
 @needs_triton
 @pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
 def test_interpreter_kernels_match_reference(interpreter_results, name):
-    result = interpreter_results[name]
-    assert "exception" not in result, result.get("exception")
-    dtype = INTERPRETER_CASES[name][2]
-    # the hybrid case compares kernels on vs off in fp32: tight
-    assert_errors(result["errors"], CASE_TOL.get(name, KTOL[dtype]), name)
+    assert_interpreter_case(interpreter_results, name)
 
 
 @needs_cuda
