@@ -1,4 +1,4 @@
-"""``linearize eval ...``: passkey, perplexity, lm-eval, the transfer report, LION embeddings.
+"""``linearize eval ...``: passkey, needle, perplexity, lm-eval, the transfer report, LION embeddings.
 Parsers and handlers only; the work is in ``linearize.eval``."""
 
 from __future__ import annotations
@@ -17,6 +17,17 @@ def cmd_eval_passkey(args) -> int:
                 samples=args.samples, seed=args.seed, train_length=args.train_length,
                 max_new_tokens=args.max_new_tokens, device=resolved_device(args.device))
     return finish(args.out, "passkey")
+
+
+def cmd_eval_needle(args) -> int:
+    check_models(args)
+    from ..eval.needle import run_needle
+
+    run_needle(args.model, args.haystack, args.out, kinds=args.kinds, lengths=args.lengths, depths=args.depths,
+               samples=args.samples, distractors=args.distractors, seed=args.seed,
+               haystack_tokens=args.haystack_tokens, text_field=args.text_field, train_length=args.train_length,
+               max_new_tokens=args.max_new_tokens, device=resolved_device(args.device))
+    return finish(args.out, "needle")
 
 
 def cmd_eval_ppl(args) -> int:
@@ -61,7 +72,7 @@ def cmd_eval_embed(args) -> int:
 
 
 def add_parser(sub) -> None:
-    ev = add_command(sub, "eval", "evaluate teachers and students: passkey, perplexity, lm-eval, transfer report",
+    ev = add_command(sub, "eval", "evaluate teachers and students: passkey, needle, perplexity, lm-eval, transfer report",
                      "Evaluate models side by side. Each command writes NAME.json, NAME.png (drawn from the JSON) and "
                      "NAME.md into --out and prints the Markdown table.")
     evsub = ev.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
@@ -89,6 +100,42 @@ def add_parser(sub) -> None:
                    help="tokens generated per answer (default: 8 classic, 32 lizard)")
     p.add_argument("--seed", type=argtype(parse_int), default=0, metavar="N", help="(default: %(default)s)")
     p.set_defaults(func=cmd_eval_passkey)
+
+    p = add_command(evsub, "needle", "needles (numbers, words, sentences) in natural text, length x depth heatmaps",
+                    "Needles hidden in natural text: in each example one needle (a secret number, a magic word or a "
+                    "note's sentence) and --distractors needles of the same kind with other keys sit at sentence "
+                    "boundaries of a window of --haystack text cut to the context length; the prompt asks for the one "
+                    "needle's value. Greedy; correct when the answer's first line holds the asked value (numbers: "
+                    "exact digits; words and sentences: case-insensitive whole words) and no distractor's value.",
+                    """\
+                    examples:
+                      linearize eval needle --model smollm2-135m --model runs/lizard \\
+                          --haystack ../shared/data/mix/gutenberg_books.jsonl.xz --lengths 1K,2K,4K,8K,16K
+                      linearize eval needle --model runs/lizard --haystack notes/ --kinds number,word --samples 5""")
+    common_flags(p, "runs/eval")
+    p.add_argument("--haystack", required=True, metavar="PATH",
+                   help="natural text: a .txt/.md/.json/.jsonl file (plain or .gz/.xz/.bz2), a folder of them, "
+                        "or 'shakespeare'")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the text field of JSON/JSONL records (default: %(default)s)")
+    p.add_argument("--haystack-tokens", type=argtype(parse_int), default=None, metavar="N",
+                   help="tokens of haystack text to read (default: 4x the longest length, at least 64K)")
+    p.add_argument("--kinds", type=argtype(parse_list), default=["number", "word", "sentence"], metavar="K,K,...",
+                   help="needle kinds: number, word, sentence (default: all three)")
+    p.add_argument("--lengths", type=argtype(parse_int_list), default=[1024, 2048, 4096, 8192, 16384],
+                   metavar="N,N,...", help="context lengths in tokens, K = 1024 as everywhere (default: 1K..16K)")
+    p.add_argument("--depths", type=argtype(parse_int), default=5, metavar="N",
+                   help="depths from 0%% to 100%% (default: %(default)s)")
+    p.add_argument("--samples", type=argtype(parse_int), default=2, metavar="N",
+                   help="examples per kind per (length, depth) cell (default: %(default)s)")
+    p.add_argument("--distractors", type=argtype(parse_int), default=3, metavar="N",
+                   help="other needles of the same kind per example (default: %(default)s)")
+    p.add_argument("--train-length", type=argtype(parse_int), default=None, metavar="N",
+                   help="the length the models were trained at, marked on the heatmaps")
+    p.add_argument("--max-new-tokens", type=argtype(parse_int), default=None, metavar="N",
+                   help="tokens generated per answer (default: 12 numbers and words, 32 sentences)")
+    p.add_argument("--seed", type=argtype(parse_int), default=0, metavar="N", help="(default: %(default)s)")
+    p.set_defaults(func=cmd_eval_needle)
 
     p = add_command(evsub, "ppl", "perplexity on any text source",
                     "Perplexity on the same token stream for every model: linearized models read it in one pass carrying "
