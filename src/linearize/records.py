@@ -95,6 +95,15 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def _program() -> str:
+    """This process's program as a user would type it: ``linearize`` for ``python -m linearize[.cli]``
+    (whose argv[0] is a ``__main__.py``), else argv[0]'s file name."""
+    path = Path(sys.argv[0])
+    if path.name == "__main__.py" and path.parent.name in ("linearize", "cli"):
+        return "linearize"
+    return path.name
+
+
 def environment(device: str | torch.device | None = None, command: str | None = None,
                 packages: Sequence[str] = ()) -> dict:
     """Where the numbers came from: python, torch, transformers, CUDA and Triton versions, the
@@ -104,7 +113,7 @@ def environment(device: str | torch.device | None = None, command: str | None = 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": _version("transformers"), "cuda": torch.version.cuda, "triton": _version("triton"),
            "device": device_name(dev),
-           "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+           "command": command if command is not None else " ".join([_program(), *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if dev.type == "cuda" and torch.cuda.is_available():
         env["device_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory

@@ -3,6 +3,8 @@
 import json
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,3 +318,15 @@ def test_cli_eval_commands(teacher_dir, student_dir, tmp_path, capsys):
 def test_cli_eval_errors(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_environment_names_python_m_linearize_as_the_linearize_command(monkeypatch):
+    """A record written under ``python -m linearize.cli`` names its command as a user types it."""
+    import linearize.cli
+    from linearize.records import environment
+
+    main = str(Path(linearize.cli.__file__).with_name("__main__.py"))
+    monkeypatch.setattr(sys, "argv", [main, "eval", "needle", "--model", "m"])
+    assert environment()["command"] == "linearize eval needle --model m"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/bench.py", "x"])
+    assert environment()["command"] == "bench.py x"
