@@ -27,8 +27,8 @@ from ..data.needle import (
 )
 from ..models.generate import generate_text
 from ..models.loading import is_linearized, load_model, model_label, trained_context
-from ..records import environment, markdown_table, new_figure, save_png, write_outputs
-from .passkey import _k, _position, check_lengths, depth_grid, mean_by_length
+from ..records import environment, markdown_table, write_outputs
+from .passkey import check_lengths, depth_grid, mean_by_length, retrieval_heatmap
 
 STEM = "needle"
 DEFAULT_MAX_NEW_TOKENS = {"number": 12, "word": 12, "sentence": 32}
@@ -173,31 +173,5 @@ def needle_markdown(data: dict) -> str:
 def needle_figure(data: dict, path: Path) -> None:
     """One heatmap per model, depth by length (mean over kinds), green (1) to red (0); dashed
     lines mark the training length and the model's trained context."""
-    from matplotlib.colors import LinearSegmentedColormap
-
-    models, lengths, depths = data["models"], data["lengths"], data["depths"]
-    fig, axes = new_figure((1.2 + 0.75 * len(lengths) * len(models) + 1.2, 3.6), ncols=len(models))
-    axes = [axes] if len(models) == 1 else list(axes)
-    cmap = LinearSegmentedColormap.from_list("retrieval", ["#d7191c", "#fdae61", "#ffffbf", "#a6d96a", "#1a9641"])
-    image = None
-    for ax, m in zip(axes, models):
-        image = ax.imshow(m["accuracy"], cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
-        for i, row in enumerate(m["accuracy"]):
-            for j, a in enumerate(row):
-                ax.text(j, i, f"{a:.0%}" if a < 1 else "1", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths], rotation=45)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(m["label"], fontsize=9)
-        for value, style, what in ((data.get("train_length"), "--", "train"), (m["context_length"], ":", "context")):
-            if value:
-                x = _position(lengths, value)
-                if x is not None:
-                    ax.axvline(x, color="black", linestyle=style, linewidth=1.2, label=f"{what} {_k(value)}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, loc="lower left")
-    axes[0].set_ylabel("depth of the asked needle")
-    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.8)
-    fig.suptitle(f"Needles in natural text ({', '.join(data['kinds'])}; {data['distractors']} distractors)",
-                 fontsize=10)
-    save_png(fig, path)
+    retrieval_heatmap(data, path, ylabel="depth of the asked needle", colorbar="accuracy",
+                      title=f"Needles in natural text ({', '.join(data['kinds'])}; {data['distractors']} distractors)")

@@ -162,6 +162,14 @@ def passkey_markdown(data: dict) -> str:
 def passkey_figure(data: dict, path: Path) -> None:
     """One heatmap per model, depth by length, green (1) to red (0); dashed lines mark the
     training length and the teacher's trained context."""
+    retrieval_heatmap(data, path, ylabel="depth of the asked key", colorbar="exact-match accuracy",
+                      title=f"Passkey retrieval, {data['format']} format")
+
+
+def retrieval_heatmap(data: dict, path: Path, *, ylabel: str, colorbar: str, title: str) -> None:
+    """Depth-by-length accuracy of each model (``data["models"][i]["accuracy"]``, rows = depths), one
+    panel per model, green (1) to red (0), with dashed lines at the training length and each model's
+    trained context: the figure of every retrieval eval (passkey, needle)."""
     from matplotlib.colors import LinearSegmentedColormap
 
     models, lengths, depths = data["models"], data["lengths"], data["depths"]
@@ -185,9 +193,9 @@ def passkey_figure(data: dict, path: Path) -> None:
                     ax.axvline(x, color="black", linestyle=style, linewidth=1.2, label=f"{what} {_k(value)}")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="lower left")
-    axes[0].set_ylabel("depth of the asked key")
-    fig.colorbar(image, ax=axes, label="exact-match accuracy", shrink=0.8)
-    fig.suptitle(f"Passkey retrieval, {data['format']} format", fontsize=10)
+    axes[0].set_ylabel(ylabel)
+    fig.colorbar(image, ax=axes, label=colorbar, shrink=0.8)
+    fig.suptitle(title, fontsize=10)
     save_png(fig, path)
 
 
