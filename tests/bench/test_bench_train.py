@@ -77,12 +77,35 @@ def test_bench_train_steps_train_what_linearize_train_trains(run):
     (dict(steps=0), "steps must be an integer >= 1, got 0"),
     (dict(seq_lens=(1,)), "seq_lens must be integers >= 2"),
     (dict(backends=("fast",)), "unknown backends \\['fast'\\]"),
+    (dict(graphs=(True,)), "CUDA graphs run on CUDA only"),
+    (dict(graphs=()), "graphs must be False, True or both"),
 ])
 def test_bench_train_refuses_bad_settings(tmp_path, kwargs, message):
     args = dict(models=("tiny-random",), seq_lens=(T,), device="cpu", steps=1, warmup=0) | kwargs
     with pytest.raises(ValueError, match=message):
         run_train_bench(tmp_path, **args)
     assert not (tmp_path / "train.json").exists()
+
+
+def test_mfu_counts_the_steps_matrix_products(run):
+    from linearize.bench.train import matmul_parameters, peak_flops, step_flops_per_token
+
+    model = build_model("tiny-random", torch.float32, "cpu")[0]
+    cfg = model.config
+    d, f, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f  # q, o; k, v; gate, up, down
+    assert matmul_parameters(model) == (L * per_layer + V * d, L * per_layer)
+    add_lora(model)  # the adapters' own weights are no part of the model's products
+    assert matmul_parameters(model) == (L * per_layer + V * d, L * per_layer)
+    assert step_flops_per_token("stage2", 10, 7) == 40 and step_flops_per_token("stage1", 10, 7) == 14
+    assert peak_flops("NVIDIA H100 80GB HBM3") == peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("cpu (2 cores)") is None
+    _, data = run
+    for c in data["cells"]:  # on the CPU: FLOP/s from the median step, no MFU
+        assert c["model_tflops"] == pytest.approx(
+            step_flops_per_token(c["stage"], *matmul_parameters(model)) * c["tokens_per_s"] / 1e12)
+        assert c["mfu"] is None
 
 
 def test_our_kernel_names_are_the_kernels_modules():
@@ -97,8 +120,12 @@ def test_our_kernel_names_are_the_kernels_modules():
 def test_gpu_bench_train_kernels_backend_runs_our_kernels(tmp_path):
     data = run_train_bench(tmp_path, models=("tiny-random",), seq_lens=(128,), methods=("lizard",), batch_size=2,
                            steps=2, warmup=0, device="cuda")
-    by = {(c["stage"], c["backend"]): c for c in data["cells"]}
+    by = {(c["stage"], c["backend"]): c for c in data["cells"] if not c["graph"]}
+    graphed = {c["stage"]: c for c in data["cells"] if c["graph"]}
+    assert set(graphed) == {"teacher", "stage1", "stage2"}
+    assert all(c["status"] == "ok" and "graph_failed" not in c for c in graphed.values())
     for stage in ("stage1", "stage2"):
+        assert graphed[stage]["loss_first"] == pytest.approx(by[stage, "kernels"]["loss_first"], rel=2e-2)
         assert by[stage, "kernels"]["our_launches"] > 0
         assert by[stage, "torch"]["our_launches"] == 0
         # the same first step on the same weights and batch: the kernels' loss is the torch path's
@@ -126,7 +153,7 @@ def test_bench_train_method_with_nothing_to_transfer(tmp_path):
                            steps=1, warmup=0, device="cpu")
     status = {c["stage"]: c["status"] for c in data["cells"]}
     assert status == {"teacher": "ok", "stage1": "nothing_to_train", "stage2": "ok"}
-    assert "| liger stage1 | torch | nothing to train |" in (tmp_path / "train.md").read_text()
+    assert "| liger stage1 | torch | no | nothing to train |" in (tmp_path / "train.md").read_text()
 
 
 def test_kernels_switched_restores_the_switch(monkeypatch):

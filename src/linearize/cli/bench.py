@@ -31,6 +31,11 @@ def cmd_bench_train(args) -> int:
         kwargs["seq_lens"] = tuple(args.seq_lens)
     if args.methods:
         kwargs["methods"] = tuple(args.methods)
+    if args.graphs:
+        bad = [g for g in args.graphs if g not in ("eager", "graph")]
+        if bad:
+            raise ValueError(f"--graphs takes eager, graph or both, got {', '.join(bad)}")
+        kwargs["graphs"] = tuple(g == "graph" for g in args.graphs)
     run_train_bench(args.out, batch_size=args.batch_size, steps=args.steps, device=resolved_device(args.device),
                     layers=args.layers, **kwargs)
     return finish(args.out, "train")
@@ -77,6 +82,8 @@ def add_parser(sub) -> None:
                    help="timed steps per cell, after 3 warm-up steps (default: %(default)s)")
     p.add_argument("--layers", type=argtype(parse_int), default=None, metavar="N",
                    help="keep the first N layers of each shape (default: all)")
+    p.add_argument("--graphs", type=argtype(parse_list), default=None, metavar="eager,graph",
+                   help="the teacher's and the kernels' steps eagerly and/or as CUDA graphs (default: both on CUDA)")
     common_flags(p, "runs/bench", models=False)
     p.set_defaults(func=cmd_bench_train)
 

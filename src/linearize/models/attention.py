@@ -37,9 +37,10 @@ class TransferRecorder:
     def record(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None) -> None:
         """student, teacher: (B, T, ...) in the same layout; valid: (B, T) bool or None."""
         err = (student.float() - teacher.float()).pow(2).flatten(2).mean(-1)  # (B, T)
-        if valid is not None:
-            err = err[valid]
-        self.losses[layer_idx] = err.mean()
+        if valid is None:
+            self.losses[layer_idx] = err.mean()
+        else:  # (a masked mean, not err[valid], which would read the mask on the host)
+            self.losses[layer_idx] = (err * valid).sum() / valid.sum().clamp_min(1)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

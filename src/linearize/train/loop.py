@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
+from .graphs import GraphedStep
 from .schedules import make_scheduler
 
 
@@ -42,6 +43,7 @@ class Stage:
     steps: int
     lr: float
     before_step: Callable[[int], None] | None = None      # e.g. liza's mu schedule
+    graphable: bool = False                               # loss_fn reads no device value: CUDA graphs may run it
 
 
 @dataclass
@@ -141,31 +143,53 @@ def read_state(path: Path) -> dict:
 
 
 def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                   batches: Iterable[dict], config: TrainConfig, device: torch.device) -> tuple[float, dict, bool, int]:
+                   batches: Iterable[dict], config: TrainConfig, device: torch.device,
+                   graphed: "GraphedStep | None" = None) -> tuple[float, dict, bool, int]:
     """One optimizer step of ``stage`` over ``batches`` (its micro-batches, moved to ``device`` one at a
     time): the gradients zeroed, accumulated under autocast, clipped, applied. A non-finite loss or
-    gradient norm skips the update. Returns (mean loss, the loss function's extras, finite, tokens)."""
-    optimizer.zero_grad(set_to_none=True)
-    total, extras, finite, tokens = 0.0, {}, True, 0
+    gradient norm skips the update. ``graphed``: the stage's forward and backward as CUDA graphs
+    (``graphs.GraphedStep``) for the micro-batches they take; the others run eagerly. The loss and
+    its extras are read back once, after the last micro-batch. Returns (mean loss, the loss
+    function's extras, finite, tokens)."""
+    # with graphs the gradients stay the same tensors (the graphs write into them)
+    optimizer.zero_grad(set_to_none=graphed is None)
+    losses, extras_list, tokens = [], [], 0
     for batch in batches:
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        tokens += int(batch["attention_mask"].sum())
-        with autocast(device, config.precision):
-            loss, extra = stage.loss_fn(batch)
-        if not torch.isfinite(loss):
-            finite = False
-            break
-        (loss / config.grad_accum).backward()
-        total += float(loss.detach()) / config.grad_accum
+        tokens += int(batch["attention_mask"].sum())  # (on the CPU, where the rows are)
+        out = graphed(batch) if graphed is not None else None
+        if out is None:
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with autocast(device, config.precision):
+                loss, extra = stage.loss_fn(batch)
+            if not bool(torch.isfinite(loss)):  # (skips the backward of a loss that is already lost)
+                losses.append(loss.detach())
+                break
+            (loss / config.grad_accum).backward()
+            out = loss.detach(), extra
+        losses.append(out[0])
+        extras_list.append(out[1])
+    # one read of the device for the whole step
+    values = torch.stack([x.float() for x in losses]).tolist()
+    finite = all(math.isfinite(x) for x in values) and len(values) == len(extras_list)
+    total = sum(values) / config.grad_accum if finite else 0.0
+    extras: dict = {}
+    for extra in extras_list:
         for k, v in extra.items():
-            extras[k] = _accumulate(extras.get(k), v, config.grad_accum)
+            extras[k] = _accumulate(extras.get(k), _host(v), config.grad_accum)
     if finite and config.clip > 0:
         finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, config.clip)))
     if finite:
         optimizer.step()
     else:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=graphed is None)
     return total, extras, finite, tokens
+
+
+def _host(value):
+    """An extra of a loss function as a Python value (tensors read back: 0-d a float, else a list)."""
+    if torch.is_tensor(value):
+        return value.item() if value.dim() == 0 else value.tolist()
+    return value
 
 
 def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_path: Path,
@@ -201,6 +225,7 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         torch.cuda.reset_peak_memory_stats(device)
     from tqdm.auto import tqdm
 
+    graphed = step_graphs(stage, params, config, device)
     bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not config.progress,
                dynamic_ncols=True, leave=True)
     if loop.step == 0 and stage.eval_fn is not None:
@@ -217,7 +242,8 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
                 batch = rows.batch(indices)
                 yield extra_batch(indices, batch) if extra_batch is not None else batch
 
-        total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device)
+        total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device,
+                                                       graphed)
         if finite:
             loop.nonfinite_streak = 0
         else:
@@ -258,6 +284,16 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             break
     bar.close()
     return _summary(stage, loop, device)
+
+
+def step_graphs(stage: Stage, params: list[nn.Parameter], config: TrainConfig,
+                device: torch.device) -> GraphedStep | None:
+    """The stage's micro-batches as CUDA graphs (``graphs.GraphedStep``), where the config asks for
+    them (``cuda_graph``), the device is CUDA and the stage's loss allows it; else None (eager)."""
+    if not (config.cuda_graph and device.type == "cuda" and stage.graphable):
+        return None
+    return GraphedStep(stage.loss_fn, params, lambda: autocast(device, config.precision), 1.0 / config.grad_accum,
+                       device)
 
 
 def _evaluate(stage, loop, metrics, scheduler, config, update: bool, best=None):

@@ -245,7 +245,7 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
             def eval_fn(block=block, inputs=val_inputs):
                 return _transfer_eval(model, val_rows, block, inputs, config, device)
 
-        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr)
+        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, graphable=True)
         summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", metrics, resume,
                              extra_batch=extra))
     for p in model.parameters():
@@ -258,7 +258,8 @@ def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.
     teacher's (``target``: "heads" or "output"), and each layer's MSE."""
     losses = run_block(model, batch, target, block, batch.get("block_inputs"))
     mse = [losses[i] for i in block.layers]
-    return torch.stack(mse).sum(), {"layer_mse": [x.item() for x in mse], "layers": list(block.layers)}
+    mse = torch.stack(mse)
+    return mse.sum(), {"layer_mse": mse.detach(), "layers": list(block.layers)}
 
 
 @torch.no_grad()
@@ -320,7 +321,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
             return loss, {"ppl": math.exp(min(loss, 50.0))}
 
     stage = Stage("stage2", named_parameters_of(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
-                  before_step=set_mu if uses_mu else None)
+                  before_step=set_mu if uses_mu else None, graphable=True)
     model.train()
     summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
     model.eval()
@@ -336,25 +337,24 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
 def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Tensor, dict]:
     """Stage 2's loss on one batch: next-token cross-entropy, mixed with KL(teacher || student) on the
     logits by ``config.distill`` when a ``teacher`` is given."""
-    out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    mask = batch.get("attention_mask")  # (none: no padding, as a CUDA graph gets it)
+    out_ = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)
     ce = _next_token_loss(out_.logits, batch["labels"])
     if teacher is None:
-        return ce, {"ce": ce.item()}
+        return ce, {"ce": ce.detach()}
     with torch.no_grad():
-        t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           use_cache=False).logits
+        t_logits = teacher(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits
     kl = _distill_loss(out_.logits, t_logits, batch["labels"], config.distill_temperature)
-    return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.item(), "kl": kl.item()}
+    return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.detach(), "kl": kl.detach()}
 
 
 def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of each labelled token given the ones before it (labels -100 are skipped:
     padding, and with ``loss_on="assistant"`` every token outside an assistant answer). A batch with
-    no labelled token gives 0 (with a gradient), not NaN."""
+    no labelled token gives 0 (with a gradient), not NaN. Reads no device value on the host."""
     targets = labels[:, 1:].flatten()
-    if not bool((targets != -100).any()):
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100)
+    total = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp_min(1)
 
 
 def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float):
@@ -363,11 +363,11 @@ def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Te
     by T^2 (Hinton et al.). 0 (with a gradient) when no position qualifies."""
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != -100
-    if not bool(keep.any()):
-        return student.sum() * 0.0
-    s = F.log_softmax(student[keep].float() / temperature, -1)
-    t = F.log_softmax(teacher[keep].float() / temperature, -1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+    # every position's KL, the kept ones summed: no boolean indexing, which would read the mask on the host
+    s = F.log_softmax(student.float() / temperature, -1)
+    t = F.log_softmax(teacher.float() / temperature, -1)
+    kl = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+    return (kl * keep).sum() / keep.sum().clamp_min(1) * temperature**2
 
 
 @torch.no_grad()

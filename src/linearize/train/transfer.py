@@ -122,7 +122,8 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
     """One teacher-forced forward over ``block``: {layer index: MSE} (differentiable)."""
     with transfer_mode(model, target, block, block_inputs, capture) as recorder:
         try:
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            # (no mask: no padding, as a CUDA graph gets it)
+            model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
         except _StopForward:
             pass
     return recorder.losses

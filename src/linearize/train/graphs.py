@@ -1,0 +1,122 @@
+"""A training micro-batch's forward and backward replayed as one CUDA graph.
+
+A small model's step is bound by the host: SmolLM2-135M's stage-2 step queues some 15,000 kernels
+(its 30 layers' projections, feature maps, gates, norms, casts and their backward), and Python
+queues them more slowly than the GPU runs them. Captured once, the whole forward and backward of
+a micro-batch is one graph launch; the optimizer step (clipping, the non-finite check, AdamW)
+stays eager, a handful of foreach kernels.
+
+What the graph needs from the step, and what ``GraphedStep`` checks or arranges:
+
+- static shapes: one graph per batch signature (names, shapes, dtypes), a few at most, each
+  captured the first time its signature comes; beyond ``MAX_GRAPHS`` a batch runs eagerly;
+- no read of a device value on the host during the forward or backward (``.item()``, ``bool(t)``):
+  the stages' losses return their extras as tensors, read after the replay; a batch with padding
+  runs eagerly (the padding paths look at the mask), one without is given no attention mask;
+- gradients in place: the graph adds its gradients into each parameter's ``.grad``, allocated once
+  before the capture; the loop zeroes them in place (``zero_grad(set_to_none=False)``), so that the
+  graph's writes always land in the tensors the optimizer reads;
+- its inputs copied into the graph's own input tensors before each replay.
+
+A capture that fails (an op that cannot be captured) is reported once and the stage goes on
+eagerly; the eager step is the reference, and the graphed one computes the same kernels.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+MAX_GRAPHS = 4  # batch signatures captured per stage; a stage's rows rarely have more than one
+
+
+def _signature(batch: dict) -> tuple:
+    return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if torch.is_tensor(v)))
+
+
+class GraphedStep:
+    """``loss_fn``'s forward and backward for one micro-batch, captured per batch signature.
+
+    ``loss_fn(batch) -> (loss, extras)`` must read no device value on the host; ``extras`` maps
+    names to tensors (or plain Python values that do not change between batches). ``__call__``
+    returns (loss, extras) as detached tensors after adding ``loss * scale``'s gradients into the
+    parameters' ``.grad``, or None where the batch must run eagerly (padding, a new signature beyond
+    ``MAX_GRAPHS``, or after a failed capture)."""
+
+    def __init__(self, loss_fn: Callable[[dict], tuple[torch.Tensor, dict]], params: list[nn.Parameter],
+                 autocast_ctx: Callable[[], object], scale: float, device: torch.device):
+        self.loss_fn, self.params, self.autocast_ctx = loss_fn, params, autocast_ctx
+        self.scale, self.device = scale, device
+        self.graphs: dict[tuple, tuple] = {}
+        self.failed: str | None = None
+
+    def applies(self, batch: dict) -> bool:
+        """Whether ``batch`` (on the CPU, as the loop makes it) can run on a graph."""
+        if self.failed is not None:
+            return False
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.all()):  # (a CPU tensor: no device sync)
+            return False
+        return _signature(self._graph_inputs(batch)) in self.graphs or len(self.graphs) < MAX_GRAPHS
+
+    @staticmethod
+    def _graph_inputs(batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+    def __call__(self, batch: dict):
+        if not self.applies(batch):
+            return None
+        inputs = self._graph_inputs(batch)
+        key = _signature(inputs)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(inputs)
+            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: the stage runs eagerly
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+                warnings.warn(f"CUDA graph capture of the training step failed ({self.failed}); training eagerly",
+                              RuntimeWarning, stacklevel=2)
+                torch.cuda.synchronize(self.device)
+                return None
+        graph, static_in, loss, extras = self.graphs[key]
+        for k, v in inputs.items():
+            static_in[k].copy_(v, non_blocking=True)
+        graph.replay()
+        # the graph's outputs are overwritten by its next replay: copies for the caller
+        return loss.detach().clone(), {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in extras.items()}
+
+    def _capture(self, inputs: dict):
+        for p in self.params:  # the graph accumulates into these very tensors
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads_before = [p.grad.clone() for p in self.params]
+        static_in = {k: v.to(self.device).clone() for k, v in inputs.items()}
+        # warm-up on a side stream, as CUDA graphs ask: lazy initialisation (cuBLAS workspaces, Triton
+        # and Gluon compilation, the kernels' side streams) must not happen inside the capture
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward_backward(static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-up's blocks: the graph allocates from a pool of its own
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss, extras = self._forward_backward(static_in)
+        # the warm-up and the capture added gradients of their own: the caller's are restored
+        with torch.no_grad():
+            torch._foreach_copy_([p.grad for p in self.params], grads_before)
+        return graph, static_in, loss, extras
+
+    def _forward_backward(self, batch: dict):
+        with self.autocast_ctx():
+            loss, extras = self.loss_fn(batch)
+        grads = torch.autograd.grad(loss * self.scale, self.params, allow_unused=True)
+        with torch.no_grad():
+            pairs = [(p.grad, g) for p, g in zip(self.params, grads) if g is not None]
+            if pairs:
+                torch._foreach_add_([a for a, _ in pairs], [g.to(a.dtype) for a, g in pairs])
+        return loss.detach(), extras
