@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The training step on a GPU machine: the GPU tests of the graphed step, then `bench train` side by side
+# (teacher + LoRA and the students' stages, eager and as CUDA graphs) at the issue's cells.
+#
+#   benchmarks/gpu/gpu_train_step.sh [OUT] [METHODS]   METHODS: comma list (default lizard)
+#
+# Cells: SmolLM2-135M (random weights) B8 T2048 and B1 T16384, and the first 4 layers of Llama-3-8B B4 T2048.
+# Optional pytest from device_carry_k/py (see gpu_kernels.sh). BENCH_STEPS (default 8) timed steps per cell.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT_DIR=${1:-${OUT:-runs/bench}}
+METHODS=${2:-lizard}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+EXTRA=""
+[ -d device_carry_k/py ] && EXTRA="$PWD/device_carry_k/py"
+export PYTHONPATH="$PWD/src:$PWD/tests${EXTRA:+:$EXTRA}${PYTHONPATH:+:$PYTHONPATH}"
+STEPS=${BENCH_STEPS:-8}
+if [ -z "${SKIP_TESTS:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphs.py tests/bench/test_bench_train.py \
+        2>&1 | tail -25
+fi
+bench() { python3 -m linearize.bench.train --backends kernels --steps "$STEPS" --warmup 2 \
+              --methods ${METHODS//,/ } "$@" 2>&1 | grep -v "bench train:" ; }
+bench --out "$OUT_DIR/smollm2-2k" --models smollm2-135m-random --seq-lens 2048 --batch-size 8
+bench --out "$OUT_DIR/smollm2-16k" --models smollm2-135m-random --seq-lens 16384 --batch-size 1
+bench --out "$OUT_DIR/llama3-8b-4l" --models llama3-8b-random --layers 4 --seq-lens 2048 --batch-size 4
