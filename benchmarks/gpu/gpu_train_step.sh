@@ -18,10 +18,14 @@ export PYTHONPATH="$PWD/src:$PWD/tests${EXTRA:+:$EXTRA}${PYTHONPATH:+:$PYTHONPAT
 STEPS=${BENCH_STEPS:-8}
 if [ -z "${SKIP_TESTS:-}" ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphs.py tests/bench/test_bench_train.py \
-        2>&1 | tail -25
+        > "$OUT_DIR/gpu_tests.log" 2>&1 || true
+    tail -5 "$OUT_DIR/gpu_tests.log"
 fi
-bench() { python3 -m linearize.bench.train --backends kernels --steps "$STEPS" --warmup 2 \
-              --methods ${METHODS//,/ } "$@" 2>&1 | grep -v "bench train:" ; }
-bench --out "$OUT_DIR/smollm2-2k" --models smollm2-135m-random --seq-lens 2048 --batch-size 8
-bench --out "$OUT_DIR/smollm2-16k" --models smollm2-135m-random --seq-lens 16384 --batch-size 1
-bench --out "$OUT_DIR/llama3-8b-4l" --models llama3-8b-random --layers 4 --seq-lens 2048 --batch-size 4
+set +e
+bench() { local name=$1; shift
+          python3 -m linearize.bench.train --backends kernels --steps "$STEPS" --warmup 2 \
+              --methods ${METHODS//,/ } --out "$OUT_DIR/$name" "$@" > "$OUT_DIR/$name.log" 2>&1
+          echo "bench $name $* -> exit $?"; grep -v "bench train:" "$OUT_DIR/$name.log" | tail -30; }
+bench smollm2-2k --models smollm2-135m-random --seq-lens 2048 --batch-size 8
+bench smollm2-16k --models smollm2-135m-random --seq-lens 16384 --batch-size 1
+bench llama3-8b-4l --models llama3-8b-random --layers 4 --seq-lens 2048 --batch-size 4

@@ -11,12 +11,13 @@ For each model, sequence length and method, one optimizer step at batch B is tim
 
 each student stage on our kernels where they apply (``kernels``, the default dispatch) and on the
 torch path (``torch``, ``LINEARIZE_KERNELS=0``). On CUDA the teacher and the kernels' cells run
-twice more: eagerly and with each micro-batch's forward and backward replayed as a CUDA graph
-(``graph``, what ``linearize train`` does by default: ``train.graphs``). A step is ``linearize
-train``'s own: ``train.loop.optimizer_step`` over ``train.run``'s losses (fp32 weights, bf16
+twice: eagerly, and as ``linearize train`` runs by default there (``graph``: each micro-batch's
+forward and backward replayed as a CUDA graph, the feature maps and gates compiled:
+``train.graphs``). A step is ``linearize train``'s own: ``train.loop.optimizer_step`` over ``train.run``'s losses (fp32 weights, bf16
 autocast on CUDA, AdamW at the stage's default rate, clipping, the loss read back every step), on
 one batch of random tokens. tokens_per_s = B * T / the median step; peak memory is
-``torch.cuda.max_memory_allocated`` over the timed steps (weights, optimizer state, activations).
+``torch.cuda.max_memory_allocated`` over the warm-up and timed steps (weights, optimizer state,
+activations, a graph's pool).
 x teacher = this step's time over the teacher + LoRA step's, eager (as fine-tuning the teacher
 runs by default) and graphed. MFU = model FLOPs per second over the card's dense bf16 peak, with the
 model FLOPs of the step's matrix products (attention excluded, so that teacher and students are
@@ -170,6 +171,7 @@ def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
 def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, batch_size: int, steps: int,
              warmup: int, device: torch.device, layers: int | None, ours: set[str], graph: bool = False) -> dict:
     """One (model, T, method, stage, backend, graph) cell: the timed steps' medians, memory, losses."""
+    from ..train.graphs import compile_attention_modules
     from ..train.loop import optimizer_step, step_graphs
 
     cell = {"model": name, "seq_len": seq_len, "method": None if stage == "teacher" else method, "stage": stage,
@@ -184,7 +186,10 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
                 return cell
             optimizer = torch.optim.AdamW(params, lr=st.lr, weight_decay=config.weight_decay)
             batch = random_batch(model.config.vocab_size, batch_size, seq_len)
-            graphed = step_graphs(st, params, config, device) if graph else None
+            graphed = None
+            if graph:  # linearize train's default step on CUDA: graphed, the small modules compiled
+                graphed = step_graphs(st, params, config, device)
+                compile_attention_modules(model)
             n_all, n_layers = matmul_parameters(model)
             losses = []
 
@@ -192,11 +197,12 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
                 loss, _, finite, _ = optimizer_step(st, params, optimizer, [batch], config, device, graphed)
                 losses.append(loss if finite else float("nan"))
 
+            sync(device)
+            if device.type == "cuda":  # (from before the warm-up: a graph's memory is taken at its capture)
+                torch.cuda.reset_peak_memory_stats(device)
             for _ in range(warmup):
                 step()
             sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             times = []
             for _ in range(steps):
                 sync(device)

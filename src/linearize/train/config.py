@@ -74,6 +74,7 @@ class TrainConfig:
     save_every: int = 50                 # optimizer steps between resume checkpoints
     progress: bool = True
     cuda_graph: bool = True              # on CUDA: each micro-batch's forward+backward replayed as one CUDA graph
+    compile: bool = True                 # on CUDA: the feature maps and gates fused by torch.compile
 
     def validate(self) -> "TrainConfig":
         from ..methods import methods
@@ -118,7 +119,7 @@ class TrainConfig:
         if self.lora_targets is not None and (not isinstance(self.lora_targets, list) or not self.lora_targets
                                               or not all(isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError(f"lora_targets must be a non-empty list of module names, got {self.lora_targets!r}")
-        for name in ("progress", "cuda_graph"):
+        for name in ("progress", "cuda_graph", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):

@@ -20,6 +20,10 @@ What the graph needs from the step, and what ``GraphedStep`` checks or arranges:
 
 A capture that fails (an op that cannot be captured) is reported once and the stage goes on
 eagerly; the eager step is the reference, and the graphed one computes the same kernels.
+
+Beside the graph, ``compile_attention_modules`` compiles the new attention's small modules (feature
+maps, gates) with ``torch.compile``: each is a projection and a few elementwise ops in fp32 whose
+forward and backward inductor fuses into a few kernels (the attention op itself stays as it is).
 """
 
 from __future__ import annotations
@@ -120,3 +124,18 @@ class GraphedStep:
             if pairs:
                 torch._foreach_add_([a for a, _ in pairs], [g.to(a.dtype) for a, g in pairs])
         return loss.detach(), extras
+
+
+def compile_attention_modules(model: nn.Module) -> int:
+    """Compile, in place (``nn.Module.compile``: the state dict keeps its keys), the feature maps and
+    gates of every linearized layer of ``model``; returns how many modules were compiled."""
+    from ..models.convert import linearized_layers
+
+    count = 0
+    for layer in linearized_layers(model):
+        for name in ("phi_q", "phi_k", "gate"):
+            module = getattr(layer.hybrid, name, None)
+            if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+                module.compile()
+                count += 1
+    return count

@@ -26,6 +26,7 @@ from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from ..records import device_name, write_json
 from .config import TrainConfig
+from .graphs import compile_attention_modules
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
 from .schedules import mu_at
 from .transfer import Block, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
@@ -67,6 +68,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
 
     convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
     model.to(device)
+    if config.compile and device.type == "cuda":
+        compile_attention_modules(model)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
