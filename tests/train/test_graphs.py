@@ -38,21 +38,28 @@ class NoHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["whole rows", "padded rows"])
 @pytest.mark.parametrize("method", ["lizard", "lolcats", "liza"])
 @pytest.mark.parametrize("stage", ["stage1", "stage2", "stage2 distill"])
-def test_stage_losses_read_no_device_value(method, stage):
+def test_stage_losses_read_no_device_value(method, stage, padded):
     model = llama()
     teacher = llama() if stage == "stage2 distill" else None
     linearize.convert(model, method)
     ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}  # no attention mask: a graph's batch has no padding
+    batch = {"input_ids": ids, "labels": ids}  # whole rows: a graph's batch has no attention mask
+    if padded:  # padded rows keep their mask (left padding in one row, right padding in the other)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        mask[1, 30:] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     config = TrainConfig(method=method, distill=0.5 if teacher is not None else 0.0)
     if stage == "stage1":
         fn = lambda: transfer_loss(model, batch, "heads", make_blocks(model, None)[0])  # noqa: E731
     else:
         fn = lambda: lm_loss(model, batch, teacher, config)  # noqa: E731
-    # transformers skips its own host checks of the mask while a CUDA stream captures
-    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True), NoHostReads():
+    # as while a CUDA stream captures: transformers and our "anything padded?" shortcuts read no mask
+    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True), \
+            mock.patch("torch.cuda.is_available", return_value=True), NoHostReads():
         loss, extras = fn()
         loss.backward()
     assert torch.isfinite(loss)
@@ -128,8 +135,8 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
     from linearize.train.transfer import freeze_all_but, trainable_attention_parameters
 
     g = torch.Generator().manual_seed(0)
-    # whole rows: a row with padding runs eagerly (its masks are read on the host)
-    rows = pack([torch.randint(3, 120, (192,), generator=g).tolist() for _ in range(8)], 64, "split", min_tokens=8)
+    # every document's last row is padded: batches with and without padding, a graph for each
+    rows = pack([torch.randint(3, 120, (170,), generator=g).tolist() for _ in range(8)], 64, "split", min_tokens=8)
     device = torch.device("cuda")
     model = llama(num_layers=3).to(device)
     linearize.convert(model, method)
@@ -171,7 +178,10 @@ def test_graphed_training_matches_eager(method, tmp_path):
     def counting(self, batch):
         out = real_call(self, batch)
         replays.append(out is not None)
+        signatures.add(tuple(sorted(graphs_module.GraphedStep._graph_inputs(batch))))
         return out
+
+    signatures = set()
 
     eager = _train_both_stages(method, False, tmp_path)
     with mock.patch.object(graphs_module.GraphedStep, "__call__", counting), warnings.catch_warnings():
@@ -179,6 +189,7 @@ def test_graphed_training_matches_eager(method, tmp_path):
         graph = _train_both_stages(method, True, tmp_path)
     steps = 5 if method == "liza" else 10
     assert len(replays) == steps and all(replays)
+    assert signatures == {("input_ids", "labels"), ("attention_mask", "input_ids", "labels")}
     assert len(eager[0]) == len(graph[0]) == steps
     torch.testing.assert_close(torch.tensor(graph[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-3)
     assert eager[1].keys() == graph[1].keys() and eager[1]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.common import known_all_true
 from ..ops.delta import delta_product_chunk, delta_product_recurrent
 from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
@@ -224,7 +225,7 @@ class HybridAttention(nn.Module):
         c = self.config
         step = state is not None and q.shape[2] == 1  # decoding: the recurrent forms
         state = dict(state or {})
-        if valid is not None and bool(valid.all()):
+        if valid is not None and known_all_true(valid):
             valid = None
         v_lin = v if valid is None else v.masked_fill(~valid[:, None, :, None], 0.0)
         gq, gk = (q_rope, k_rope) if c.rope_global else (q, k)

@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..layers.hybrid import HybridAttention
 from ..methods import AttentionConfig
 from .adapters import ArchAdapter
+from ..ops.common import known_all_true
 from .cache import state_layer
 
 ATTN_IMPLEMENTATION = "linearize"
@@ -129,7 +130,7 @@ class LinearizedAttention(nn.Module):
 
 def padding_mask_only(attention_mask=None, **kwargs):
     """Mask function: the 2-D padding mask as it is (None when nothing is padded)."""
-    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+    if attention_mask is not None and attention_mask.dim() == 2 and known_all_true(attention_mask.bool()):
         return None
     return attention_mask
 

@@ -103,3 +103,12 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
+
+
+def known_all_true(mask: torch.Tensor) -> bool:
+    """Whether every entry of the bool ``mask`` is True, for a caller that may skip masking then (the
+    result is the same either way). While a CUDA graph is being captured no device value may be read
+    on the host: the answer is then False, and the caller keeps the mask."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return bool(mask.all())

@@ -11,12 +11,15 @@ What the graph needs from the step, and what ``GraphedStep`` checks or arranges:
 - static shapes: one graph per batch signature (names, shapes, dtypes), a few at most, each
   captured the first time its signature comes; beyond ``MAX_GRAPHS`` a batch runs eagerly;
 - no read of a device value on the host during the forward or backward (``.item()``, ``bool(t)``):
-  the stages' losses return their extras as tensors, read after the replay; a batch with padding
-  runs eagerly (the padding paths look at the mask), one without is given no attention mask;
+  the stages' losses return their extras as tensors, read after the replay, and the model's "is
+  anything padded?" shortcuts (``ops.common.known_all_true``) keep the mask while capturing. A batch
+  without padding is given no attention mask (the fast path of an unpadded batch); one with
+  padding keeps it, and gets a graph of its own (its signature differs);
 - gradients in place: the graph adds its gradients into each parameter's ``.grad``, allocated once
   before the capture; the loop zeroes them in place (``zero_grad(set_to_none=False)``), so that the
   graph's writes always land in the tensors the optimizer reads;
-- its inputs copied into the graph's own input tensors before each replay.
+- its inputs copied into the graph's own input tensors before each replay; the graphs of a stage
+  share one memory pool (they never run at once).
 
 A capture that fails (an op that cannot be captured) is reported once and the stage goes on
 eagerly; the eager step is the reference, and the graphed one computes the same kernels.
@@ -47,7 +50,7 @@ class GraphedStep:
     ``loss_fn(batch) -> (loss, extras)`` must read no device value on the host; ``extras`` maps
     names to tensors (or plain Python values that do not change between batches). ``__call__``
     returns (loss, extras) as detached tensors after adding ``loss * scale``'s gradients into the
-    parameters' ``.grad``, or None where the batch must run eagerly (padding, a new signature beyond
+    parameters' ``.grad``, or None where the batch must run eagerly (a new signature beyond
     ``MAX_GRAPHS``, or after a failed capture)."""
 
     def __init__(self, loss_fn: Callable[[dict], tuple[torch.Tensor, dict]], params: list[nn.Parameter],
@@ -56,19 +59,21 @@ class GraphedStep:
         self.scale, self.device = scale, device
         self.graphs: dict[tuple, tuple] = {}
         self.failed: str | None = None
+        self.pool = None  # the graphs' shared memory pool (made at the first capture)
 
     def applies(self, batch: dict) -> bool:
         """Whether ``batch`` (on the CPU, as the loop makes it) can run on a graph."""
         if self.failed is not None:
             return False
-        mask = batch.get("attention_mask")
-        if mask is not None and not bool(mask.all()):  # (a CPU tensor: no device sync)
-            return False
         return _signature(self._graph_inputs(batch)) in self.graphs or len(self.graphs) < MAX_GRAPHS
 
     @staticmethod
     def _graph_inputs(batch: dict) -> dict:
-        return {k: v for k, v in batch.items() if k != "attention_mask"}
+        """The batch without its attention mask where nothing is padded (a CPU tensor: no device sync)."""
+        mask = batch.get("attention_mask")
+        if mask is not None and bool(mask.all()):
+            return {k: v for k, v in batch.items() if k != "attention_mask"}
+        return dict(batch)
 
     def __call__(self, batch: dict):
         if not self.applies(batch):
@@ -108,7 +113,9 @@ class GraphedStep:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-up's blocks: the graph allocates from a pool of its own
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
             loss, extras = self._forward_backward(static_in)
         # the warm-up and the capture added gradients of their own: the caller's are restored
         with torch.no_grad():
