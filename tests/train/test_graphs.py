@@ -155,6 +155,7 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
             rows, config, device, tmp_path / f"s1-{graphed}.pt", metrics, resume=False)
     for p in model.parameters():
         p.requires_grad_(False)
+    torch.manual_seed(1)  # the adapters' random init (compiling draws from the global generator)
     add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets)
     model.to(device).train()
     params2 = lora_parameters(model)
