@@ -178,10 +178,102 @@ def test_empty_input_keeps_state():
         assert_state_close(st2, st, 0.0)
 
 
-def test_chunk_form_takes_ceil_t_over_c_steps():
-    with count_chunk_steps() as counter:
-        lolcats_attn_chunk(*inputs(torch.float32), window=5, chunk_size=8)
-    assert counter == {"calls": 1, "spans": math.ceil(T / 8)}
+def graph_nodes(out: torch.Tensor) -> int:
+    """The number of autograd nodes behind ``out``."""
+    seen_, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_:
+            continue
+        seen_.add(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return len(seen_)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_chunk_form_has_no_loop_along_time(terraced):
+    """No sequential steps, and an autograd graph of a fixed size: what keeps the GPU busy."""
+    counts = []
+    for length in (256, 1024):
+        args = [x.requires_grad_() for x in inputs(torch.float32, T=length, B=1)]
+        with count_chunk_steps() as counter:
+            o, st = lolcats_attn_chunk(*args, window=WINDOWS[terraced], terraced=terraced, chunk_size=16)
+        assert counter == {"calls": 0, "spans": 0}
+        counts.append(graph_nodes(o.sum() + st.S.sum()))
+    assert counts[0] == counts[1] < 200, counts
+
+
+def start_state(seed=5, pos=(-3, 11), terraced=False):
+    """A carried state: random S, z and cache (its slots at negative positions are empty and must
+    not matter), row 0 still in its left padding, row 1 mid-sequence at a position that is not a
+    multiple of the window or of any chunk size used."""
+    g = torch.Generator().manual_seed(seed)
+    L = cache_len(WINDOWS[terraced], terraced)
+    r = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return LolcatsState(r(B, H, F, DV) - 0.5, r(B, H, F), r(B, H, L, DK) - 0.5, r(B, H, L, F) * 0.5,
+                        r(B, H, L, DV) - 0.5, torch.tensor(pos))
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 8, 64])
+@pytest.mark.parametrize("length", [3, 37])
+def test_chunk_equals_parallel_with_carried_state(length, chunk_size, terraced, softcap):
+    """Outputs, final state and every gradient (inputs, factor, and the carried state) in fp64;
+    T = 3 is shorter than the window, 37 no multiple of any chunk size but 1."""
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap)
+    results = []
+    for form in (lolcats_attn_parallel, lambda *a, **k: lolcats_attn_chunk(*a, chunk_size=chunk_size, **k)):
+        args = [x.requires_grad_() for x in inputs(torch.float64, T=length)]
+        st = start_state(terraced=terraced)
+        st = st._replace(**{n: getattr(st, n).requires_grad_() for n in st._fields[:5]})
+        o, out = form(*args, state=st, **kw)
+        loss = (o * torch.linspace(-1, 1, DV, dtype=torch.float64)).sum() + out.S.square().sum() + \
+            out.z.sum() + out.k.sum() + out.fk.sum() + out.v.sum()
+        grads = torch.autograd.grad(loss, args + list(st[:5]))
+        results.append((o, out, grads))
+    (ref, ref_state, ref_grads), (o, state, grads) = results
+    assert_rel_close(o, ref, 1e-12)
+    assert_state_close(state, ref_state, 1e-12)
+    assert state.pos.tolist() == [-3 + length, 11 + length]
+    for name, g, rg in zip("q k v fq fk f S z cache_k cache_fk cache_v".split(), grads, ref_grads):
+        assert_rel_close(g, rg, 1e-11, name)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_gradcheck_chunk_with_state(terraced):
+    """gradcheck through a carried state in and out, T a multiple of no chunk."""
+    Bs, Hs, Ts, Dk, Dv, Fs, w = 2, 2, 7, 3, 2, 4, 2
+    L = cache_len(w, terraced)
+    g = torch.Generator().manual_seed(4)
+    r = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    args = [r(Bs, Hs, Ts, Dk) - 0.5, r(Bs, Hs, Ts, Dk) - 0.5, r(Bs, Hs, Ts, Dv) - 0.5, r(Bs, Hs, Ts, Fs) + 0.1,
+            r(Bs, Hs, Ts, Fs) + 0.1, r(Hs), r(Bs, Hs, Fs, Dv), r(Bs, Hs, Fs) + 0.1, r(Bs, Hs, L, Dk),
+            r(Bs, Hs, L, Fs) + 0.1, r(Bs, Hs, L, Dv)]
+    args = [x.requires_grad_() for x in args]
+    pos = torch.tensor([-1, 5])
+
+    def fn(*a):
+        o, st = lolcats_attn_chunk(*a[:6], window=w, terraced=terraced, chunk_size=3, softcap=1.5,
+                                   state=LolcatsState(*a[6:], pos))
+        return (o,) + tuple(st[:5])
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_bf16_long_sequence_stays_close_to_fp64(terraced):
+    """T = 4096 in bf16 (states summed in fp32 over 64 chunks) against the fp64 parallel reference."""
+    length, w = 4096, 64
+    args = inputs(torch.float64, T=length, B=1)
+    kw = dict(window=w, terraced=terraced)
+    ref, ref_state = lolcats_attn_parallel(*(x[:, :1] for x in args[:5]), args[5][:1], **kw)
+    o, st = lolcats_attn_chunk(*(x[:, :1].bfloat16() for x in args[:5]), args[5][:1].bfloat16(), **kw)
+    assert o.dtype == torch.bfloat16 and st.S.dtype == torch.float32
+    # bf16 rounding of the inputs alone is ~2.5e-3 here; a drifting state sum would grow with T
+    assert_rel_close(o, ref, 5e-3)
+    assert_rel_close(st.S, ref_state.S, 5e-3)
+    assert_rel_close(st.z, ref_state.z, 5e-3)
 
 
 @pytest.mark.parametrize("terraced", [False, True])
