@@ -361,3 +361,26 @@ def test_bad_inputs_raise_naming_the_value():
             with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None, got "
                                + re.escape(repr(bad))):
                 form(*args, window=5, softcap=bad)
+
+
+@pytest.mark.slow
+def test_chunk_form_compiles_as_one_graph():
+    """torch.compile captures the whole op (fullgraph: no graph break, no data-dependent control
+    flow) and its compiled forward and backward equal eager. aot_eager traces what inductor would
+    get, forward and backward, without its minutes of C++ compilation on a CPU."""
+    args = [x.requires_grad_() for x in inputs(torch.float64)]
+    st = start_state()
+
+    def fn(*a):
+        o, out = lolcats_attn_chunk(*a, window=5, chunk_size=8, softcap=1.5, state=st)
+        return o, out.S, out.z
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*args), fn(*args)
+    for x, y in zip(got, want):
+        assert_rel_close(x, y, 1e-13)
+    weights = torch.linspace(-1, 1, DV, dtype=torch.float64)
+    loss = lambda r: (r[0] * weights).sum() + r[1].square().sum() + r[2].sum()  # noqa: E731
+    for g, r in zip(torch.autograd.grad(loss(got), args), torch.autograd.grad(loss(want), args)):
+        assert_rel_close(g, r, 1e-12)
