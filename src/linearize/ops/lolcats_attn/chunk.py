@@ -67,11 +67,14 @@ def lolcats_attn_chunk(
     leaving = foldable(k_pos[:, :NC * C]) & (torch.arange(NC * C, device=k_pos.device) < T)
     fk_out = fkeys[:, :, :NC * C].masked_fill(~leaving[:, None, :, None], 0.0).view(B, H, NC, C, -1)
     v_out = values[:, :, :NC * C].view(B, H, NC, C, Dv)
-    S_all = torch.cat([state.S[:, :, None], fk_out.transpose(-1, -2) @ v_out], dim=2).cumsum(2)
-    z_all = torch.cat([state.z[:, :, None], fk_out.sum(3)], dim=2).cumsum(2)  # (B, H, NC + 1, F)
+    S_blocks, z_blocks = fk_out.transpose(-1, -2) @ v_out, fk_out.sum(3)  # (B, H, NC, F, Dv), (B, H, NC, F)
+    # S_j = S + blocks 0 .. j-1, built contiguous (it is what the matmul below keeps for backward)
+    S_j = torch.cat([state.S[:, :, None], S_blocks[:, :, :-1]], dim=2).cumsum(2)
+    z_j = torch.cat([state.z[:, :, None], z_blocks[:, :, :-1]], dim=2).cumsum(2)
 
     o = hybrid_combine(chunks(q), chunks(fq), bands(keys), bands(fkeys), bands(values), win, older,
-                       S_all[:, :, :NC], z_all[:, :, :NC], window_factor.to(dt), scale, eps, softcap)
+                       S_j, z_j, window_factor.to(dt), scale, eps, softcap)
     o = o.reshape(B, H, NC * C, Dv)[:, :, :T]
     cache = (x[:, :, T:T + L].clone() for x in (keys, fkeys, values))  # the last L of [cache ++ input]
-    return o.to(v.dtype), LolcatsState(S_all[:, :, NC], z_all[:, :, NC], *cache, state.pos + T)
+    S, z = S_j[:, :, -1] + S_blocks[:, :, -1], z_j[:, :, -1] + z_blocks[:, :, -1]
+    return o.to(v.dtype), LolcatsState(S, z, *cache, state.pos + T)
