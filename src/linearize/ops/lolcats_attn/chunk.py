@@ -9,9 +9,13 @@ The input is cut into NC = ceil(T / C) chunks (the last one zero-padded). Chunk 
 
 That is exactly what a loop over chunks with a cache of L keys computes, chunk for chunk; here the
 bands are scored with batched matmuls over (B, H, NC, C, L + C), so autograd records a fixed
-number of ops whatever T is. Work and memory are O(T (L + C)) for the bands plus
-O(T / C * F * Dv) for the per-chunk states, which are kept (and summed) in the compute dtype
-(fp32 for bf16 inputs): B * H * (NC + 1) * F * (Dv + 1) * 4 bytes in fp32. Shapes: see ``naive``.
+number of ops whatever T is. The per-chunk states are summed in the compute dtype (fp32 for bf16
+inputs; a bf16 running sum would drift over long T).
+
+Memory kept for backward, in the compute dtype (4 bytes in fp32), per token and head: about
+(L + C)(Dk + F + Dv) / C (the bands, copied by the matmuls) + 3 (L + C) (masked scores, their exp,
+the weights; one more with a softcap) + Dk + 2 F + 2 Dv + F Dv / C (q, fq, the folded fk and v,
+the output, S_j). The per-chunk states alone are B H NC F (Dv + 1) numbers. Shapes: see ``naive``.
 """
 
 from __future__ import annotations
