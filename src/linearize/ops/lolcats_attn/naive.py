@@ -112,8 +112,8 @@ def hybrid_combine(
     scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~win, -math.inf)
     c = scores.amax(-1, keepdim=True)  # differentiable: part of the model, see the module docstring
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # rows with an empty window
-    weights = f.view(-1, *(1,) * (scores.dim() - 2)) * torch.exp(scores - c)
-    weights = weights + (fq @ fkeys.transpose(-1, -2)).masked_fill(~older, 0.0)
+    weights = f.view(-1, *(1,) * (scores.dim() - 2)) * torch.exp(scores - c)  # 0 outside the window
+    weights = torch.where(older, fq @ fkeys.transpose(-1, -2), weights)  # older keys: the linear terms
     num = weights @ values + fq @ S
     den = weights.sum(-1, keepdim=True) + fq @ z.unsqueeze(-1)
     return common.normalize_output(num, den, eps)
