@@ -35,6 +35,8 @@ def lolcats_attn_chunk(
     state: Optional[LolcatsState] = None, eps: float = 1e-6, softcap: Optional[float] = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, LolcatsState]:
+    """o (B, H, T, Dv) and the state after the input; ``chunk_size`` C (any positive int) sets the
+    band width L + C and the number of per-chunk states, not the result (up to rounding)."""
     dt, L, state = check_inputs(q, k, v, fq, fk, window_factor, window, terraced, state)
     scale = common.softmax_scale(scale, q.shape[-1])
     softcap = check_softcap(softcap)
