@@ -198,3 +198,20 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     assert s2 is None and s3 is None
     assert (two_pass.gla.gluon_fused_bwd, two_pass.window.gluon_bwd_walk) == (False, False)
     assert (default.gla.gluon_fused_bwd, default.window.gluon_bwd_walk) == (True, True)
+
+
+def test_bench_lolcats_cell_is_the_lolcats_op_at_the_methods_window():
+    """The "torch lolcats (ours)" cell runs ops.lolcats_attn.lolcats_attn_chunk on the shape's inputs at
+    LoLCATs' window, and its leaves take gradients."""
+    from linearize.bench import kernels as bk
+    from linearize.methods import method_config
+    from linearize.ops.lolcats_attn import lolcats_attn_chunk
+
+    x = bk._shape_inputs(1, 80, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
+    forward, leaves, dy = bk._methods(x, 4, None)["torch lolcats (ours)"]
+    want, _ = lolcats_attn_chunk(x["q"], x["k"], x["v"], x["lq"], x["lk"], torch.sigmoid(x["factor"]),
+                                 window=method_config("lolcats").window)
+    y = forward()
+    assert torch.equal(y, want)
+    y.backward(dy)
+    assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)

@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 
+from kernel_checks import needs_cuda
 from helpers import TOL, assert_rel_close, assert_state_close, capped, count_chunk_steps, window_of
 from linearize.ops.lolcats_attn import (
     LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel, lolcats_attn_recurrent,
@@ -178,10 +179,108 @@ def test_empty_input_keeps_state():
         assert_state_close(st2, st, 0.0)
 
 
-def test_chunk_form_takes_ceil_t_over_c_steps():
-    with count_chunk_steps() as counter:
-        lolcats_attn_chunk(*inputs(torch.float32), window=5, chunk_size=8)
-    assert counter == {"calls": 1, "spans": math.ceil(T / 8)}
+def graph_nodes(out: torch.Tensor) -> int:
+    """The number of autograd nodes behind ``out``."""
+    seen_, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_:
+            continue
+        seen_.add(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return len(seen_)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_chunk_form_has_no_loop_along_time(terraced):
+    """No sequential steps, and an autograd graph of a fixed size: what keeps the GPU busy."""
+    counts = []
+    for length in (256, 1024):
+        args = [x.requires_grad_() for x in inputs(torch.float32, T=length, B=1)]
+        with count_chunk_steps() as counter:
+            o, st = lolcats_attn_chunk(*args, window=WINDOWS[terraced], terraced=terraced, chunk_size=16)
+        assert counter == {"calls": 0, "spans": 0}
+        counts.append(graph_nodes(o.sum() + st.S.sum()))
+    assert counts[0] == counts[1] < 200, counts
+
+
+def start_state(seed=5, pos=(-3, 11), terraced=False):
+    """A carried state: random S, z and cache (its slots at negative positions are empty and must
+    not matter), row 0 still in its left padding, row 1 mid-sequence at a position that is not a
+    multiple of the window or of any chunk size used."""
+    g = torch.Generator().manual_seed(seed)
+    L = cache_len(WINDOWS[terraced], terraced)
+    r = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return LolcatsState(r(B, H, F, DV) - 0.5, r(B, H, F), r(B, H, L, DK) - 0.5, r(B, H, L, F) * 0.5,
+                        r(B, H, L, DV) - 0.5, torch.tensor(pos))
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("terraced", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 8, 64])
+@pytest.mark.parametrize("length", [3, 37])
+def test_chunk_equals_parallel_with_carried_state(length, chunk_size, terraced, softcap):
+    """Outputs, final state and every gradient (inputs, factor, and the carried state) in fp64;
+    T = 3 is shorter than the window, 37 no multiple of any chunk size but 1."""
+    kw = dict(window=WINDOWS[terraced], terraced=terraced, softcap=softcap)
+    results = []
+    for form in (lolcats_attn_parallel, lambda *a, **k: lolcats_attn_chunk(*a, chunk_size=chunk_size, **k)):
+        args = [x.requires_grad_() for x in inputs(torch.float64, T=length)]
+        st = start_state(terraced=terraced)
+        st = st._replace(**{n: getattr(st, n).requires_grad_() for n in st._fields[:5]})
+        o, out = form(*args, state=st, **kw)
+        loss = (o * torch.linspace(-1, 1, DV, dtype=torch.float64)).sum() + out.S.square().sum() + \
+            out.z.sum() + out.k.sum() + out.fk.sum() + out.v.sum()
+        grads = torch.autograd.grad(loss, args + list(st[:5]))
+        results.append((o, out, grads))
+    (ref, ref_state, ref_grads), (o, state, grads) = results
+    assert_rel_close(o, ref, 1e-12)
+    assert_state_close(state, ref_state, 1e-12)
+    assert state.pos.tolist() == [-3 + length, 11 + length]
+    for name, g, rg in zip("q k v fq fk f S z cache_k cache_fk cache_v".split(), grads, ref_grads):
+        assert_rel_close(g, rg, 1e-11, name)
+
+
+@pytest.mark.parametrize("terraced", [False, True])
+def test_gradcheck_chunk_with_state(terraced):
+    """gradcheck through a carried state in and out, T a multiple of no chunk."""
+    Bs, Hs, Ts, Dk, Dv, Fs, w = 2, 2, 7, 3, 2, 4, 2
+    L = cache_len(w, terraced)
+    g = torch.Generator().manual_seed(4)
+    r = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    args = [r(Bs, Hs, Ts, Dk) - 0.5, r(Bs, Hs, Ts, Dk) - 0.5, r(Bs, Hs, Ts, Dv) - 0.5, r(Bs, Hs, Ts, Fs) + 0.1,
+            r(Bs, Hs, Ts, Fs) + 0.1, r(Hs), r(Bs, Hs, Fs, Dv), r(Bs, Hs, Fs) + 0.1, r(Bs, Hs, L, Dk),
+            r(Bs, Hs, L, Fs) + 0.1, r(Bs, Hs, L, Dv)]
+    args = [x.requires_grad_() for x in args]
+    pos = torch.tensor([-1, 5])
+
+    def fn(*a):
+        o, st = lolcats_attn_chunk(*a[:6], window=w, terraced=terraced, chunk_size=3, softcap=1.5,
+                                   state=LolcatsState(*a[6:], pos))
+        return (o,) + tuple(st[:5])
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("terraced", [False, True])
+def test_bf16_long_sequence_stays_close_to_fp64(terraced):
+    """T = 4096 in bf16 (states summed in fp32 over 64 chunks) against the fp64 parallel reference,
+    on the exact inputs and on their bf16 roundings (which leaves only the computation's error)."""
+    length, w = 4096, 64
+    args = tuple(x[:, :1] for x in inputs(torch.float64, T=length, B=1)[:5]) + (inputs(torch.float64)[5][:1],)
+    kw = dict(window=w, terraced=terraced)
+    o, st = lolcats_attn_chunk(*(x.bfloat16() for x in args), **kw)
+    assert o.dtype == torch.bfloat16 and st.S.dtype == torch.float32
+    ref, ref_state = lolcats_attn_parallel(*args, **kw)
+    # bf16 rounding of the inputs alone is ~2.5e-3 here
+    assert_rel_close(o, ref, 5e-3)
+    assert_rel_close(st.S, ref_state.S, 5e-3)
+    ref, ref_state = lolcats_attn_parallel(*(x.bfloat16().double() for x in args), **kw)
+    assert_rel_close(o, ref, 3e-3)  # the output's own bf16 rounding
+    # the state sums in fp32: a running bf16 sum of these 64 chunk blocks is off by ~1e-2
+    assert_rel_close(st.S, ref_state.S, 1e-6)
+    assert_rel_close(st.z, ref_state.z, 1e-6)
 
 
 @pytest.mark.parametrize("terraced", [False, True])
@@ -269,3 +368,66 @@ def test_bad_inputs_raise_naming_the_value():
             with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None, got "
                                + re.escape(repr(bad))):
                 form(*args, window=5, softcap=bad)
+
+
+@pytest.mark.slow
+def test_chunk_form_compiles_as_one_graph():
+    """torch.compile captures the whole op (fullgraph: no graph break, no data-dependent control
+    flow) and its compiled forward and backward equal eager. aot_eager traces what inductor would
+    get, forward and backward, without its minutes of C++ compilation on a CPU."""
+    args = [x.requires_grad_() for x in inputs(torch.float64)]
+    st = start_state()
+
+    def fn(*a):
+        o, out = lolcats_attn_chunk(*a, window=5, chunk_size=8, softcap=1.5, state=st)
+        return o, out.S, out.z
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*args), fn(*args)
+    for x, y in zip(got, want):
+        assert_rel_close(x, y, 1e-13)
+    weights = torch.linspace(-1, 1, DV, dtype=torch.float64)
+    loss = lambda r: (r[0] * weights).sum() + r[1].square().sum() + r[2].sum()  # noqa: E731
+    for g, r in zip(torch.autograd.grad(loss(got), args), torch.autograd.grad(loss(want), args)):
+        assert_rel_close(g, r, 1e-12)
+
+
+def hedgehog_inputs(length, device, seed=0):
+    """Inputs shaped as LoLCATs trains them (D = 64, F = 128 Hedgehog features: two softmax halves)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(1, 2, length, 64), r(1, 2, length, 64), r(1, 2, length, 64)
+    fq, fk = (torch.cat([torch.softmax(x, -1), torch.softmax(-x, -1)], -1) for x in (r(1, 2, length, 64),
+                                                                                    r(1, 2, length, 64)))
+    return q, k, v, fq, fk, torch.sigmoid(r(2))
+
+
+@needs_cuda
+def test_gpu_bf16_at_16k_tokens_stays_close_to_fp64():
+    """On the GPU (cumsum as a parallel scan) at T = 16384: bf16 output, state and gradients against
+    the fp64 chunk form (itself equal to the parallel reference, tests above) on the same
+    bf16-rounded inputs; what is left is bf16 rounding of o and the gradients, and no drift of S."""
+    args = [x.bfloat16().requires_grad_() for x in hedgehog_inputs(16384, "cuda")]
+    ref_args = [x.detach().double().requires_grad_() for x in args]
+    dy = torch.randn(1, 2, 16384, 64, device="cuda", dtype=torch.float64).bfloat16()
+    ref, ref_state = lolcats_attn_chunk(*ref_args, window=64)
+    o, st = lolcats_attn_chunk(*args, window=64)
+    assert_rel_close(o, ref, 3e-3)
+    assert_rel_close(st.S, ref_state.S, 1e-6)
+    assert_rel_close(st.z, ref_state.z, 1e-6)
+    want = torch.autograd.grad(ref, ref_args, dy.double())
+    got = torch.autograd.grad(o, args, dy)
+    for name, g, w in zip(("q", "k", "v", "fq", "fk", "f"), got, want):
+        assert_rel_close(g, w, 1e-2 if name == "f" else 5e-3, name)
+
+
+@needs_cuda
+def test_gpu_inductor_compile_equals_eager():
+    args = [x.float().requires_grad_() for x in hedgehog_inputs(1000, "cuda")]
+    fn = lambda *a: lolcats_attn_chunk(*a, window=64, softcap=30.0)[0]  # noqa: E731
+    torch._dynamo.reset()
+    got, want = torch.compile(fn, fullgraph=True)(*args), fn(*args)
+    assert_rel_close(got, want, 1e-5)
+    for g, w in zip(torch.autograd.grad(got.square().sum(), args), torch.autograd.grad(want.square().sum(), args)):
+        assert_rel_close(g, w, 1e-4)

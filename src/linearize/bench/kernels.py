@@ -26,6 +26,9 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
                        until 2026-11-26 (the window kernel of one program per chunk, the Triton
                        reverse state pass, the Gluon chunk pass)
   triton lizard passes (ours)  the same with KernelSettings(gluon=False): Triton passes only
+  torch lolcats (ours) LoLCATs' attention (ops.lolcats_attn.lolcats_attn_chunk: Hedgehog linear terms
+                       and a softmax window under one normaliser, at the method's window of 64, all
+                       chunks at once in torch; no kernel of its own), on Lizard's features and heads
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -61,7 +64,7 @@ DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
            "triton gla two-pass bwd (ours)", "triton gla passes (ours)", "torch lizard (ours)", "triton lizard (ours)",
-           "triton lizard two-pass bwd (ours)", "triton lizard passes (ours)")
+           "triton lizard two-pass bwd (ours)", "triton lizard passes (ours)", "torch lolcats (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -207,6 +210,7 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
         "lq": torch.cat([F.softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
         "lk": torch.cat([F.softmax(a, -1) for a in rnd(2, B, H, T, Fd // 2)], -1).to(dt),
         "alpha": torch.ones(H, device=dev) + rnd(H, scale=0.1), "sinks": rnd(H, sinks),
+        "factor": rnd(H),  # LoLCATs' window factor, before its sigmoid
         "dy": rnd(B, H, T, D).to(dt),
     }
     return x
@@ -221,6 +225,8 @@ def _methods(x: dict, window: int, fla, gla_launch=None,
     from ..ops.gla.triton import gla_chunk_triton
     from ..ops.lizard_attn.fused import LizardPlan, lizard_attention
     from ..ops.gla.chunk import gla_chunk
+    from ..ops.lolcats_attn import lolcats_attn_chunk
+    from ..methods import method_config
     from ..ops.window_attn import triton as kwin
 
     gl, wl = gla_launch or kgla.LAUNCH, window_launch or kwin.LAUNCH
@@ -266,6 +272,10 @@ def _methods(x: dict, window: int, fla, gla_launch=None,
     two_pass = LizardPlan(gla=replace(gl, gluon_fused_bwd=False), window=replace(wl, gluon_bwd_walk=False))
     out["triton lizard two-pass bwd (ours)"] = (_with_kernels("1", lambda: lizard(plan=two_pass)), args, dy)
     out["triton lizard passes (ours)"] = (_with_kernels("1", lambda: lizard(settings=triton_only)), args, dy)
+    lf = x["factor"].detach().requires_grad_()
+    lolcats_window = method_config("lolcats").window
+    out["torch lolcats (ours)"] = (lambda: lolcats_attn_chunk(wq, wk, lv, lq, lk, torch.sigmoid(lf),
+                                                              window=lolcats_window)[0], [wq, wk, lv, lq, lk, lf], dy)
     return out
 
 

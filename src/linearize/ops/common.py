@@ -9,7 +9,8 @@ bf16/fp16/fp32/fp64 and the output has the dtype of ``v``.
 
 Every op has three forms with one meaning and one signature ``(..., state=None) -> (o, state)``:
 ``*_parallel`` (quadratic, written straight from the formula: the reference), ``*_chunk``
-(training and prefill; loops over ``chunk_spans`` only, so ceil(T / C) sequential steps) and
+(training and prefill; loops over ``chunk_spans`` only, so ceil(T / C) sequential steps, or
+none: ``lolcats_attn_chunk`` takes all chunks at once) and
 ``*_recurrent`` (token by token, what decoding runs). ``state`` is the op's NamedTuple of
 tensors, ``None`` meaning "nothing seen yet"; the final state comes back in every form.
 """

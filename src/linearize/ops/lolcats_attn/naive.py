@@ -85,25 +85,50 @@ def hybrid_attend(
     Each key is a window term, a linear term or invisible (future / empty slot), by the rule.
     ``softcap`` (already validated) caps the window logits before c_t and the exp.
     """
-    win = visible(q_pos, k_pos, window, terraced)  # (B, 1, Tq, Tk)
-    older = seen(q_pos, k_pos) & ~win
+    win, older = split_keys(q_pos, k_pos, window, terraced)
+    return hybrid_combine(q, fq, keys, fkeys, values, win, older, S, z, f, scale, eps, softcap)
+
+
+def split_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
+               terraced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule: ``(win, older)``, each ``(B, 1, Tq, Tk)`` bool, for queries at ``q_pos (B, Tq)`` and
+    keys at ``k_pos (B, Tk)``: window (softmax) terms, and seen keys outside the window (linear
+    terms). Keys in neither are invisible (future or empty slots)."""
+    win = visible(q_pos, k_pos, window, terraced)
+    return win, seen(q_pos, k_pos) & ~win
+
+
+def hybrid_combine(
+    q: torch.Tensor, fq: torch.Tensor, keys: torch.Tensor, fkeys: torch.Tensor, values: torch.Tensor,
+    win: torch.Tensor, older: torch.Tensor, S: torch.Tensor, z: torch.Tensor, f: torch.Tensor,
+    scale: float, eps: float, softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """The shared-normaliser sum, for any leading dims ``(B, H, *N)`` (``*N`` empty, or the chunk
+    axis of the chunk form): q (B, H, *N, Tq, Dk), fq (B, H, *N, Tq, F), keys (B, H, *N, Tk, Dk),
+    fkeys (B, H, *N, Tk, F), values (B, H, *N, Tk, Dv), win / older bool broadcasting to
+    (B, H, *N, Tq, Tk) (see ``split_keys``), S (B, H, *N, F, Dv), z (B, H, *N, F), f (H,);
+    returns (B, H, *N, Tq, Dv).
+    """
     scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~win, -math.inf)
     c = scores.amax(-1, keepdim=True)  # differentiable: part of the model, see the module docstring
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # rows with an empty window
-    weights = f[None, :, None, None] * torch.exp(scores - c)
-    weights = weights + (fq @ fkeys.transpose(-1, -2)).masked_fill(~older, 0.0)
+    weights = f.view(-1, *(1,) * (scores.dim() - 2)) * torch.exp(scores - c)  # 0 outside the window
+    weights = torch.where(older, fq @ fkeys.transpose(-1, -2), weights)  # older keys: the linear terms
     num = weights @ values + fq @ S
     den = weights.sum(-1, keepdim=True) + fq @ z.unsqueeze(-1)
     return common.normalize_output(num, den, eps)
 
 
+def foldable(k_pos: torch.Tensor) -> torch.Tensor:
+    """Which keys at ``k_pos (B, Tk)`` may fold into S, z: ``(B, Tk)`` bool. Empty slots and padding
+    (negative positions) never do."""
+    return k_pos >= 0
+
+
 def fold_leaving(S: torch.Tensor, z: torch.Tensor, fkeys: torch.Tensor, values: torch.Tensor,
                  k_pos: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the first n of [cache ++ new] keys, which leave the cache, into S and z.
-
-    Empty slots and padding (negative positions) are never folded in.
-    """
-    fk_out = fkeys[:, :, :n].masked_fill((k_pos[:, :n] < 0)[:, None, :, None], 0.0)
+    """Fold the first n of [cache ++ new] keys, which leave the cache, into S and z."""
+    fk_out = fkeys[:, :, :n].masked_fill(~foldable(k_pos[:, :n])[:, None, :, None], 0.0)
     return S + fk_out.transpose(-1, -2) @ values[:, :, :n], z + fk_out.sum(2)
 
 
