@@ -729,6 +729,54 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     return err
 
 
+def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int = 40, seed: int = 0) -> dict[str, float]:
+    """HybridAttention as liza configures it (the delta rule, or DeltaProduct of ``order``, beside a
+    window, mixed by mu; no parameters of its own) with the kernels on vs LINEARIZE_KERNELS=0:
+    output, the delta state and the input gradients (those of q_rope, k_rope and v: the others
+    do not reach the output); the Triton scan runs once with the kernels on, never off."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.ops.delta import triton as kdelta
+
+    B, H, d, hidden = 2, 2, 16, 32
+    layer = HybridAttention(method_config("liza", window=8, chunk_size=8, delta_order=order), H, d, hidden)
+    layer = layer.to(device=device, dtype=dtype)
+    g = _gen(seed + 1)
+    q, k, v, qr, kr = (torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype) for _ in range(5))
+    x = torch.randn(B, T, hidden, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
+    calls = {"0": 0, "1": 0}
+    apply = kdelta._DeltaScanFunction.apply
+
+    def counting(*args):
+        calls[flag] += 1
+        return apply(*args)
+
+    outs, before = {}, os.environ.get("LINEARIZE_KERNELS")
+    kdelta._DeltaScanFunction.apply = counting
+    try:
+        for flag in ("0", "1"):
+            os.environ["LINEARIZE_KERNELS"] = flag
+            layer.zero_grad()
+            ins = [t.clone().requires_grad_() for t in (q, k, v, qr, kr, x)]
+            y, state = layer(*ins, None, None)
+            (y.float() * dy.float()).sum().backward()
+            outs[flag] = (y.detach(), state["global"].S.detach(), [t.grad for t in ins])
+    finally:
+        kdelta._DeltaScanFunction.apply = apply
+        if before is None:
+            os.environ.pop("LINEARIZE_KERNELS", None)
+        else:
+            os.environ["LINEARIZE_KERNELS"] = before
+    (y0, s0, i0), (y1, s1, i1) = outs["0"], outs["1"]
+    err = {"y": rel_rms(y1, y0), "global.S": rel_rms(s1, s0),
+           "kernel calls": 0.0 if calls == {"0": 0, "1": 1} else float("inf")}
+    for n, a, b in zip(("q", "k", "v", "q_rope", "k_rope", "x"), i1, i0):
+        if b is not None:
+            err["d" + n] = rel_rms(a, b)
+    return err
+
+
 def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int, DV: int, gated: bool = True,
                     bv: int | None = 16, B: int = 1, H: int = 2, seed: int = 0) -> dict[str, float]:
     """The Triton scan (ops.delta.triton.delta_scan_triton, forward and backward) vs its torch
@@ -858,6 +906,9 @@ INTERPRETER_CASES = {
     "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
     "delta product2 f32 gated state": (delta_case, dict(T=29, DK=16, DV=16, order=2, state=True, chunk=8), F32),
     "delta product2 bf16 extreme gates": (delta_case, dict(T=29, DK=16, DV=16, order=2, extreme=True, chunk=8), BF16),
+    # liza's layer takes the Triton scan and means the same with the kernels off
+    "delta liza layer f32": (delta_layer_case, dict(), F32),
+    "delta liza layer f32 product2": (delta_layer_case, dict(order=2), F32),
 }
 
 

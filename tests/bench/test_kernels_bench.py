@@ -198,3 +198,19 @@ def test_bench_triton_only_methods_pass_triton_only_configs(monkeypatch):
     assert s2 is None and s3 is None
     assert (two_pass.gla.gluon_fused_bwd, two_pass.window.gluon_bwd_walk) == (False, False)
     assert (default.gla.gluon_fused_bwd, default.window.gluon_bwd_walk) == (True, True)
+
+
+def test_bench_delta_methods_compute_the_gated_delta_rule():
+    """bench kernels' delta rows time the gated delta rule on their inputs (both rows fall back to
+    the torch scan on the CPU): their outputs equal the parallel form's."""
+    from linearize.bench import kernels as bk
+    from linearize.ops.delta import delta_rule_parallel
+
+    x = bk._shape_inputs(1, 70, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
+    table = bk._methods(x, 4, None)
+    ref, _ = delta_rule_parallel(x["delta_q"], x["delta_k"], x["v"], x["delta_beta"], log_alpha=x["log_g"])
+    for name in ("torch delta (ours)", "triton delta (ours)"):
+        forward, leaves, grad = table[name]
+        out = forward()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, name
+        assert len(leaves) == 5 and grad.shape == out.shape

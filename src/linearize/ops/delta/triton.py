@@ -121,12 +121,17 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, x.stride(0), x.stride(1), x.stride(2)
 
 
-def _blocks(Dk: int, Dv: int, bv: Optional[int]) -> tuple[int, int, int]:
-    """(BK, BV, warps): the whole key width per program; value columns in blocks of 32 at the
-    widest keys (the state, W and Kd tiles share the program's registers), else 64."""
-    BK = pow2(Dk)
-    BV = bv if bv is not None else min(pow2(Dv), 32 if BK > 64 else 64)
-    return BK, BV, 4 if BK <= 64 else 8
+def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int]) -> tuple[int, int, int, int, int]:
+    """(BL, BK, BV, warps, stages). A program holds a whole chunk and the whole key width; value
+    columns come in blocks of 64, or 32 where the W and Kd tiles are large (they share the
+    program's registers with the state). The next chunk's tiles are loaded during this one's
+    products (2 stages) where two sets of them fit comfortably in shared memory (fp32 products
+    go through it too: 40 KB at chunks of 64 and Dk = 128), else one."""
+    BL, BK = pow2(L), pow2(Dk)
+    big = BL * BK > 64 * 64
+    BV = bv if bv is not None else min(pow2(Dv), 32 if big else 64)
+    tile_bytes = 4 * BL * (2 * BK + BV)
+    return BL, BK, BV, 8 if big else 4, 2 if tile_bytes <= 96 * 1024 else 1
 
 
 class _DeltaScanFunction(torch.autograd.Function):
@@ -144,10 +149,11 @@ class _DeltaScanFunction(torch.autograd.Function):
         U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
         SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
         ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-        BK, BV, warps = _blocks(Dk, Dv, bv)
+        BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
         grid = (B * H, triton.cdiv(Dv, BV))
         _delta_scan_fwd_kernel[grid](w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv,
-                                     BL=pow2(L), BK=BK, BV=BV, GATED=gated, PREC=PREC, num_warps=warps)
+                                     BL=BL, BK=BK, BV=BV, GATED=gated, PREC=PREC, num_warps=warps,
+                                     num_stages=stages)
         U, SC, ST = U.view(B, H, NC, L, Dv), SC.view(B, H, NC, Dk, Dv), ST.view(B, H, Dk, Dv)
         ctx.save_for_backward(W, Kd, total if gated else None, U, SC)
         ctx.bv, ctx.s0_dtype = bv, S0.dtype
@@ -171,12 +177,12 @@ class _DeltaScanFunction(torch.autograd.Function):
         DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
         DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
         DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-        BK, BV, warps = _blocks(Dk, Dv, ctx.bv)
+        BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, ctx.bv)
         grid = (B * H, triton.cdiv(Dv, BV))
         _delta_scan_bwd_kernel[grid](w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv,
-                                     BL=pow2(L), BK=BK, BV=BV, GATED=gated, HAS_DU=dU is not None,
+                                     BL=BL, BK=BK, BV=BV, GATED=gated, HAS_DU=dU is not None,
                                      HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
-                                     num_warps=warps)
+                                     num_warps=warps, num_stages=stages)
         dUt, dSn = DUT.view(B, H, NC, L, Dv), DSN.view(B, H, NC, Dk, Dv)
         dW = -(dUt @ SC.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
         dKd = U @ dSn.transpose(-1, -2) if ctx.needs_input_grad[2] else None
