@@ -125,3 +125,14 @@ def test_gpu_delta_fast_path_matches_reference(name, dtype):
     err = delta_case("cuda", dtype, T=2048, B=2, H=2, chunk=64, state=True,
                      extreme=GPU_DELTA[name].get("gated", True), **GPU_DELTA[name])
     assert_errors(err, KTOL[dtype], f"delta {name} {dtype}")
+
+
+def test_chunk_form_ignores_autocast():
+    """Under bf16 autocast (how models train) the chunk form still computes in fp32: the same
+    output and state as without autocast, for fp32 inputs."""
+    q, k, v, beta, la, S0 = _inputs(40, DK=8, DV=8, dtype=torch.float32)
+    ref, ref_st = D.delta_rule_chunk(q, k, v, beta, log_alpha=la, state=D.DeltaState(S0), chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, st = D.delta_rule_chunk(q, k, v, beta, log_alpha=la, state=D.DeltaState(S0), chunk_size=16)
+    assert o.dtype == torch.float32
+    assert torch.allclose(o, ref, rtol=0, atol=1e-6) and torch.allclose(st.S, ref_st.S, rtol=0, atol=1e-6)

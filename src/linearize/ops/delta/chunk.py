@@ -103,8 +103,18 @@ def chunk_form(
     q (B, H, T, Dk) real queries; k (B, H, nT, Dk), v (B, H, nT, Dv), beta (B, H, nT), log_alpha
     (B, H, nT) or None over the n*T virtual tokens; S0 (B, H, Dk, Dv); all in the compute dtype.
     Returns o (B, H, T, Dv) and the final state. T is padded to whole chunks with tokens of zero
-    key, value, beta and log alpha, which leave the state as it is and are cut from o.
+    key, value, beta and log alpha, which leave the state as it is and are cut from o. Autocast
+    is off inside: every product runs in the compute dtype (a model trained under bf16 autocast
+    would otherwise get bf16 products of the fp32 state and of the triangular systems).
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan)
+
+
+def _chunk_form(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
+    chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan,
+) -> tuple[torch.Tensor, torch.Tensor]:
     n = order
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
