@@ -83,8 +83,16 @@ def test_fast_path_applies_only_where_the_kernels_run(monkeypatch):
     assert not delta_applies(q, k, v, beta, la, (S0.double(),))
     wide = torch.zeros(2, 2, 8, 129)
     assert not delta_applies(wide, wide, v, beta, la)
+    assert delta_applies(q, k, v, beta, la, order=128) and not delta_applies(q, k, v, beta, la, order=129)
     monkeypatch.setenv("LINEARIZE_KERNELS", "0")
     assert not delta_applies(q, k, v, beta, la, (S0,))
+
+
+def test_kernel_chunks_hold_at_most_128_virtual_tokens():
+    from linearize.ops.delta.chunk import kernel_chunk
+
+    assert [kernel_chunk(64, n) for n in (1, 2, 3, 4, 128)] == [64, 64, 42, 32, 1]
+    assert kernel_chunk(8, 3) == 8 and kernel_chunk(300, 1) == 128
 
 
 @needs_triton

@@ -45,6 +45,7 @@ from .naive import (
 )
 
 MAX_DIM = 128  # widest Dk, Dv the Triton scan holds in registers
+MAX_VIRTUAL_CHUNK = 128  # most virtual tokens in one chunk of the Triton scan (its W and Kd tiles)
 
 # (W, U0, Kd, total, S0) -> (U, S_c, S_final); see ``scan_torch``
 Scan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor],
@@ -71,11 +72,11 @@ def scan_torch(
 
 
 def delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                  log_alpha: Optional[torch.Tensor] = None, state: tuple = ()) -> bool:
+                  log_alpha: Optional[torch.Tensor] = None, state: tuple = (), order: int = 1) -> bool:
     """Whether ``delta_rule_chunk`` / ``delta_product_chunk`` run their scan on the Triton kernels:
     kernels enabled (``ops.backend``), every tensor on one CUDA device (or the CPU under the Triton
-    interpreter), no fp64 input (the kernel's state is fp32), Dk, Dv <= 128. ``state``: the
-    (validated) state's tensors, e.g. a ``DeltaState``."""
+    interpreter), no fp64 input (the kernel's state is fp32), Dk, Dv <= 128, DeltaProduct
+    ``order`` <= 128. ``state``: the (validated) state's tensors, e.g. a ``DeltaState``."""
     extra = () if log_alpha is None else (log_alpha,)
     st = tuple(state)
     if not kernels_enabled() or not all_tensors(q, k, v, beta, *extra, *st):
@@ -84,7 +85,8 @@ def delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         return False
     if any(x.dtype not in (torch.bfloat16, torch.float16, torch.float32) for x in (q, k, v, beta, *extra, *st)):
         return False
-    return q.dim() == 4 and v.dim() == 4 and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
+    return (q.dim() == 4 and v.dim() == 4 and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
+            and order <= MAX_VIRTUAL_CHUNK)
 
 
 def _pad_time(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -150,12 +152,20 @@ def _chunk_form(
     return o, S
 
 
-def _scan_for(applies: bool) -> Scan:
+def kernel_chunk(chunk_size: int, order: int) -> int:
+    """The real tokens per chunk when the scan runs on the Triton kernels: ``chunk_size``, cut to
+    at most ``MAX_VIRTUAL_CHUNK`` virtual tokens (DeltaProduct of order 3 takes 42 tokens, not
+    64). The result does not depend on the chunk size; registers and shared memory do."""
+    return max(1, min(chunk_size, MAX_VIRTUAL_CHUNK // order))
+
+
+def _plan(applies: bool, chunk_size: int, order: int) -> tuple[Scan, int]:
+    """(scan, chunk size) of a chunk-form call."""
     if not applies:
-        return scan_torch
+        return scan_torch, chunk_size
     from .triton import delta_scan_triton
 
-    return delta_scan_triton
+    return delta_scan_triton, kernel_chunk(chunk_size, order)
 
 
 def delta_rule_chunk(
@@ -167,9 +177,9 @@ def delta_rule_chunk(
     Triton kernels where ``delta_applies``."""
     dt, S0 = check_delta_inputs(q, k, v, beta, state, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan = _scan_for(delta_applies(q, k, v, beta, log_alpha, (S0,)))
+    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, (S0,)), chunk_size, 1)
     la = None if log_alpha is None else log_alpha.to(dt)
-    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk_size, la, scan)
+    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan)
     return o.to(v.dtype), DeltaState(S)
 
 
@@ -180,15 +190,15 @@ def delta_product_chunk(
 ) -> tuple[torch.Tensor, DeltaProductState]:
     """Chunks over real tokens (``chunk_size`` of them, so order*chunk_size virtual tokens each);
     ``log_alpha`` (B, H, T) decays once per real token (see ``delta_product_parallel``). The scan
-    runs on the Triton kernels where ``delta_applies``."""
+    runs on the Triton kernels where ``delta_applies``, in chunks of ``kernel_chunk`` tokens."""
     dt, state = check_product_inputs(q, k, v, beta, order, state, eps, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan = _scan_for(delta_applies(q, k, v, beta, log_alpha, state))
+    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, state, order), chunk_size, order)
     kf, vf = k.to(dt), v.to(dt)
     # The differences only look back order-1 tokens, so expanding the whole sequence up front
     # gives each chunk exactly the virtual tokens it would get from the carried history.
     kv, vv, bv = virtual_sequence(kf, vf, beta.to(dt), state, order, eps)
     la = virtual_log_alpha(None if log_alpha is None else log_alpha.to(dt), order)
-    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk_size, la, scan)
+    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan)
     new = DeltaProductState(S, last_tokens(state.k_prev, kf, order - 1), last_tokens(state.v_prev, vf, order - 1))
     return o.to(v.dtype), new
