@@ -62,12 +62,14 @@ def scan_torch(
     S_c (B, H, NC, Dk, Dv) and the final state (B, H, Dk, Dv).
     """
     S, us, states = S0, [], []
-    for c in range(W.shape[2]):
+    # unbind, not indexing: its backward stacks the chunks' gradients once, where each index's
+    # backward would fill a zero tensor of the whole sequence (quadratic in the chunk count)
+    totals = [None] * W.shape[2] if total is None else total.unbind(2)
+    for w, u0, kd, tot in zip(W.unbind(2), U0.unbind(2), Kd.unbind(2), totals):
         states.append(S)
-        u = U0[:, :, c] - W[:, :, c] @ S
+        u = u0 - w @ S
         us.append(u)
-        carried = S if total is None else total[:, :, c, None, None] * S
-        S = carried + Kd[:, :, c].transpose(-1, -2) @ u
+        S = (S if tot is None else tot[..., None, None] * S) + kd.transpose(-1, -2) @ u
     return torch.stack(us, dim=2), torch.stack(states, dim=2), S
 
 
