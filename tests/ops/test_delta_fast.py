@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TOL, assert_rel_close
-from kernel_cases import KTOL, cases_of, delta_case
+from kernel_cases import KTOL, cases_of, delta_case, delta_layer_case
 from kernel_checks import assert_errors, assert_interpreter_case, needs_cuda, needs_triton
 from linearize.ops import delta as D
 from linearize.ops.delta.chunk import chunk_form, delta_applies, scan_torch
@@ -144,3 +144,12 @@ def test_chunk_form_ignores_autocast():
         o, st = D.delta_rule_chunk(q, k, v, beta, log_alpha=la, state=D.DeltaState(S0), chunk_size=16)
     assert o.dtype == torch.float32
     assert torch.allclose(o, ref, rtol=0, atol=1e-6) and torch.allclose(st.S, ref_st.S, rtol=0, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("order", [1, 2])
+def test_gpu_liza_layer_same_with_kernels_on_and_off(order):
+    """liza's layer (fp32, 1000 tokens in chunks of 8) takes the Triton scan on CUDA and gives
+    the torch scan's output, state and input gradients."""
+    err = delta_layer_case("cuda", torch.float32, order=order, T=1000)
+    assert_errors(err, KTOL[torch.float32], f"liza layer order {order}")

@@ -171,11 +171,11 @@ class _DeltaScanFunction(torch.autograd.Function):
         w, *sw = _rows(W)
         kd, *skd = _rows(Kd)
         gated = total is not None
+        # w stands in for what the kernel does not read (no decay, outputs without a gradient)
         tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w
-        dummy = w
-        du = dU.reshape(B * H, NC, L, Dv).to(f32).contiguous() if dU is not None else dummy
-        dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else dummy
-        dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else dummy
+        du = dU.reshape(B * H, NC, L, Dv).to(f32).contiguous() if dU is not None else w
+        dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else w
+        dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else w
         DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
         DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
         DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
