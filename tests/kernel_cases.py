@@ -1,5 +1,5 @@
-"""Kernel-vs-reference cases, shared by the kernel tests of tests/ops/test_gla.py, test_window_attn.py
-and test_lizard_attn.py.
+"""Kernel-vs-reference cases, shared by the kernel tests of tests/ops/test_gla.py, test_window_attn.py,
+test_lizard_attn.py and test_delta_fast.py.
 
 Each case runs the Triton path (forward and backward) and the torch reference on the same
 inputs and returns the relative RMS error of every output and gradient. The GPU tests call the
@@ -661,6 +661,154 @@ def gla_fused_case(dtype: torch.dtype, *, T: int, normalize: bool, state: bool =
     return {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S), "z": rel_rms(s2.z.cpu(), s.z)}
 
 
+def _delta_gates(g: torch.Generator, B: int, H: int, T: int, extreme: bool) -> torch.Tensor:
+    """log alpha (B, H, T), fp64: moderate decays, or runs of alpha = 0 (-inf), near 0 (log -20),
+    exactly 1, near 1 and anywhere between."""
+    u = torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    if not extreme:
+        return F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) * 2 + 3)
+    kind = ((torch.arange(T) // 5) % 5).expand(B, H, T)
+    choices = torch.stack([torch.full_like(u, float("-inf")), -20 + 2 * u, torch.zeros_like(u), -1e-4 * u, -20 * u])
+    return choices.gather(0, kind.unsqueeze(0)).squeeze(0)
+
+
+def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, order: int | None = None,
+               gated: bool = True, state: bool = False, extreme: bool = False, chunk: int = 16, B: int = 1,
+               H: int = 2, seed: int = 0) -> dict[str, float]:
+    """delta_rule_chunk (``order`` None) or delta_product_chunk of that order, with the Triton
+    scan (asserted to run once), vs the fp64 parallel form on the same rounded inputs: o, final
+    state and d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev})."""
+    from linearize.ops import delta as D
+    from linearize.ops.delta import triton as kdelta
+
+    g = _gen(seed)
+    q = torch.randn(B, H, T, DK, generator=g, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, H, T, DK, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64)
+    beta = 0.1 + 0.9 * torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    la = _delta_gates(g, B, H, T, extreme) if gated else None
+    ins = [x.to(dtype) for x in (q, k, v, beta)] + ([la.to(dtype)] if gated else [])
+    n = order or 1
+    st = []
+    if state:
+        st = [0.3 * torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64)]
+        if order is not None:
+            st += [F.normalize(torch.randn(B, H, n - 1, DK, generator=g, dtype=torch.float64), dim=-1),
+                   torch.randn(B, H, n - 1, DV, generator=g, dtype=torch.float64)]
+    do = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64).to(dtype).double()
+    dS = torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64)
+
+    def call(fn, xs, sts, **kw):
+        kw = dict(kw, log_alpha=xs[4] if gated else None)
+        if order is None:
+            return fn(*xs[:4], state=D.DeltaState(*sts) if sts else None, **kw)
+        return fn(*xs[:4], order=order, state=D.DeltaProductState(*sts) if sts else None, **kw)
+
+    ref_in = [x.double().requires_grad_() for x in ins]
+    ref_st = [x.clone().requires_grad_() for x in st]
+    o, s = call(D.delta_rule_parallel if order is None else D.delta_product_parallel, ref_in, ref_st)
+    ((o * do).sum() + (s.S * dS).sum()).backward()
+
+    dev = torch.device(device)
+    k_in = [x.to(dev).requires_grad_() for x in ins]
+    k_st = [x.float().to(dev).requires_grad_() for x in st]
+    apply, calls = kdelta._DeltaScanFunction.apply, []
+    kdelta._DeltaScanFunction.apply = lambda *a: calls.append(a[0].shape[3]) or apply(*a)  # W's chunk length
+    try:
+        o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
+        assert o2.dtype == dtype and s2.S.dtype == torch.float32
+        ((o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()).backward()
+    finally:
+        kdelta._DeltaScanFunction.apply = apply
+    err = {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S),
+           "one triton scan, chunks of <= 128 virtual tokens": 0.0 if len(calls) == 1 and calls[0] <= 128
+           else float("inf")}
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dlog_alpha"), k_in, ref_in):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
+    for name, a, b in zip(("dS0", "dk_prev", "dv_prev"), k_st, ref_st):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
+    return err
+
+
+def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int = 40, seed: int = 0) -> dict[str, float]:
+    """HybridAttention as liza configures it (the delta rule, or DeltaProduct of ``order``, beside a
+    window, mixed by mu; no parameters of its own) with the kernels on vs LINEARIZE_KERNELS=0:
+    output, the delta state and the input gradients (those of q_rope, k_rope and v: the others
+    do not reach the output); the Triton scan runs once with the kernels on, never off."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.ops.delta import triton as kdelta
+
+    B, H, d, hidden = 2, 2, 16, 32
+    layer = HybridAttention(method_config("liza", window=8, chunk_size=8, delta_order=order), H, d, hidden)
+    layer = layer.to(device=device, dtype=dtype)
+    g = _gen(seed + 1)
+    q, k, v, qr, kr = (torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype) for _ in range(5))
+    x = torch.randn(B, T, hidden, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
+    calls = {"0": 0, "1": 0}
+    apply = kdelta._DeltaScanFunction.apply
+
+    def counting(*args):
+        calls[flag] += 1
+        return apply(*args)
+
+    outs, before = {}, os.environ.get("LINEARIZE_KERNELS")
+    kdelta._DeltaScanFunction.apply = counting
+    try:
+        for flag in ("0", "1"):
+            os.environ["LINEARIZE_KERNELS"] = flag
+            layer.zero_grad()
+            ins = [t.clone().requires_grad_() for t in (q, k, v, qr, kr, x)]
+            y, state = layer(*ins, None, None)
+            (y.float() * dy.float()).sum().backward()
+            outs[flag] = (y.detach(), state["global"].S.detach(), [t.grad for t in ins])
+    finally:
+        kdelta._DeltaScanFunction.apply = apply
+        if before is None:
+            os.environ.pop("LINEARIZE_KERNELS", None)
+        else:
+            os.environ["LINEARIZE_KERNELS"] = before
+    (y0, s0, i0), (y1, s1, i1) = outs["0"], outs["1"]
+    err = {"y": rel_rms(y1, y0), "global.S": rel_rms(s1, s0),
+           "kernel calls": 0.0 if calls == {"0": 0, "1": 1} else float("inf")}
+    for n, a, b in zip(("q", "k", "v", "q_rope", "k_rope", "x"), i1, i0):
+        if b is not None:
+            err["d" + n] = rel_rms(a, b)
+    return err
+
+
+def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int, DV: int, gated: bool = True,
+                    bv: int | None = 16, B: int = 1, H: int = 2, seed: int = 0) -> dict[str, float]:
+    """The Triton scan (ops.delta.triton.delta_scan_triton, forward and backward) vs its torch
+    twin (ops.delta.chunk.scan_torch, through autograd), fp32, on random inputs of the chunk
+    form's shapes: U, S_c, S_final and d{W, U0, Kd, total, S0}; ``bv`` splits the value columns."""
+    from linearize.ops.delta.chunk import scan_torch
+    from linearize.ops.delta.triton import delta_scan_triton
+
+    g = _gen(seed)
+    W = 0.3 * torch.randn(B, H, NC, L, DK, generator=g)
+    U0 = torch.randn(B, H, NC, L, DV, generator=g)
+    Kd = 0.3 * torch.randn(B, H, NC, L, DK, generator=g)
+    total = torch.rand(B, H, NC, generator=g) if gated else None
+    S0 = torch.randn(B, H, DK, DV, generator=g)
+    ups = [torch.randn(B, H, NC, L, DV, generator=g), torch.randn(B, H, NC, DK, DV, generator=g),
+           torch.randn(B, H, DK, DV, generator=g)]
+    xs = [W, U0, Kd, total, S0]
+    dev = torch.device(device)
+    ref_in = [None if x is None else x.double().requires_grad_() for x in xs]
+    ref = scan_torch(*ref_in)
+    sum((y * u.double()).sum() for y, u in zip(ref, ups)).backward()
+    k_in = [None if x is None else x.to(dev).requires_grad_() for x in xs]
+    out = delta_scan_triton(*k_in, bv=bv)
+    sum((y * u.to(dev)).sum() for y, u in zip(out, ups)).backward()
+    err = {name: rel_rms(a.cpu(), b) for name, a, b in zip(("U", "S_c", "S_final"), out, ref)}
+    for name, a, b in zip(("dW", "dU0", "dKd", "dtotal", "dS0"), k_in, ref_in):
+        if a is not None:
+            err[name] = rel_rms(a.grad.cpu(), b.grad)
+    return err
+
+
 # name -> (case function, kwargs, dtype); small shapes for the CPU interpreter (T not a multiple
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16
@@ -749,6 +897,21 @@ INTERPRETER_CASES = {
     # shorter than the window's cache: its state zeros first, or the given cache's last slots first
     "lizard f32 short": (lizard_case, dict(T=12, DK=16, DV=16, D=16, W=20, nsink=2), F32),
     "lizard f32 short padded": (lizard_case, dict(T=12, DK=16, DV=16, D=16, W=20, nsink=2, pad=3), F32),
+    # the delta rule's scan against its twin (value columns split in blocks of 16), then the whole
+    # chunk form with the Triton scan against the fp64 parallel form (T not a multiple of the chunk)
+    "delta scan f32 gated": (delta_scan_case, dict(NC=3, L=20, DK=16, DV=24), F32),
+    "delta scan f32 ungated": (delta_scan_case, dict(NC=2, L=16, DK=24, DV=16, gated=False, bv=None), F32),
+    "delta f32 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), F32),
+    "delta f32 ungated": (delta_case, dict(T=37, DK=16, DV=16, gated=False), F32),
+    "delta f32 extreme gates": (delta_case, dict(T=45, DK=16, DV=16, extreme=True), F32),
+    "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
+    "delta product2 f32 gated state": (delta_case, dict(T=29, DK=16, DV=16, order=2, state=True, chunk=8), F32),
+    "delta product2 bf16 extreme gates": (delta_case, dict(T=29, DK=16, DV=16, order=2, extreme=True, chunk=8), BF16),
+    # order 3 at chunk_size 64: the scan takes chunks of 42 tokens (126 virtual ones)
+    "delta product3 f32 kernel chunks": (delta_case, dict(T=100, DK=16, DV=16, order=3, chunk=64, state=True), F32),
+    # liza's layer takes the Triton scan and means the same with the kernels off
+    "delta liza layer f32": (delta_layer_case, dict(), F32),
+    "delta liza layer f32 product2": (delta_layer_case, dict(order=2), F32),
 }
 
 
@@ -757,9 +920,9 @@ CASE_TOL = {"model bf16 autocast lizard": 3e-2}  # bf16 autocast against fp32, n
 
 
 # op -> the first words of its cases' names: each op's test file (tests/ops/test_gla.py,
-# test_window_attn.py, test_lizard_attn.py: the hybrid layer and the model are Lizard's) runs its own
-# cases in one subprocess, ``python kernel_cases.py <op>``
-CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model")}
+# test_window_attn.py, test_lizard_attn.py: the hybrid layer and the model are Lizard's;
+# test_delta_fast.py) runs its own cases in one subprocess, ``python kernel_cases.py <op>``
+CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model"), "delta": ("delta",)}
 
 
 def cases_of(op: str) -> list[str]:

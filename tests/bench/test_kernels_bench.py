@@ -215,3 +215,19 @@ def test_bench_lolcats_cell_is_the_lolcats_op_at_the_methods_window():
     assert torch.equal(y, want)
     y.backward(dy)
     assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
+
+
+def test_bench_delta_methods_compute_the_gated_delta_rule():
+    """bench kernels' delta rows time the gated delta rule on their inputs (both rows fall back to
+    the torch scan on the CPU): their outputs equal the parallel form's."""
+    from linearize.bench import kernels as bk
+    from linearize.ops.delta import delta_rule_parallel
+
+    x = bk._shape_inputs(1, 70, 2, 8, 8, 2, torch.float32, torch.device("cpu"), 0)
+    table = bk._methods(x, 4, None)
+    ref, _ = delta_rule_parallel(x["delta_q"], x["delta_k"], x["v"], x["delta_beta"], log_alpha=x["log_g"])
+    for name in ("torch delta (ours)", "triton delta (ours)"):
+        forward, leaves, grad = table[name]
+        out = forward()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, name
+        assert len(leaves) == 5 and grad.shape == out.shape

@@ -1,6 +1,6 @@
 """Fixtures of the kernel tests that several op files share (test_gla.py, test_window_attn.py,
-test_lizard_attn.py): the Triton interpreter's results of a file's own cases, and the spies on the
-Gluon launchers."""
+test_lizard_attn.py, test_delta_fast.py): the Triton interpreter's results of a file's own cases,
+and the spies on the Gluon launchers."""
 
 from __future__ import annotations
 

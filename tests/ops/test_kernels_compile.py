@@ -103,6 +103,23 @@ def test_gla_kernels_compile_for_hopper(compiled, log_space, normalize, segments
     assert expected <= names, f"launched and compiled: {sorted(names)}"
 
 
+@pytest.mark.parametrize("L, DK, DV, gated", [(64, 128, 128, True), (128, 64, 64, True), (128, 128, 128, False),
+                                           (64, 100, 72, True)])
+def test_delta_scan_kernels_compile_for_hopper(compiled, L, DK, DV, gated):
+    """The delta rule's scan, forward and backward (with and without the decay; chunks of 64
+    tokens, or 128 virtual ones of DeltaProduct order 2; widths that are not powers of two)."""
+    from linearize.ops.delta.triton import delta_scan_triton
+
+    B, H, NC = 1, 2, 4
+    W, U0, Kd = (torch.zeros(B, H, NC, L, D, requires_grad=True) for D in (DK, DV, DK))
+    total = torch.zeros(B, H, NC, requires_grad=True) if gated else None
+    S0 = torch.zeros(B, H, DK, DV, requires_grad=True)
+    U, states, S = delta_scan_triton(W, U0, Kd, total, S0)
+    _backward(U.sum() + states.sum() + S, W, U0, Kd, S0, *([total] if gated else []))
+    assert {name for name, *_ in compiled} == {"_delta_scan_fwd_kernel", "_delta_scan_bwd_kernel"}
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("candidate", [None] + [i for i, c in enumerate(WINDOW_CANDIDATES) if "kv_bn" in c])
 def test_window_kernels_compile_for_hopper(compiled, fused, candidate, monkeypatch):

@@ -29,6 +29,10 @@ For each shape (B, T) at H heads of width D (bf16 by default), forward and forwa
   torch lolcats (ours) LoLCATs' attention (ops.lolcats_attn.lolcats_attn_chunk: Hedgehog linear terms
                        and a softmax window under one normaliser, at the method's window of 64, all
                        chunks at once in torch; no kernel of its own), on Lizard's features and heads
+  torch delta (ours)   the gated delta rule (ops.delta.delta_rule_chunk: liza's global branch with a
+                       decay) on unit keys, beta in (0, 1) and the GLA rows' log-gates, chunks of 64,
+                       LINEARIZE_KERNELS=0 (the chunk form's scan in torch)
+  triton delta (ours)  the same with the scan on the Triton kernels (ops.delta.triton), as a user gets it
 
 Each cell is timed with ``triton.testing.do_bench`` (L2 flushed between runs) and reported as
 median and mean ms, with the peak extra memory of one call; a method that refuses to run (fla's
@@ -64,7 +68,8 @@ DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((16, 2048), (4, 8192), (1, 32768)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("sdpa causal", "fla simple_gla", "fla gla", "torch gla (ours)", "triton gla (ours)",
            "triton gla two-pass bwd (ours)", "triton gla passes (ours)", "torch lizard (ours)", "triton lizard (ours)",
-           "triton lizard two-pass bwd (ours)", "triton lizard passes (ours)", "torch lolcats (ours)")
+           "triton lizard two-pass bwd (ours)", "triton lizard passes (ours)", "torch lolcats (ours)",
+           "torch delta (ours)", "triton delta (ours)")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -212,6 +217,10 @@ def _shape_inputs(B: int, T: int, H: int, D: int, Fd: int, sinks: int, dt: torch
         "alpha": torch.ones(H, device=dev) + rnd(H, scale=0.1), "sinks": rnd(H, sinks),
         "factor": rnd(H),  # LoLCATs' window factor, before its sigmoid
         "dy": rnd(B, H, T, D).to(dt),
+        # the delta rule: unit keys (liza's L2-normalised features) and write strengths beta in (0, 1)
+        "delta_q": F.normalize(rnd(B, H, T, D), dim=-1).to(dt),
+        "delta_k": F.normalize(rnd(B, H, T, D), dim=-1).to(dt),
+        "delta_beta": torch.sigmoid(rnd(B, H, T)).to(dt),
     }
     return x
 
@@ -224,6 +233,7 @@ def _methods(x: dict, window: int, fla, gla_launch=None,
     from ..ops.gla import triton as kgla
     from ..ops.gla.triton import gla_chunk_triton
     from ..ops.lizard_attn.fused import LizardPlan, lizard_attention
+    from ..ops.delta import delta_rule_chunk
     from ..ops.gla.chunk import gla_chunk
     from ..ops.lolcats_attn import lolcats_attn_chunk
     from ..methods import method_config
@@ -276,6 +286,13 @@ def _methods(x: dict, window: int, fla, gla_launch=None,
     lolcats_window = method_config("lolcats").window
     out["torch lolcats (ours)"] = (lambda: lolcats_attn_chunk(wq, wk, lv, lq, lk, torch.sigmoid(lf),
                                                               window=lolcats_window)[0], [wq, wk, lv, lq, lk, lf], dy)
+    dq, dk, dv, db, dg = leaves("delta_q", "delta_k", "v", "delta_beta", "log_g")
+
+    def delta():
+        return delta_rule_chunk(dq, dk, dv, db, log_alpha=dg, chunk_size=64)[0]
+
+    out["torch delta (ours)"] = (_with_kernels("0", delta), [dq, dk, dv, db, dg], dy)
+    out["triton delta (ours)"] = (_with_kernels("1", delta), [dq, dk, dv, db, dg], dy)
     return out
 
 
@@ -364,7 +381,8 @@ def run_kernel_bench(
                 print(f"bench kernels: B{B} T{T} {name} {p}: {said}", flush=True)
         checks = {}
         for a, b in (("triton gla (ours)", "torch gla (ours)"), ("triton lizard (ours)", "torch lizard (ours)"),
-                     ("triton lizard passes (ours)", "torch lizard (ours)")):
+                     ("triton lizard passes (ours)", "torch lizard (ours)"),
+                     ("triton delta (ours)", "torch delta (ours)")):
             if a in table and b in table and a in chosen:
                 try:
                     with torch.no_grad():

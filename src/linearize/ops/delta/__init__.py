@@ -29,9 +29,15 @@ values and NaN are rejected); outputs (B, H, T, Dv) in v's dtype; states in the 
 Every op has a parallel (reference), chunk and recurrent form with one meaning; the chunk form
 takes every decay factor as exp of a within-chunk segment sum of log_alpha, never above 1, so
 bf16 inputs with any gates in [-inf, 0] give no inf/NaN.
+
+The chunk form computes every chunk at once in batched torch around one sequential scan of the
+small state (``chunk``); ``delta_rule_chunk`` / ``delta_product_chunk`` run that scan on the
+Triton kernels (``triton``: forward and backward, one autograd Function) when ``delta_applies``
+(bf16/fp16/fp32 inputs, Dk, Dv <= 128, on CUDA, kernels enabled: see ``ops.backend``), else in
+torch (``chunk.scan_torch``), which means the same. Triton is imported only when the kernels run.
 """
 
-from .chunk import delta_product_chunk, delta_rule_chunk
+from .chunk import delta_applies, delta_product_chunk, delta_rule_chunk
 from .naive import (
     DeltaProductState, DeltaState, delta_product_parallel, delta_rule_parallel, finite_differences,
     l2_renormalize,
@@ -39,7 +45,7 @@ from .naive import (
 from .recurrent import delta_product_recurrent, delta_rule_recurrent
 
 __all__ = [
-    "DeltaProductState", "DeltaState", "delta_product_chunk", "delta_product_parallel",
+    "DeltaProductState", "DeltaState", "delta_applies", "delta_product_chunk", "delta_product_parallel",
     "delta_product_recurrent", "delta_rule_chunk", "delta_rule_parallel", "delta_rule_recurrent",
     "finite_differences", "l2_renormalize",
 ]

@@ -19,56 +19,155 @@ chunk (their precision does not degrade with T):
     W  = A^{-1} diag(beta exp(b_t - b_start)) K                       (the state enters decayed)
     O  = diag(exp(b_t - b_start)) Q S + (mask(Q K^T) * exp(b_t - b_s)) U
     S <- exp(b_end - b_start) S + K^T diag(exp(b_end - b_s)) U        (writes leave decayed)
+
+Everything but the state recurrence is computed for all chunks at once (batched over a chunk
+axis: (B, H, NC, L, .)), so autograd sees a handful of large ops whatever T is. The recurrence
+
+    U_c = U0_c - W_c S_c,   S_{c+1} = total_c S_c + Kd_c^T U_c        (Kd = diag(end) K)
+
+is the one sequential part (the "scan"): ``scan_torch`` walks it in torch, and on CUDA the
+public functions hand it to the Triton kernels of ``ops.delta.triton`` when ``delta_applies``.
+Both mean the same; the result does not depend on the chunk size.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import common
+from ..backend.dispatch import all_tensors, kernels_enabled, on_kernel_device
 from .naive import (
     DEFAULT_EPS, DeltaProductState, DeltaState, check_delta_inputs, check_product_inputs, decay_factors,
     last_tokens, read_mask, virtual_log_alpha, virtual_sequence,
 )
 
+MAX_DIM = 128  # widest Dk, Dv the Triton scan holds in registers
+MAX_VIRTUAL_CHUNK = 128  # most virtual tokens in one chunk of the Triton scan (its W and Kd tiles)
 
-def _chunk_loop(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor, order: int,
-    chunk_size: int, log_alpha: Optional[torch.Tensor] = None,
+# (W, U0, Kd, total, S0) -> (U, S_c, S_final); see ``scan_torch``
+Scan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor],
+                tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def scan_torch(
+    W: torch.Tensor, U0: torch.Tensor, Kd: torch.Tensor, total: Optional[torch.Tensor], S0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inter-chunk recurrence, one chunk per step (the reference of the Triton scan).
+
+    W, Kd: (B, H, NC, L, Dk); U0: (B, H, NC, L, Dv); total: (B, H, NC) or None (no decay);
+    S0: (B, H, Dk, Dv). Returns U (B, H, NC, L, Dv), the states entering each chunk
+    S_c (B, H, NC, Dk, Dv) and the final state (B, H, Dk, Dv).
+    """
+    S, us, states = S0, [], []
+    # unbind, not indexing: its backward stacks the chunks' gradients once, where each index's
+    # backward would fill a zero tensor of the whole sequence (quadratic in the chunk count)
+    totals = [None] * W.shape[2] if total is None else total.unbind(2)
+    for w, u0, kd, tot in zip(W.unbind(2), U0.unbind(2), Kd.unbind(2), totals):
+        states.append(S)
+        u = u0 - w @ S
+        us.append(u)
+        S = (S if tot is None else tot[..., None, None] * S) + kd.transpose(-1, -2) @ u
+    return torch.stack(us, dim=2), torch.stack(states, dim=2), S
+
+
+def delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                  log_alpha: Optional[torch.Tensor] = None, state: tuple = (), order: int = 1) -> bool:
+    """Whether ``delta_rule_chunk`` / ``delta_product_chunk`` run their scan on the Triton kernels:
+    kernels enabled (``ops.backend``), every tensor on one CUDA device (or the CPU under the Triton
+    interpreter), no fp64 input (the kernel's state is fp32), Dk, Dv <= 128, DeltaProduct
+    ``order`` <= 128. ``state``: the (validated) state's tensors, e.g. a ``DeltaState``."""
+    extra = () if log_alpha is None else (log_alpha,)
+    st = tuple(state)
+    if not kernels_enabled() or not all_tensors(q, k, v, beta, *extra, *st):
+        return False
+    if not on_kernel_device(q, k, v, beta, *extra, *st):
+        return False
+    if any(x.dtype not in (torch.bfloat16, torch.float16, torch.float32) for x in (q, k, v, beta, *extra, *st)):
+        return False
+    return (q.dim() == 4 and v.dim() == 4 and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
+            and order <= MAX_VIRTUAL_CHUNK)
+
+
+def _pad_time(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (B, H, T[, D]) with n zero tokens appended along time."""
+    if n == 0:
+        return x
+    return F.pad(x, (0, 0, 0, n) if x.dim() == 4 else (0, n))
+
+
+def chunk_form(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
+    chunk_size: int, log_alpha: Optional[torch.Tensor] = None, scan: Scan = scan_torch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H, T, Dk) real queries; k, v, beta, log_alpha over the n*T virtual tokens; all in the
-    compute dtype. log_alpha None is the ungated rule."""
-    n, Dk = order, k.shape[-1]
-    outs = []
-    for s0, s1 in common.chunk_spans(q.shape[2], chunk_size):
-        qc = q[:, :, s0:s1]
-        kc, vc, bc = k[:, :, n * s0: n * s1], v[:, :, n * s0: n * s1], beta[:, :, n * s0: n * s1, None]
-        d = None if log_alpha is None else decay_factors(log_alpha[:, :, n * s0: n * s1], n)
-        L = kc.shape[2]
-        strict = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
-        kk = kc @ kc.transpose(-1, -2)
-        bk = bc * kc
-        if d is not None:
-            kk, bk = kk * d.pair, d.start.unsqueeze(-1) * bk
-        A = (bc * kk).masked_fill(~strict, 0.0)
-        A = A + torch.eye(L, dtype=k.dtype, device=k.device)
-        # W and U0 do not depend on the carried state; solve for both with one call.
-        wu = torch.linalg.solve_triangular(A, torch.cat([bk, bc * vc], dim=-1), upper=False, unitriangular=True)
-        u = wu[..., Dk:] - wu[..., :Dk] @ S
-        reads = qc @ kc.transpose(-1, -2)
-        qS = qc @ S
-        if d is not None:
-            reads, qS = reads * d.read_pair, d.read_start.unsqueeze(-1) * qS
-        reads = reads.masked_fill(~read_mask(s1 - s0, n, q.device), 0.0)
-        outs.append(qS + reads @ u)
-        if d is None:
-            S = S + kc.transpose(-1, -2) @ u
-        else:
-            S = d.total[..., None, None] * S + (d.end.unsqueeze(-1) * kc).transpose(-1, -2) @ u
-    o = torch.cat(outs, dim=2) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
+    """The chunked rule, all chunks at once around ``scan``.
+
+    q (B, H, T, Dk) real queries; k (B, H, nT, Dk), v (B, H, nT, Dv), beta (B, H, nT), log_alpha
+    (B, H, nT) or None over the n*T virtual tokens; S0 (B, H, Dk, Dv); all in the compute dtype.
+    Returns o (B, H, T, Dv) and the final state. T is padded to whole chunks with tokens of zero
+    key, value, beta and log alpha, which leave the state as it is and are cut from o. Autocast
+    is off inside: every product runs in the compute dtype (a model trained under bf16 autocast
+    would otherwise get bf16 products of the fp32 state and of the triangular systems).
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan)
+
+
+def _chunk_form(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
+    chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = order
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    NC = len(common.chunk_spans(T, chunk_size))
+    if NC == 0:
+        return q.new_zeros(B, H, 0, Dv), S0
+    C = min(chunk_size, T)  # one short chunk needs no padding up to chunk_size
+    pad = NC * C - T
+    L = n * C
+    qc = _pad_time(q, pad).view(B, H, NC, C, Dk)
+    kc = _pad_time(k, n * pad).view(B, H, NC, L, Dk)
+    vc = _pad_time(v, n * pad).view(B, H, NC, L, Dv)
+    bc = _pad_time(beta, n * pad).view(B, H, NC, L, 1)
+    d = None if log_alpha is None else decay_factors(_pad_time(log_alpha, n * pad).view(B, H, NC, L), n)
+
+    strict = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
+    kk = kc @ kc.transpose(-1, -2)
+    bk = bc * kc
+    if d is not None:
+        kk, bk = kk * d.pair, d.start.unsqueeze(-1) * bk
+    A = (bc * kk).masked_fill(~strict, 0.0) + torch.eye(L, dtype=k.dtype, device=k.device)
+    # W and U0 do not depend on the carried state: one batched solve over every chunk for both
+    wu = torch.linalg.solve_triangular(A, torch.cat([bk, bc * vc], dim=-1), upper=False, unitriangular=True)
+    kd = kc if d is None else d.end.unsqueeze(-1) * kc
+    u, states, S = scan(wu[..., :Dk], wu[..., Dk:], kd, None if d is None else d.total, S0)
+
+    reads = qc @ kc.transpose(-1, -2)
+    qS = qc @ states
+    if d is not None:
+        reads, qS = reads * d.read_pair, d.read_start.unsqueeze(-1) * qS
+    reads = reads.masked_fill(~read_mask(C, n, q.device), 0.0)
+    o = (qS + reads @ u).reshape(B, H, NC * C, Dv)[:, :, :T]
     return o, S
+
+
+def kernel_chunk(chunk_size: int, order: int) -> int:
+    """The real tokens per chunk when the scan runs on the Triton kernels: ``chunk_size``, cut to
+    at most ``MAX_VIRTUAL_CHUNK`` virtual tokens (DeltaProduct of order 3 takes 42 tokens, not
+    64). The result does not depend on the chunk size; registers and shared memory do."""
+    return max(1, min(chunk_size, MAX_VIRTUAL_CHUNK // order))
+
+
+def _plan(applies: bool, chunk_size: int, order: int) -> tuple[Scan, int]:
+    """(scan, chunk size) of a chunk-form call."""
+    if not applies:
+        return scan_torch, chunk_size
+    from .triton import delta_scan_triton
+
+    return delta_scan_triton, kernel_chunk(chunk_size, order)
 
 
 def delta_rule_chunk(
@@ -76,10 +175,13 @@ def delta_rule_chunk(
     state: Optional[DeltaState] = None, chunk_size: int = 64, log_alpha: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, DeltaState]:
     """The delta rule, ``chunk_size`` tokens per sequential step; ``log_alpha`` (B, H, T) in
-    [-inf, 0] gives the gated delta rule (see ``delta_rule_parallel``)."""
+    [-inf, 0] gives the gated delta rule (see ``delta_rule_parallel``). The scan runs on the
+    Triton kernels where ``delta_applies``."""
     dt, S0 = check_delta_inputs(q, k, v, beta, state, log_alpha)
+    common.check_positive_int("chunk_size", chunk_size)
+    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, (S0,)), chunk_size, 1)
     la = None if log_alpha is None else log_alpha.to(dt)
-    o, S = _chunk_loop(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk_size, la)
+    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan)
     return o.to(v.dtype), DeltaState(S)
 
 
@@ -89,13 +191,16 @@ def delta_product_chunk(
     log_alpha: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, DeltaProductState]:
     """Chunks over real tokens (``chunk_size`` of them, so order*chunk_size virtual tokens each);
-    ``log_alpha`` (B, H, T) decays once per real token (see ``delta_product_parallel``)."""
+    ``log_alpha`` (B, H, T) decays once per real token (see ``delta_product_parallel``). The scan
+    runs on the Triton kernels where ``delta_applies``, in chunks of ``kernel_chunk`` tokens."""
     dt, state = check_product_inputs(q, k, v, beta, order, state, eps, log_alpha)
+    common.check_positive_int("chunk_size", chunk_size)
+    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, state, order), chunk_size, order)
     kf, vf = k.to(dt), v.to(dt)
     # The differences only look back order-1 tokens, so expanding the whole sequence up front
     # gives each chunk exactly the virtual tokens it would get from the carried history.
     kv, vv, bv = virtual_sequence(kf, vf, beta.to(dt), state, order, eps)
     la = virtual_log_alpha(None if log_alpha is None else log_alpha.to(dt), order)
-    o, S = _chunk_loop(q.to(dt), kv, vv, bv, state.S, order, chunk_size, la)
+    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan)
     new = DeltaProductState(S, last_tokens(state.k_prev, kf, order - 1), last_tokens(state.v_prev, vf, order - 1))
     return o.to(v.dtype), new
