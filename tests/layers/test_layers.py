@@ -187,7 +187,7 @@ def test_bad_layer_settings_raise_naming_the_value():
         HedgehogFeatureMap(H, D)(torch.zeros(B, H + 1, T, D))
 
 
-@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza", "hedgehog", "t2r", "liger"])
+@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza", "hedgehog", "t2r", "liger", "lizard-gdn"])
 def test_hybrid_attention_parameters_all_receive_gradients(method):
     from linearize.layers.hybrid import HybridAttention
     from linearize.methods import method_config
@@ -245,3 +245,82 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
     y, g, w = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4)
     y2, g2, w2 = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, return_state=False)
     assert g is not None and w is not None and (g2, w2) == (None, None) and torch.equal(y, y2)
+
+
+# ------------------------------------------------------------------ one layer: pieces and steps = one forward
+
+def _layer_inputs(T_, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T_, D, generator=g, dtype=dtype) for _ in range(3))
+    return q, k, v, q.flip(-1), k.flip(-1), torch.randn(B, T_, HIDDEN, generator=g, dtype=dtype)
+
+
+def _run_pieces(layer, inputs, cuts):
+    """The layer's output fed in pieces [0, c1), [c1, c2), ... with its state carried between them."""
+    T_ = inputs[0].shape[2]
+    bounds = [0, *cuts, T_]
+    ys, state = [], None
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        sl = [t[:, :, s:e] for t in inputs[:5]] + [inputs[5][:, s:e]]
+        y, state = layer(*sl, state=state)
+        ys.append(y)
+    return torch.cat(ys, 2), state
+
+
+LAYER_CASES = [("lizard", {}), ("liza", {}), ("lizard-gdn", {}), ("lizard-gdn", {"feature_map": "hedgehog"}),
+               ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid"})]
+
+
+@pytest.mark.parametrize("method,kw", LAYER_CASES, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+def test_layer_prefill_in_pieces_and_token_steps_equal_one_forward(method, kw):
+    """Two-piece prefill = one piece, and prefill + token-by-token decode = the full forward."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    layer = HybridAttention(method_config(method, window=4, chunk_size=4, **kw), H, D, HIDDEN).double()
+    with torch.no_grad():
+        for p in layer.parameters():  # away from the initialisation, so gates and betas vary per token
+            p.add_(torch.randn_like(p) * 0.3)
+    inputs = _layer_inputs(23, dtype=torch.float64)
+    with torch.no_grad():
+        full, _ = _run_pieces(layer, inputs, [])
+        two, _ = _run_pieces(layer, inputs, [9])
+        steps, _ = _run_pieces(layer, inputs, [10, *range(11, 23)])
+    # fp64 ops; the gates and betas are computed in fp32 by design, hence not 1e-12
+    torch.testing.assert_close(two, full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_alpha_bias", [-20.0, 20.0])
+def test_gated_delta_layer_bf16_long_input_extreme_gates_finite(log_alpha_bias):
+    """Decays at both ends (alpha = exp(-softplus(20)) ~ 0 and ~1), betas at both ends: no inf/NaN in bf16."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    layer = HybridAttention(method_config("lizard-gdn", window=16), H, D, HIDDEN)
+    with torch.no_grad():
+        layer.gate.bias.fill_(-log_alpha_bias)  # mamba2: log alpha = -softplus(bias)
+        layer.beta_proj.bias.copy_(torch.tensor([-30.0, 0.0, 30.0]))
+    layer = layer.to(torch.bfloat16)
+    T_ = 8192
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, T_, D, generator=g).mul(8).to(torch.bfloat16) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g).mul(8).to(torch.bfloat16)
+    with torch.no_grad():
+        y, state = layer(q, k, v, q, k, x)
+    assert torch.isfinite(y).all() and torch.isfinite(state["global"].S).all()
+
+
+def test_gated_delta_settings_are_checked():
+    from linearize.methods import method_config
+
+    with pytest.raises(ValueError, match=r"one decay per head: gate must be one of \('sigmoid', 'mamba2'\) or None, got 'gla'"):
+        method_config("lizard-gdn", gate="gla")
+    with pytest.raises(ValueError, match=r"apply only to global_rule 'delta', not 'gated' \(got beta='linear'"):
+        method_config("lizard", beta="linear")
+    with pytest.raises(ValueError, match=r"beta must be one of \('pool', 'linear'\), got 'x'"):
+        method_config("lizard-gdn", beta="x")

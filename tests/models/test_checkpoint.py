@@ -18,11 +18,12 @@ def _tiny_base(path, seed=0):
 
 
 @pytest.fixture
-def trained(tmp_path):
-    """A converted tiny model whose new modules moved away from their initialisation."""
+def trained(tmp_path, request):
+    """A converted tiny model whose new modules moved away from their initialisation (Lizard, or
+    the method a test asks for through indirect parametrisation)."""
     base = _tiny_base(tmp_path / "base")
     model, _ = linearize.load_teacher(base)
-    linearize.convert(model, "lizard", window=8, softmax_layers=[1])
+    linearize.convert(model, getattr(request, "param", "lizard"), window=8, softmax_layers=[1])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".hybrid." in name:
@@ -33,12 +34,13 @@ def trained(tmp_path):
 IDS = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("trained", ["lizard", "lizard-gdn"], indirect=True)
 def test_save_then_load_reproduces_logits_exactly(trained):
     model, tmp = trained
     ref = model(IDS).logits
     linearize.save(model, tmp / "ck")
     meta = json.loads((tmp / "ck" / META_FILE).read_text())
-    assert meta["method"] == "lizard" and meta["overrides"] == {"window": 8} and meta["softmax_layers"] == [1]
+    assert meta["method"] == model.linearize_spec["method"] and meta["overrides"] == {"window": 8} and meta["softmax_layers"] == [1]
     loaded, _ = linearize.load(tmp / "ck")
     assert torch.equal(loaded(IDS).logits, ref)
     # only the new modules are stored: a small fraction of the base

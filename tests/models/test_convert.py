@@ -37,6 +37,8 @@ VARIANTS = [
     ("lolcats", {"local_rule": "terraced"}),
     ("liza", {"delta_order": 2}),
     ("liza", {"local_rule": "softmax"}),
+    ("lizard-gdn", {"feature_map": "hedgehog"}),
+    ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid", "beta": "pool"}),
 ]
 T = 24
 

@@ -5,7 +5,8 @@ Inputs are the teacher's projected heads, already expanded for GQA:
 ``x: (B, T, hidden)`` the layer input (for gates) and ``valid: (B, T)`` bool or None (False at
 padding). Output ``(B, H, T, d)`` before the output projection, plus the new state.
 
-  global  linear | gated (Lizard) | delta (TPTT's delta rule / DeltaProduct)
+  global  linear | gated (Lizard) | delta (TPTT's delta rule / DeltaProduct; with a scalar gate,
+          the gated delta rule of Gated DeltaNet)
   local   none | window | terraced | softmax (full, its cache grows)
   combine sum: y_g + alpha_h * y_w (Lizard) | shared_norm: one normaliser (LoLCATs, its own op)
           | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
@@ -43,6 +44,8 @@ GLOBAL_RULES = ("linear", "gated", "delta")
 LOCAL_RULES = ("none", "window", "terraced", "softmax")
 COMBINES = ("sum", "shared_norm", "mu")
 GATES = ("sigmoid", "mamba2", "gla", "pool")
+SCALAR_GATES = ("sigmoid", "mamba2")  # one decay per head: what the delta rule's log_alpha takes
+BETAS = ("pool", "linear")
 SINK_KINDS = ("logits", "kv")
 
 
@@ -54,7 +57,7 @@ class AttentionConfig:
     feature_map: str = "hedgehog"       # hedgehog | t2r | silu_l2 (delta rule: L2-normalised SiLU)
     feature_dim: int | None = None      # F; None = head_dim
     feature_init: str = "identity"
-    gate: str | None = "sigmoid"        # for global_rule == "gated"
+    gate: str | None = "sigmoid"        # gated: any of GATES; delta: a scalar gate = Gated DeltaNet's decay
     gate_init: tuple[float, float] = (0.95, 0.99)
     local_rule: str = "window"          # none | window | terraced | softmax (full, cache grows)
     window: int = 128
@@ -64,6 +67,8 @@ class AttentionConfig:
     rope_global: bool = False           # RoPE on the linear branch's q/k (Lizard: off; LoLCATs: on)
     rope_window: bool = True
     delta_order: int = 1                # DeltaProduct order n (1 = delta rule)
+    beta: str = "pool"                  # delta write strength: pool (TPTT, of k) | linear (sigmoid(w.x + c) per head)
+    delta_norm: bool = True             # RMSNorm on the delta rule's output (TPTT); off keeps the values' scale
     mu: float = 0.5                     # liza mixing weight (a buffer, set by the training schedule)
     alpha_init: float = 1.0             # Lizard's per-head window weight
     window_factor_init: float = 0.0     # LoLCATs' per-head mixing logit (sigmoid(0) = 0.5)
@@ -83,11 +88,18 @@ class AttentionConfig:
         one_of("combine", COMBINES)
         one_of("sink_kind", SINK_KINDS)
         one_of("gate", GATES + (None,))
+        one_of("beta", BETAS)
         if self.global_rule == "gated" and self.gate is None:
             raise ValueError(f"global_rule 'gated' needs a gate, one of {GATES}")
-        if self.global_rule != "gated" and self.gate is not None:
-            raise ValueError(f"gate {self.gate!r} applies only to global_rule 'gated', not {self.global_rule!r}")
-        for name in ("keep_native_sliding", "trainable", "rope_global", "rope_window"):
+        if self.global_rule == "linear" and self.gate is not None:
+            raise ValueError(f"gate {self.gate!r} applies only to global_rules 'gated' and 'delta', not 'linear'")
+        if self.global_rule == "delta" and self.gate not in SCALAR_GATES + (None,):
+            raise ValueError(f"global_rule 'delta' takes one decay per head: gate must be one of "
+                             f"{SCALAR_GATES} or None, got {self.gate!r}")
+        if self.global_rule != "delta" and (self.beta != "pool" or self.delta_norm is not True):
+            raise ValueError(f"beta and delta_norm apply only to global_rule 'delta', not {self.global_rule!r} "
+                             f"(got beta={self.beta!r}, delta_norm={self.delta_norm!r})")
+        for name in ("keep_native_sliding", "trainable", "rope_global", "rope_window", "delta_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         lo_hi = self.gate_init
@@ -101,8 +113,6 @@ class AttentionConfig:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
         if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
             raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
-        if self.global_rule == "delta" and self.feature_map != "silu_l2":
-            raise ValueError(f"global_rule 'delta' needs feature_map 'silu_l2', got {self.feature_map!r}")
         if self.feature_map == "silu_l2" and self.global_rule != "delta":
             raise ValueError(f"feature_map 'silu_l2' is the delta rule's; global_rule is {self.global_rule!r}")
         if self.combine == "shared_norm" and (self.global_rule != "linear" or self.local_rule not in ("window", "terraced")):
@@ -145,7 +155,7 @@ class HybridAttention(nn.Module):
             self.phi_q = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
             self.phi_k = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
             gate_channels = F_dim
-        if config.global_rule == "gated":
+        if config.gate is not None:
             self.gate = {
                 "sigmoid": lambda: SigmoidGate(hidden_size, num_heads, config.gate_init),
                 "mamba2": lambda: Mamba2Gate(hidden_size, num_heads, config.gate_init),
@@ -155,6 +165,8 @@ class HybridAttention(nn.Module):
         has_window = config.local_rule in ("window", "terraced")
         if has_window and config.sinks and config.combine != "shared_norm":
             self.sinks = Sinks(num_heads, config.sinks, head_dim, config.sink_kind)
+        if config.beta == "linear":  # Gated DeltaNet's beta_t = sigmoid(w_h . x_t + c_h), starting at 1/2
+            self.beta_proj = SigmoidGate(hidden_size, num_heads, (0.5, 0.5))
         if config.combine == "sum" and config.local_rule != "none":
             self.alpha = nn.Parameter(torch.full((num_heads,), float(config.alpha_init)))
         if config.combine == "shared_norm":
@@ -191,9 +203,11 @@ class HybridAttention(nn.Module):
         and the op's decays are row scales <= 1, so plain features cannot overflow."""
         c = self.config
         if c.feature_map == "silu_l2":
-            fq, fk = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+            fq, fk = F.silu(q), F.silu(k)
         else:
             fq, fk = self.phi_q(q), self.phi_k(k)
+        if c.global_rule == "delta":  # the delta rule's write is a projection only for unit keys
+            fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
         if valid is not None:
             fk = fk.masked_fill(~valid[:, None, :, None], 0.0)
         return fq, fk
@@ -208,8 +222,11 @@ class HybridAttention(nn.Module):
             log_g = log_g.masked_fill(mask, 0.0)
         return log_g
 
-    def _beta(self, k, k_hist):
-        """beta_t = sigmoid(mean over channels of the causal 3-token average of k)."""
+    def _beta(self, k, x, k_hist):
+        """beta (B, H, T) in (0, 1) and the key history to carry. ``pool``: sigmoid(mean over
+        channels of the causal 3-token average of k) (TPTT); ``linear``: sigmoid(w_h . x_t + c_h)."""
+        if self.config.beta == "linear":
+            return self.beta_proj(x).exp(), k_hist
         k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
         pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
         return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
@@ -250,13 +267,18 @@ class HybridAttention(nn.Module):
         if c.global_rule == "delta":
             fq, fk = self._global_features(gq, gk, x, valid)
             k_hist = state.get("k_hist")
-            if k_hist is None:
+            if k_hist is None and c.beta == "pool":
                 k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
-            beta, state["k_hist"] = self._beta(fk, k_hist)
+            beta, k_hist = self._beta(fk, x, k_hist)
+            if k_hist is not None:
+                state["k_hist"] = k_hist
+            log_alpha = self._log_gates(k, x, valid) if c.gate is not None else None
             fn = delta_product_recurrent if step else delta_product_chunk
             y_g, state["global"] = fn(fq, fk, v_lin, beta, order=c.delta_order, state=state.get("global"),
-                                      **({} if step else chunk))
-            y_g = F.rms_norm(y_g.float(), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
+                                      log_alpha=log_alpha, **({} if step else chunk))
+            if c.delta_norm:
+                acc = torch.promote_types(y_g.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+                y_g = F.rms_norm(y_g.to(acc), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
         else:
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
