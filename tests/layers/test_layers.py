@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -268,7 +270,9 @@ def _run_pieces(layer, inputs, cuts):
 
 
 LAYER_CASES = [("lizard", {}), ("liza", {}), ("lizard-gdn", {}), ("lizard-gdn", {"feature_map": "hedgehog"}),
-               ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid"})]
+               ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid"}), ("lizard", {"sparse_cache": 3}),
+               ("lizard-gdn", {"sparse_cache": 2}), ("liza", {"sparse_cache": 3}), ("t2r", {"local_rule": "window",
+                                                                                         "sparse_cache": 3})]
 
 
 @pytest.mark.parametrize("method,kw", LAYER_CASES, ids=lambda x: x if isinstance(x, str) else
@@ -324,3 +328,37 @@ def test_gated_delta_settings_are_checked():
         method_config("lizard", beta="linear")
     with pytest.raises(ValueError, match=r"beta must be one of \('pool', 'linear'\), got 'x'"):
         method_config("lizard-gdn", beta="x")
+
+
+@pytest.mark.slow  # ~5 s on a quiet CPU
+@torch.no_grad()
+def test_sparse_cache_state_bytes_identical_at_1k_and_32k_tokens():
+    """Window + sparse cache + global state: the same tensors, shapes and bytes after 1K and 32K tokens,
+    and the cache is full (M pairs) with positions that have left the window."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.models.cache import iter_tensors
+
+    torch.manual_seed(0)
+    M, w = 4, 16
+    layer = HybridAttention(method_config("lizard", window=w, sparse_cache=M, chunk_size=64), 1, D, HIDDEN)
+    sizes = []
+    for T_ in (1024, 32768):
+        g = torch.Generator().manual_seed(T_)
+        q, k, v = (torch.randn(1, 1, T_, D, generator=g) for _ in range(3))
+        _, state = layer(q, k, v, q, k, torch.randn(1, T_, HIDDEN, generator=g))
+        sizes.append([(tuple(t.shape), t.dtype) for t in iter_tensors(state)])
+        pos = state["local"].cache_pos
+        assert pos.shape == (1, 1, M) and (pos >= 0).all() and (pos <= T_ - 1 - w).all()
+    assert sizes[0] == sizes[1]
+    assert sum(math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in sizes[0]) == sum(
+        math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in sizes[1])
+
+
+def test_sparse_cache_settings_are_checked():
+    from linearize.methods import method_config
+
+    with pytest.raises(ValueError, match="sparse_cache must be a non-negative int, got -1"):
+        method_config("lizard", sparse_cache=-1)
+    with pytest.raises(ValueError, match="needs local_rule 'window' and combine 'sum' or 'mu', got 'window' and 'shared_norm'"):
+        method_config("lolcats", sparse_cache=4)

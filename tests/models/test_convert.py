@@ -39,6 +39,9 @@ VARIANTS = [
     ("liza", {"local_rule": "softmax"}),
     ("lizard-gdn", {"feature_map": "hedgehog"}),
     ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid", "beta": "pool"}),
+    ("lizard", {"sparse_cache": 3}),
+    ("lizard-gdn", {"sparse_cache": 3}),
+    ("liza", {"sparse_cache": 2}),
 ]
 T = 24
 
@@ -207,7 +210,9 @@ def test_left_padded_batch_equals_each_sequence_alone(arch, method):
     ("gemma2", {"keep_native_sliding": True}),
     ("mistral", {"softmax_layers": [1]}),
     ("llama", {"local_rule": "softmax", "method": "liza"}),
-], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax"])
+    ("llama", {"sparse_cache": 3}),
+    ("llama", {"sparse_cache": 3, "method": "lizard-gdn"}),
+], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax", "sparse-cache", "gdn-sparse-cache"])
 def test_left_padded_batch_hybrid(arch, kw):
     kw = dict(kw)
     model = converted(arch, kw.pop("method", "lizard"), **kw)

@@ -11,6 +11,15 @@ padding). Output ``(B, H, T, d)`` before the output projection, plus the new sta
   combine sum: y_g + alpha_h * y_w (Lizard) | shared_norm: one normaliser (LoLCATs, its own op)
           | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
 
+Sparse cache (LoLA, ``sparse_cache = M > 0``, beside a sliding window): every pair gets a score,
+its self-recall error ||v_t - read(S_t, phi(k_t))|| against the global state that has just
+absorbed it (the global op run once more with the key features as queries); once a pair leaves
+the window, the M highest-scoring ones so far are attended exactly, in the window's softmax
+(``ops.sparse_window``). Training-free: it adds no parameters. LoLA rescores its cache against
+the current state at every step; that rule is sequential and path-dependent, so no chunk form
+could reproduce it. A score fixed at arrival makes the cache the top M of a growing set, the same
+for every split of the input, so prefill in any pieces and cached decode equal the full forward.
+
 Padding: keys and values at padding are zeroed for the linear branches (and their gates set to
 1), and left padding is put at negative window positions, so a padded row gets exactly the
 outputs it gets alone. The state is a dict of op states; nothing in it grows with T except the
@@ -32,6 +41,8 @@ from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
 from ..ops.lizard_attn import lizard_attention_fused
+from ..ops.sparse_window import fresh_state as fresh_sparse_state
+from ..ops.sparse_window import sparse_window_attn_chunk, sparse_window_attn_recurrent
 from ..ops.window_attn import (
     WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent, window_attn_sum,
 )
@@ -73,6 +84,7 @@ class AttentionConfig:
     alpha_init: float = 1.0             # Lizard's per-head window weight
     window_factor_init: float = 0.0     # LoLCATs' per-head mixing logit (sigmoid(0) = 0.5)
     chunk_size: int = 64
+    sparse_cache: int = 0               # LoLA: M exact pairs the global memory recalls worst, beside the window (0: off)
     keep_native_sliding: bool = False   # leave a model's own sliding-window layers as they are
     trainable: bool = True              # False: the new modules are fixed (liger), stage 1 has nothing to learn
 
@@ -111,6 +123,11 @@ class AttentionConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
+        if isinstance(self.sparse_cache, bool) or not isinstance(self.sparse_cache, int) or self.sparse_cache < 0:
+            raise ValueError(f"sparse_cache must be a non-negative int, got {self.sparse_cache!r}")
+        if self.sparse_cache and (self.local_rule != "window" or self.combine == "shared_norm"):
+            raise ValueError("sparse_cache extends a sliding window's softmax: it needs local_rule 'window' and "
+                             f"combine 'sum' or 'mu', got {self.local_rule!r} and {self.combine!r}")
         if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
             raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
         if self.feature_map == "silu_l2" and self.global_rule != "delta":
@@ -263,7 +280,8 @@ class HybridAttention(nn.Module):
                                    state=state["local"], **kw)
             return y, state
 
-        # global branch
+        # global branch; `read(queries)` runs the same op from the same state with other queries
+        g0 = state.get("global")
         if c.global_rule == "delta":
             fq, fk = self._global_features(gq, gk, x, valid)
             k_hist = state.get("k_hist")
@@ -274,8 +292,9 @@ class HybridAttention(nn.Module):
                 state["k_hist"] = k_hist
             log_alpha = self._log_gates(k, x, valid) if c.gate is not None else None
             fn = delta_product_recurrent if step else delta_product_chunk
-            y_g, state["global"] = fn(fq, fk, v_lin, beta, order=c.delta_order, state=state.get("global"),
+            read = lambda queries, fn=fn: fn(queries, fk, v_lin, beta, order=c.delta_order, state=g0,  # noqa: E731
                                       log_alpha=log_alpha, **({} if step else chunk))
+            y_g, state["global"] = read(fq)
             if c.delta_norm:
                 acc = torch.promote_types(y_g.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
                 y_g = F.rms_norm(y_g.to(acc), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
@@ -283,16 +302,18 @@ class HybridAttention(nn.Module):
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
                 log_g = self._log_gates(k, x, valid)
-                lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
-                if lizard is not None:
-                    return lizard
+                if not c.sparse_cache:
+                    lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
+                    if lizard is not None:
+                        return lizard
                 # ops.gla.gla_chunk picks the backend: the kernels on CUDA where they apply, else torch
                 fn = gla_recurrent if step else gla_chunk
-                y_g, state["global"] = fn(fq, fk, v_lin, log_g,
-                                          state=state.get("global"), **({} if step else chunk))
+                read = lambda queries, fn=fn: fn(queries, fk, v_lin, log_g, state=g0,  # noqa: E731
+                                          **({} if step else chunk))
             else:
                 fn = linear_attn_recurrent if step else linear_attn_chunk
-                y_g, state["global"] = fn(fq, fk, v_lin, state=state.get("global"), **({} if step else chunk))
+                read = lambda queries, fn=fn: fn(queries, fk, v_lin, state=g0, **({} if step else chunk))  # noqa: E731
+            y_g, state["global"] = read(fq)
 
         if c.local_rule == "none":
             return y_g, state
@@ -300,6 +321,8 @@ class HybridAttention(nn.Module):
         # local branch
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
+        elif c.sparse_cache:
+            y_w, state["local"] = self._sparse_window(lq, lk, v, v_lin, fk, read, state.get("local"), valid, step)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -324,6 +347,29 @@ class HybridAttention(nn.Module):
         else:
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
+
+    def _sparse_window(self, lq, lk, v, v_lin, fk, read, local, valid, step: bool):
+        """Window + sinks + the sparse cache (``ops.sparse_window``), scored by the global memory's
+        self-recall error ||v_t - read(S_t, phi(k_t))|| (the raw read: before any output norm)."""
+        c = self.config
+        recall, _ = read(fk)
+        acc = torch.promote_types(v.dtype, torch.float32)
+        score = (v_lin.to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+        if local is None:  # rows start at minus their left padding, as the window's
+            _, pos = self._fresh_window_state(lk, valid)
+            B, H, _, d = lk.shape
+            local = fresh_sparse_state(B, H, d, v.shape[-1], c.window, c.sparse_cache,
+                                       dtype=torch.float64 if lk.dtype == torch.float64 else torch.float32,
+                                       device=lk.device, pos=pos)
+        kw = {k: val for k, val in self._window_kwargs().items() if k != "terraced"}
+        if step:
+            y_w, local = sparse_window_attn_recurrent(lq, lk, v, score, cache_size=c.sparse_cache, state=local, **kw)
+        else:
+            y_w, local = sparse_window_attn_chunk(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
+                                                  chunk_size=c.chunk_size, **kw)
+        if valid is not None:  # padding queries see no keys; give them zeros, not NaN
+            y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)
+        return y_w, local
 
     def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid,
                        need_state: bool = True) -> tuple | None:
