@@ -352,7 +352,8 @@ class HybridAttention(nn.Module):
         """Window + sinks + the sparse cache (``ops.sparse_window``), scored by the global memory's
         self-recall error ||v_t - read(S_t, phi(k_t))|| (the raw read: before any output norm)."""
         c = self.config
-        recall, _ = read(fk)
+        with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
+            recall, _ = read(fk)
         acc = torch.promote_types(v.dtype, torch.float32)
         score = (v_lin.to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
         if local is None:  # rows start at minus their left padding, as the window's
