@@ -50,6 +50,24 @@ def test_save_then_load_reproduces_logits_exactly(trained):
     assert size < 4 * n_added + 4096 and n_added < 0.2 * n_base
 
 
+def test_load_with_a_parameter_free_override_adds_lolas_cache_to_a_trained_student(trained):
+    """sparse_cache adds no parameters: a trained Lizard loads with it, changes its logits (IDS is
+    longer than the window of 8), saves with the merged settings and loads back exactly; a setting
+    that changes the parameters is refused by name."""
+    model, tmp = trained
+    ref = model(IDS).logits
+    linearize.save(model, tmp / "ck")
+    cached, _ = linearize.load(tmp / "ck", overrides={"sparse_cache": 3})
+    out = cached(IDS).logits
+    assert torch.isfinite(out).all() and not torch.allclose(out, ref)
+    linearize.save(cached, tmp / "ck-sparse")
+    assert json.loads((tmp / "ck-sparse" / META_FILE).read_text())["overrides"] == {"window": 8, "sparse_cache": 3}
+    again, _ = linearize.load(tmp / "ck-sparse")
+    assert torch.equal(again(IDS).logits, out)
+    with pytest.raises(ValueError, match=r"the overrides \{'feature_dim': 4\} change the checkpoint's parameters"):
+        linearize.load(tmp / "ck", overrides={"feature_dim": 4})
+
+
 def test_merged_export_is_self_contained_and_reproduces_logits(trained):
     model, tmp = trained
     ref = model(IDS).logits

@@ -558,7 +558,7 @@ def test_bad_override_is_rejected_and_model_left_untouched(method, kw, match):
 def test_bad_gate_rejected_for_every_method():
     with pytest.raises(ValueError, match="gate must be one of"):
         linearize.convert(fixtures.llama(), "lolcats", gate="foo")
-    with pytest.raises(ValueError, match="gate 'sigmoid' applies only to global_rule 'gated', not 'linear'"):
+    with pytest.raises(ValueError, match="gate 'sigmoid' applies only to global_rules 'gated' and 'delta', not 'linear'"):
         linearize.convert(fixtures.llama(), "hedgehog", gate="sigmoid")
     with pytest.raises(ValueError, match=r"gate_init must be a pair .* got \(0.5,\)"):
         linearize.convert(fixtures.llama(), "lizard", gate_init=(0.5,))
