@@ -362,3 +362,28 @@ def test_sparse_cache_settings_are_checked():
         method_config("lizard", sparse_cache=-1)
     with pytest.raises(ValueError, match="needs local_rule 'window' and combine 'sum' or 'mu', got 'window' and 'shared_norm'"):
         method_config("lolcats", sparse_cache=4)
+
+
+@torch.no_grad()
+def test_sparse_cache_keeps_the_pair_the_memory_recalls_worst_and_reads_it_exactly():
+    """One pair whose value the gated memory cannot give back (an outlier) is cached when it leaves
+    the window; a query for its key long after reads its value through the cache, and not without it."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    T_, at = 40, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, T_, D, generator=g) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g)
+    v[0, 0, at] = 20.0  # far from every other value: the memory's read of its key averages it away
+    q[0, 0, -1] = 10 * k[0, 0, at]  # the last query asks for it
+    outs = {}
+    for M in (0, 2):
+        layer = HybridAttention(method_config("lizard", window=4, sinks=0, sparse_cache=M), 1, D, HIDDEN)
+        y, state = layer(q, k, v, q, k, x)
+        outs[M] = y[0, 0, -1]
+        if M:
+            assert at in state["local"].cache_pos[0, 0].tolist()
+    assert (outs[2] - 20.0).abs().max() < 1.5  # y = y_global (small) + alpha * (the cached value, read exactly)
+    assert outs[0].abs().max() < 3  # without the cache, the window and the blurred memory have lost it

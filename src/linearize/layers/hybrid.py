@@ -11,14 +11,15 @@ padding). Output ``(B, H, T, d)`` before the output projection, plus the new sta
   combine sum: y_g + alpha_h * y_w (Lizard) | shared_norm: one normaliser (LoLCATs, its own op)
           | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
 
-Sparse cache (LoLA, ``sparse_cache = M > 0``, beside a sliding window): every pair gets a score,
-its self-recall error ||v_t - read(S_t, phi(k_t))|| against the global state that has just
-absorbed it (the global op run once more with the key features as queries); once a pair leaves
-the window, the M highest-scoring ones so far are attended exactly, in the window's softmax
-(``ops.sparse_window``). Training-free: it adds no parameters. LoLA rescores its cache against
-the current state at every step; that rule is sequential and path-dependent, so no chunk form
-could reproduce it. A score fixed at arrival makes the cache the top M of a growing set, the same
-for every split of the input, so prefill in any pieces and cached decode equal the full forward.
+Sparse cache (LoLA, ``sparse_cache = M > 0``, beside a sliding window): when pair s leaves the
+window (at query t = s + w) it is scored by LoLA's self-recall error ||v_s - read(S_t, phi(k_s))||
+against the global state of that step (the global op run once more, with the key features of
+the pairs leaving as queries); the M highest-scoring pairs so far are attended exactly, in the
+window's softmax (``ops.sparse_window``). Training-free: it adds no parameters. LoLA also rescores
+its cache at every step, a sequential, path-dependent rule no chunk form could reproduce; a score
+fixed when given makes the cache the top M of a growing set, the same for every split of the
+input, so prefill in any pieces and cached decode equal the full forward. The state carries the
+last w key features and values for the scoring.
 
 Padding: keys and values at padding are zeroed for the linear branches (and their gates set to
 1), and left padding is put at negative window positions, so a padded row gets exactly the
@@ -322,7 +323,7 @@ class HybridAttention(nn.Module):
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
         elif c.sparse_cache:
-            y_w, state["local"] = self._sparse_window(lq, lk, v, v_lin, fk, read, state.get("local"), valid, step)
+            y_w = self._sparse_window(lq, lk, v, v_lin, fk, read, state, valid, step)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -348,14 +349,22 @@ class HybridAttention(nn.Module):
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
 
-    def _sparse_window(self, lq, lk, v, v_lin, fk, read, local, valid, step: bool):
-        """Window + sinks + the sparse cache (``ops.sparse_window``), scored by the global memory's
-        self-recall error ||v_t - read(S_t, phi(k_t))|| (the raw read: before any output norm)."""
+    def _sparse_window(self, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool):
+        """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
+        "leaving": the last w key features and values) and returns y_w. The pair leaving the window
+        at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t,
+        phi(k_{t-w}))|| (the raw read: before any output norm)."""
         c = self.config
+        w, T = c.window, fk.shape[2]
+        fk_hist, v_hist = state.get("leaving") or (fk.new_zeros(*fk.shape[:2], w, fk.shape[-1]),
+                                                    v_lin.new_zeros(*v_lin.shape[:2], w, v_lin.shape[-1]))
+        fk_ext, v_ext = torch.cat([fk_hist, fk], 2), torch.cat([v_hist, v_lin], 2)
+        state["leaving"] = (fk_ext[:, :, T:], v_ext[:, :, T:])
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
-            recall, _ = read(fk)
-        acc = torch.promote_types(v.dtype, torch.float32)
-        score = (v_lin.to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+            recall, _ = read(fk_ext[:, :, :T])
+            acc = torch.promote_types(v.dtype, torch.float32)
+            score = (v_ext[:, :, :T].to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+        local = state.get("local")
         if local is None:  # rows start at minus their left padding, as the window's
             _, pos = self._fresh_window_state(lk, valid)
             B, H, _, d = lk.shape
@@ -368,9 +377,10 @@ class HybridAttention(nn.Module):
         else:
             y_w, local = sparse_window_attn_chunk(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
                                                   chunk_size=c.chunk_size, **kw)
+        state["local"] = local
         if valid is not None:  # padding queries see no keys; give them zeros, not NaN
             y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)
-        return y_w, local
+        return y_w
 
     def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid,
                        need_state: bool = True) -> tuple | None:

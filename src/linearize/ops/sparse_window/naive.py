@@ -1,7 +1,7 @@
 """The sparse-window state, its checks, and the one span step every form runs (see the package).
 
 State (``SparseWindowState``), with w the window and M the cache size:
-  k (B, H, w, Dk), v (B, H, w, Dv), score (B, H, w)   the last w pairs, positions pos - w .. pos - 1
+  k (B, H, w, Dk), v (B, H, w, Dv)                    the last w pairs, positions pos - w .. pos - 1
                                                       (the window's w - 1 plus the pair leaving it)
   cache_k (B, H, M, Dk), cache_v (B, H, M, Dv)        the cached pairs, in no particular order
   cache_score (B, H, M), cache_pos (B, H, M) int64    their scores and positions (-1: an empty slot)
@@ -22,7 +22,6 @@ from ..window_attn.naive import check_sinks, check_softcap, sink_softmax_attend,
 class SparseWindowState(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
-    score: torch.Tensor
     cache_k: torch.Tensor
     cache_v: torch.Tensor
     cache_score: torch.Tensor
@@ -38,8 +37,7 @@ def fresh_state(B: int, H: int, Dk: int, Dv: int, window: int, cache_size: int, 
     z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     if pos is None:
         pos = torch.zeros(B, dtype=torch.int64, device=device)
-    return SparseWindowState(z(B, H, window, Dk), z(B, H, window, Dv), z(B, H, window),
-                             z(B, H, cache_size, Dk), z(B, H, cache_size, Dv), z(B, H, cache_size),
+    return SparseWindowState(z(B, H, window, Dk), z(B, H, window, Dv), z(B, H, cache_size, Dk), z(B, H, cache_size, Dv), z(B, H, cache_size),
                              torch.full((B, H, cache_size), -1, dtype=torch.int64, device=device), pos)
 
 
@@ -59,7 +57,7 @@ def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v
     if not isinstance(state, SparseWindowState):
         raise ValueError(f"state must be a SparseWindowState or None, got {type(state).__name__}")
     w, M = window, cache_size
-    shapes = {"k": (B, H, w, Dk), "v": (B, H, w, Dv), "score": (B, H, w), "cache_k": (B, H, M, Dk),
+    shapes = {"k": (B, H, w, Dk), "v": (B, H, w, Dv), "cache_k": (B, H, M, Dk),
               "cache_v": (B, H, M, Dv), "cache_score": (B, H, M), "cache_pos": (B, H, M), "pos": (B,)}
     for name, shape in shapes.items():
         common.check_state_tensor(name, getattr(state, name), shape)
@@ -67,7 +65,7 @@ def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v
         if getattr(state, name).dtype != torch.int64:
             raise ValueError(f"state.{name} must have dtype torch.int64, got {getattr(state, name).dtype}")
     fl = lambda x: x.to(dt)  # noqa: E731
-    return dt, SparseWindowState(fl(state.k), fl(state.v), fl(state.score), fl(state.cache_k), fl(state.cache_v),
+    return dt, SparseWindowState(fl(state.k), fl(state.v), fl(state.cache_k), fl(state.cache_v),
                                  fl(state.cache_score), state.cache_pos, state.pos)
 
 
@@ -84,20 +82,20 @@ def span_step(q, k, v, score, state: SparseWindowState, *, window: int, scale: f
 
     The candidates a query of this span can see are the cached pairs and the C pairs that leave
     the window during the span (positions pos - w .. pos + C - 1 - w, the first C of the held
-    pairs followed by the span's); query t ranks those with position <= t - w and keeps the top M.
+    pairs followed by the span's), ``score[c]`` being that of the pair leaving at query c; query t
+    ranks those with position <= t - w and keeps the top M.
     Work O(C (M + C)^2 + C (M + w + C) D)."""
     B, H, C, _ = q.shape
     w, M = window, state.cache_k.shape[2]
     keys = torch.cat([state.k, k], 2)                       # (B, H, w + C, Dk), positions pos - w ..
     values = torch.cat([state.v, v], 2)
-    scores = torch.cat([state.score, score], 2)
     k_pos = state.pos[:, None] + torch.arange(-w, C, device=q.device)     # (B, w + C)
     q_pos = k_pos[:, w:]                                                   # (B, C)
     near = visible(q_pos, k_pos, w, False)                                 # (B, 1, C, w + C)
 
     new_pos = k_pos[:, None, :C].expand(B, H, C)
     cand_pos = torch.cat([state.cache_pos, new_pos], 2)                    # (B, H, M + C)
-    cand_score = torch.cat([state.cache_score, scores[:, :, :C]], 2)
+    cand_score = torch.cat([state.cache_score, score], 2)
     left = (cand_pos[:, :, None, :] >= 0) & (cand_pos[:, :, None, :] <= q_pos[:, None, :, None] - w)
     above = left.to(q.dtype) @ beats(cand_score, cand_pos).to(q.dtype)     # (B, H, C, M + C): how many rank above
     member = left & (above < M)
@@ -114,7 +112,7 @@ def span_step(q, k, v, score, state: SparseWindowState, *, window: int, scale: f
     gather = lambda x: x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
     cand_k, cand_v = torch.cat([state.cache_k, keys[:, :, :C]], 2), torch.cat([state.cache_v, values[:, :, :C]], 2)
     new = SparseWindowState(
-        keys[:, :, C:], values[:, :, C:], scores[:, :, C:],
+        keys[:, :, C:], values[:, :, C:],
         gather(cand_k) * kept[..., None], gather(cand_v) * kept[..., None],
         cand_score.gather(-1, idx) * kept, torch.where(kept, cand_pos.gather(-1, idx), -1), state.pos + C)
     return o, new
