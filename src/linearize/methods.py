@@ -25,6 +25,10 @@ class Method:
 _METHODS: dict[str, Method] = {m.name: m for m in [
     Method("lizard", "Lizard: RoPE-free gated linear attention (Hedgehog, sigmoid gate) + window 128 with 4 sink logits, y = y_gate + alpha * y_window",
            AttentionConfig()),
+    Method("lizard-gdn", "Lizard with a gated delta-rule global branch (Gated DeltaNet: L2-normalised SiLU features, "
+           "beta = sigmoid(w.x + c) per head, mamba2 decay per head) + window 128 with 4 sink logits, "
+           "y = y_delta + alpha * y_window",
+           AttentionConfig(global_rule="delta", feature_map="silu_l2", gate="mamba2", beta="linear", delta_norm=False)),
     Method("lolcats", "LoLCATs: Hedgehog linear attention + sliding window 64 under one shared normaliser",
            AttentionConfig(global_rule="linear", gate=None, window=64, sinks=0, combine="shared_norm", rope_global=True)),
     Method("liza", "TPTT LiZA: delta-rule linear branch beside window-truncated softmax, mixed by mu (memory as gate)",

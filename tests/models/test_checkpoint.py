@@ -18,11 +18,12 @@ def _tiny_base(path, seed=0):
 
 
 @pytest.fixture
-def trained(tmp_path):
-    """A converted tiny model whose new modules moved away from their initialisation."""
+def trained(tmp_path, request):
+    """A converted tiny model whose new modules moved away from their initialisation (Lizard, or
+    the method a test asks for through indirect parametrisation)."""
     base = _tiny_base(tmp_path / "base")
     model, _ = linearize.load_teacher(base)
-    linearize.convert(model, "lizard", window=8, softmax_layers=[1])
+    linearize.convert(model, getattr(request, "param", "lizard"), window=8, softmax_layers=[1])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".hybrid." in name:
@@ -33,12 +34,13 @@ def trained(tmp_path):
 IDS = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("trained", ["lizard", "lizard-gdn"], indirect=True)
 def test_save_then_load_reproduces_logits_exactly(trained):
     model, tmp = trained
     ref = model(IDS).logits
     linearize.save(model, tmp / "ck")
     meta = json.loads((tmp / "ck" / META_FILE).read_text())
-    assert meta["method"] == "lizard" and meta["overrides"] == {"window": 8} and meta["softmax_layers"] == [1]
+    assert meta["method"] == model.linearize_spec["method"] and meta["overrides"] == {"window": 8} and meta["softmax_layers"] == [1]
     loaded, _ = linearize.load(tmp / "ck")
     assert torch.equal(loaded(IDS).logits, ref)
     # only the new modules are stored: a small fraction of the base
@@ -46,6 +48,24 @@ def test_save_then_load_reproduces_logits_exactly(trained):
     n_base = sum(p.numel() for n, p in model.named_parameters() if ".hybrid." not in n)
     size = (tmp / "ck" / ADAPTER_FILE).stat().st_size
     assert size < 4 * n_added + 4096 and n_added < 0.2 * n_base
+
+
+def test_load_with_a_parameter_free_override_adds_lolas_cache_to_a_trained_student(trained):
+    """sparse_cache adds no parameters: a trained Lizard loads with it, changes its logits (IDS is
+    longer than the window of 8), saves with the merged settings and loads back exactly; a setting
+    that changes the parameters is refused by name."""
+    model, tmp = trained
+    ref = model(IDS).logits
+    linearize.save(model, tmp / "ck")
+    cached, _ = linearize.load(tmp / "ck", overrides={"sparse_cache": 3})
+    out = cached(IDS).logits
+    assert torch.isfinite(out).all() and not torch.allclose(out, ref)
+    linearize.save(cached, tmp / "ck-sparse")
+    assert json.loads((tmp / "ck-sparse" / META_FILE).read_text())["overrides"] == {"window": 8, "sparse_cache": 3}
+    again, _ = linearize.load(tmp / "ck-sparse")
+    assert torch.equal(again(IDS).logits, out)
+    with pytest.raises(ValueError, match=r"the overrides \{'feature_dim': 4\} change the checkpoint's parameters"):
+        linearize.load(tmp / "ck", overrides={"feature_dim": 4})
 
 
 def test_merged_export_is_self_contained_and_reproduces_logits(trained):

@@ -37,6 +37,11 @@ VARIANTS = [
     ("lolcats", {"local_rule": "terraced"}),
     ("liza", {"delta_order": 2}),
     ("liza", {"local_rule": "softmax"}),
+    ("lizard-gdn", {"feature_map": "hedgehog"}),
+    ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid", "beta": "pool"}),
+    ("lizard", {"sparse_cache": 3}),
+    ("lizard-gdn", {"sparse_cache": 3}),
+    ("liza", {"sparse_cache": 2}),
 ]
 T = 24
 
@@ -205,7 +210,9 @@ def test_left_padded_batch_equals_each_sequence_alone(arch, method):
     ("gemma2", {"keep_native_sliding": True}),
     ("mistral", {"softmax_layers": [1]}),
     ("llama", {"local_rule": "softmax", "method": "liza"}),
-], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax"])
+    ("llama", {"sparse_cache": 3}),
+    ("llama", {"sparse_cache": 3, "method": "lizard-gdn"}),
+], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax", "sparse-cache", "gdn-sparse-cache"])
 def test_left_padded_batch_hybrid(arch, kw):
     kw = dict(kw)
     model = converted(arch, kw.pop("method", "lizard"), **kw)
@@ -551,7 +558,7 @@ def test_bad_override_is_rejected_and_model_left_untouched(method, kw, match):
 def test_bad_gate_rejected_for_every_method():
     with pytest.raises(ValueError, match="gate must be one of"):
         linearize.convert(fixtures.llama(), "lolcats", gate="foo")
-    with pytest.raises(ValueError, match="gate 'sigmoid' applies only to global_rule 'gated', not 'linear'"):
+    with pytest.raises(ValueError, match="gate 'sigmoid' applies only to global_rules 'gated' and 'delta', not 'linear'"):
         linearize.convert(fixtures.llama(), "hedgehog", gate="sigmoid")
     with pytest.raises(ValueError, match=r"gate_init must be a pair .* got \(0.5,\)"):
         linearize.convert(fixtures.llama(), "lizard", gate_init=(0.5,))

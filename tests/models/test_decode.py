@@ -86,7 +86,8 @@ CASES = ([("lizard", arch, {}) for arch in fixtures.ARCHS]
          + [("lizard", "llama", {"sink_kind": "kv"}), ("lizard", "llama", {"gate": "gla"}),
             ("lizard", "llama", {"rope_global": True}), ("lolcats", "llama", {"local_rule": "terraced"}),
             ("liza", "llama", {"delta_order": 2}), ("lizard", "gemma2", {"keep_native_sliding": True}),
-            ("lizard", "llama", {"softmax_layers": [0]})])
+            ("lizard", "llama", {"softmax_layers": [0]}), ("lizard", "llama", {"sparse_cache": 3}),
+            ("lizard-gdn", "llama", {"sparse_cache": 3})])
 
 
 @pytest.mark.parametrize("method,arch,kw", CASES,
@@ -166,7 +167,11 @@ def test_step_logits_equal_the_full_forward():
 
 
 @pytest.mark.parametrize("method,kw", [("lizard", {}), ("lizard", {"sink_kind": "kv", "gate": "gla"}),
-                                       ("lolcats", {}), ("liza", {}), ("hedgehog", {})])
+                                       ("lolcats", {}), ("liza", {}), ("hedgehog", {}),
+                                       pytest.param("lizard-gdn", {}, marks=pytest.mark.xfail(
+                                           strict=True, reason="ops.delta's check_log_alpha reads a bool back "
+                                           "(its value check); owned by the ops/delta work")),
+                                       ("lizard", {"sparse_cache": 3})])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
 def test_decode_step_has_no_host_sync(arch, method, kw):
     model = converted(arch, method, **kw)
@@ -301,7 +306,8 @@ def test_fused_kernel_matches_torch_step_in_triton_interpreter():
 @needs_cuda
 @pytest.mark.parametrize("method,arch,kw", [("lizard", "llama", {}), ("lizard", "llama3", {"gate": "gla"}),
                                             ("hedgehog", "llama", {}), ("lizard", "qwen3", {"sink_kind": "kv"}),
-                                            ("lolcats", "llama", {}), ("lizard", "gemma2", {})])
+                                            ("lolcats", "llama", {}), ("lizard", "gemma2", {}),
+                                            ("lizard", "llama", {"sparse_cache": 3})])
 def test_cuda_graph_generate_equals_hf_greedy(method, arch, kw):
     model = converted(arch, method, **kw).cuda()
     seqs, ids, mask = padded_batch()

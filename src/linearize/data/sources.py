@@ -32,7 +32,10 @@ below). Accepted ``source`` forms, tried in this order:
    Markdown markup removed.
 4. ``"passkey"``, ``"passkey:LENGTH"`` or ``"passkey:LENGTH:COUNT"``: synthetic five-passkey
    retrieval examples (``linearize.data.passkey``), default LENGTH 2048 tokens, COUNT 1000.
-5. a Hugging Face dataset id (``name``, ``org/name``, optionally ``:config``): the train split via
+5. ``"retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]"``: synthetic retrieval examples in varied
+   formats (key-value lists, facts in natural text, several facts asked at once; FORMAT ``kv``,
+   ``facts``, ``multi`` or ``mixed``), answers under a ``loss_mask`` (``linearize.data.retrieval``).
+6. a Hugging Face dataset id (``name``, ``org/name``, optionally ``:config``): the train split via
    ``datasets.load_dataset`` where that package and a network exist.
 
 Several sources with weights (a mixture, for training) are read by ``linearize.data.mixture``:
@@ -71,6 +74,7 @@ ACCEPTED_FORMS = (
     "a .json/.jsonl file (chat 'messages' records, Alpaca records or records with a text field), "
     "a .txt/.md file, each optionally compressed (.gz, .xz, .bz2: e.g. data.jsonl.xz), "
     "a folder of such files, 'shakespeare', 'passkey[:LENGTH[:COUNT]]', "
+    "'retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]' (FORMAT kv, facts, multi or mixed), "
     "or a Hugging Face dataset id ('name', 'org/name', optionally ':config')"
 )
 
@@ -149,6 +153,9 @@ def load_documents(source: str, tokenizer, *, text_field: str = "text", max_docu
         texts = (_Text(play) for play in shakespeare_plays())
     elif passkey or source.startswith("passkey:"):
         return _passkey_source(source, passkey, tokenizer, max_documents, max_tokens)
+    elif source.startswith("retrieval:"):
+        from .retrieval import retrieval_source  # retrieval.py reads its haystack through this module
+        return retrieval_source(source, tokenizer, max_documents=max_documents, max_tokens=max_tokens)
     elif "," in source:
         raise ValueError(f"data source {source!r} names several sources (a comma-separated mixture); a mixture is "
                          "read for training (linearize train --data A:0.6,B:0.4; linearize.data.load_mixture). "

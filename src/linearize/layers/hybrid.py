@@ -5,10 +5,21 @@ Inputs are the teacher's projected heads, already expanded for GQA:
 ``x: (B, T, hidden)`` the layer input (for gates) and ``valid: (B, T)`` bool or None (False at
 padding). Output ``(B, H, T, d)`` before the output projection, plus the new state.
 
-  global  linear | gated (Lizard) | delta (TPTT's delta rule / DeltaProduct)
+  global  linear | gated (Lizard) | delta (TPTT's delta rule / DeltaProduct; with a scalar gate,
+          the gated delta rule of Gated DeltaNet)
   local   none | window | terraced | softmax (full, its cache grows)
   combine sum: y_g + alpha_h * y_w (Lizard) | shared_norm: one normaliser (LoLCATs, its own op)
           | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
+
+Sparse cache (LoLA, ``sparse_cache = M > 0``, beside a sliding window): when pair s leaves the
+window (at query t = s + w) it is scored by LoLA's self-recall error ||v_s - read(S_t, phi(k_s))||
+against the global state of that step (the global op run once more, with the key features of
+the pairs leaving as queries); the M highest-scoring pairs so far are attended exactly, in the
+window's softmax (``ops.sparse_window``). Training-free: it adds no parameters. LoLA also rescores
+its cache at every step, a sequential, path-dependent rule no chunk form could reproduce; a score
+fixed when given makes the cache the top M of a growing set, the same for every split of the
+input, so prefill in any pieces and cached decode equal the full forward. The state carries the
+last w key features and values for the scoring.
 
 Padding: keys and values at padding are zeroed for the linear branches (and their gates set to
 1), and left padding is put at negative window positions, so a padded row gets exactly the
@@ -32,6 +43,8 @@ from ..ops.gla import gla_chunk, gla_recurrent
 from ..ops.linear_attn import linear_attn_chunk, linear_attn_recurrent
 from ..ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_recurrent
 from ..ops.lizard_attn import lizard_attention_fused
+from ..ops.sparse_window import fresh_state as fresh_sparse_state
+from ..ops.sparse_window import sparse_window_attn_chunk, sparse_window_attn_recurrent
 from ..ops.window_attn import (
     WindowState, cache_len, check_softcap, soft_cap, window_attn_chunk, window_attn_recurrent, window_attn_sum,
 )
@@ -44,6 +57,8 @@ GLOBAL_RULES = ("linear", "gated", "delta")
 LOCAL_RULES = ("none", "window", "terraced", "softmax")
 COMBINES = ("sum", "shared_norm", "mu")
 GATES = ("sigmoid", "mamba2", "gla", "pool")
+SCALAR_GATES = ("sigmoid", "mamba2")  # one decay per head: what the delta rule's log_alpha takes
+BETAS = ("pool", "linear")
 SINK_KINDS = ("logits", "kv")
 
 
@@ -55,7 +70,7 @@ class AttentionConfig:
     feature_map: str = "hedgehog"       # hedgehog | t2r | silu_l2 (delta rule: L2-normalised SiLU)
     feature_dim: int | None = None      # F; None = head_dim
     feature_init: str = "identity"
-    gate: str | None = "sigmoid"        # for global_rule == "gated"
+    gate: str | None = "sigmoid"        # gated: any of GATES; delta: a scalar gate = Gated DeltaNet's decay
     gate_init: tuple[float, float] = (0.95, 0.99)
     local_rule: str = "window"          # none | window | terraced | softmax (full, cache grows)
     window: int = 128
@@ -65,10 +80,13 @@ class AttentionConfig:
     rope_global: bool = False           # RoPE on the linear branch's q/k (Lizard: off; LoLCATs: on)
     rope_window: bool = True
     delta_order: int = 1                # DeltaProduct order n (1 = delta rule)
+    beta: str = "pool"                  # delta write strength: pool (TPTT, of k) | linear (sigmoid(w.x + c) per head)
+    delta_norm: bool = True             # RMSNorm on the delta rule's output (TPTT); off keeps the values' scale
     mu: float = 0.5                     # liza mixing weight (a buffer, set by the training schedule)
     alpha_init: float = 1.0             # Lizard's per-head window weight
     window_factor_init: float = 0.0     # LoLCATs' per-head mixing logit (sigmoid(0) = 0.5)
     chunk_size: int = 64
+    sparse_cache: int = 0               # LoLA: M exact pairs the global memory recalls worst, beside the window (0: off)
     keep_native_sliding: bool = False   # leave a model's own sliding-window layers as they are
     trainable: bool = True              # False: the new modules are fixed (liger), stage 1 has nothing to learn
 
@@ -84,11 +102,18 @@ class AttentionConfig:
         one_of("combine", COMBINES)
         one_of("sink_kind", SINK_KINDS)
         one_of("gate", GATES + (None,))
+        one_of("beta", BETAS)
         if self.global_rule == "gated" and self.gate is None:
             raise ValueError(f"global_rule 'gated' needs a gate, one of {GATES}")
-        if self.global_rule != "gated" and self.gate is not None:
-            raise ValueError(f"gate {self.gate!r} applies only to global_rule 'gated', not {self.global_rule!r}")
-        for name in ("keep_native_sliding", "trainable", "rope_global", "rope_window"):
+        if self.global_rule == "linear" and self.gate is not None:
+            raise ValueError(f"gate {self.gate!r} applies only to global_rules 'gated' and 'delta', not 'linear'")
+        if self.global_rule == "delta" and self.gate not in SCALAR_GATES + (None,):
+            raise ValueError(f"global_rule 'delta' takes one decay per head: gate must be one of "
+                             f"{SCALAR_GATES} or None, got {self.gate!r}")
+        if self.global_rule != "delta" and (self.beta != "pool" or self.delta_norm is not True):
+            raise ValueError(f"beta and delta_norm apply only to global_rule 'delta', not {self.global_rule!r} "
+                             f"(got beta={self.beta!r}, delta_norm={self.delta_norm!r})")
+        for name in ("keep_native_sliding", "trainable", "rope_global", "rope_window", "delta_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         lo_hi = self.gate_init
@@ -100,10 +125,13 @@ class AttentionConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
+        if isinstance(self.sparse_cache, bool) or not isinstance(self.sparse_cache, int) or self.sparse_cache < 0:
+            raise ValueError(f"sparse_cache must be a non-negative int, got {self.sparse_cache!r}")
+        if self.sparse_cache and (self.local_rule != "window" or self.combine == "shared_norm"):
+            raise ValueError("sparse_cache extends a sliding window's softmax: it needs local_rule 'window' and "
+                             f"combine 'sum' or 'mu', got {self.local_rule!r} and {self.combine!r}")
         if self.feature_dim is not None and (not isinstance(self.feature_dim, int) or self.feature_dim <= 0):
             raise ValueError(f"feature_dim must be a positive int or None, got {self.feature_dim!r}")
-        if self.global_rule == "delta" and self.feature_map != "silu_l2":
-            raise ValueError(f"global_rule 'delta' needs feature_map 'silu_l2', got {self.feature_map!r}")
         if self.feature_map == "silu_l2" and self.global_rule != "delta":
             raise ValueError(f"feature_map 'silu_l2' is the delta rule's; global_rule is {self.global_rule!r}")
         if self.combine == "shared_norm" and (self.global_rule != "linear" or self.local_rule not in ("window", "terraced")):
@@ -146,7 +174,7 @@ class HybridAttention(nn.Module):
             self.phi_q = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
             self.phi_k = T2RFeatureMap(num_heads, head_dim, F_dim, config.feature_init)
             gate_channels = F_dim
-        if config.global_rule == "gated":
+        if config.gate is not None:
             self.gate = {
                 "sigmoid": lambda: SigmoidGate(hidden_size, num_heads, config.gate_init),
                 "mamba2": lambda: Mamba2Gate(hidden_size, num_heads, config.gate_init),
@@ -156,6 +184,8 @@ class HybridAttention(nn.Module):
         has_window = config.local_rule in ("window", "terraced")
         if has_window and config.sinks and config.combine != "shared_norm":
             self.sinks = Sinks(num_heads, config.sinks, head_dim, config.sink_kind)
+        if config.beta == "linear":  # Gated DeltaNet's beta_t = sigmoid(w_h . x_t + c_h), starting at 1/2
+            self.beta_proj = SigmoidGate(hidden_size, num_heads, (0.5, 0.5))
         if config.combine == "sum" and config.local_rule != "none":
             self.alpha = nn.Parameter(torch.full((num_heads,), float(config.alpha_init)))
         if config.combine == "shared_norm":
@@ -192,9 +222,11 @@ class HybridAttention(nn.Module):
         and the op's decays are row scales <= 1, so plain features cannot overflow."""
         c = self.config
         if c.feature_map == "silu_l2":
-            fq, fk = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+            fq, fk = F.silu(q), F.silu(k)
         else:
             fq, fk = self.phi_q(q), self.phi_k(k)
+        if c.global_rule == "delta":  # the delta rule's write is a projection only for unit keys
+            fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
         if valid is not None:
             fk = fk.masked_fill(~valid[:, None, :, None], 0.0)
         return fq, fk
@@ -209,8 +241,11 @@ class HybridAttention(nn.Module):
             log_g = log_g.masked_fill(mask, 0.0)
         return log_g
 
-    def _beta(self, k, k_hist):
-        """beta_t = sigmoid(mean over channels of the causal 3-token average of k)."""
+    def _beta(self, k, x, k_hist):
+        """beta (B, H, T) in (0, 1) and the key history to carry. ``pool``: sigmoid(mean over
+        channels of the causal 3-token average of k) (TPTT); ``linear``: sigmoid(w_h . x_t + c_h)."""
+        if self.config.beta == "linear":
+            return self.beta_proj(x).exp(), k_hist
         k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
         pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
         return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
@@ -247,31 +282,40 @@ class HybridAttention(nn.Module):
                                    state=state["local"], **kw)
             return y, state
 
-        # global branch
+        # global branch; `read(queries)` runs the same op from the same state with other queries
+        g0 = state.get("global")
         if c.global_rule == "delta":
             fq, fk = self._global_features(gq, gk, x, valid)
             k_hist = state.get("k_hist")
-            if k_hist is None:
+            if k_hist is None and c.beta == "pool":
                 k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
-            beta, state["k_hist"] = self._beta(fk, k_hist)
+            beta, k_hist = self._beta(fk, x, k_hist)
+            if k_hist is not None:
+                state["k_hist"] = k_hist
+            log_alpha = self._log_gates(k, x, valid) if c.gate is not None else None
             fn = delta_product_recurrent if step else delta_product_chunk
-            y_g, state["global"] = fn(fq, fk, v_lin, beta, order=c.delta_order, state=state.get("global"),
-                                      **({} if step else chunk))
-            y_g = F.rms_norm(y_g.float(), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
+            read = lambda queries, fn=fn: fn(queries, fk, v_lin, beta, order=c.delta_order, state=g0,  # noqa: E731
+                                      log_alpha=log_alpha, **({} if step else chunk))
+            y_g, state["global"] = read(fq)
+            if c.delta_norm:
+                acc = torch.promote_types(y_g.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+                y_g = F.rms_norm(y_g.to(acc), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
         else:
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
                 log_g = self._log_gates(k, x, valid)
-                lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
-                if lizard is not None:
-                    return lizard
+                if not c.sparse_cache:
+                    lizard = self._lizard_one_op(fq, fk, v, log_g, lq, lk, state, step, valid, need_state)
+                    if lizard is not None:
+                        return lizard
                 # ops.gla.gla_chunk picks the backend: the kernels on CUDA where they apply, else torch
                 fn = gla_recurrent if step else gla_chunk
-                y_g, state["global"] = fn(fq, fk, v_lin, log_g,
-                                          state=state.get("global"), **({} if step else chunk))
+                read = lambda queries, fn=fn: fn(queries, fk, v_lin, log_g, state=g0,  # noqa: E731
+                                          **({} if step else chunk))
             else:
                 fn = linear_attn_recurrent if step else linear_attn_chunk
-                y_g, state["global"] = fn(fq, fk, v_lin, state=state.get("global"), **({} if step else chunk))
+                read = lambda queries, fn=fn: fn(queries, fk, v_lin, state=g0, **({} if step else chunk))  # noqa: E731
+            y_g, state["global"] = read(fq)
 
         if c.local_rule == "none":
             return y_g, state
@@ -279,6 +323,8 @@ class HybridAttention(nn.Module):
         # local branch
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
+        elif c.sparse_cache:
+            y_w = self._sparse_window(lq, lk, v, v_lin, fk, read, state, valid, step)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -303,6 +349,39 @@ class HybridAttention(nn.Module):
         else:
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
+
+    def _sparse_window(self, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool):
+        """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
+        "leaving": the last w key features and values) and returns y_w. The pair leaving the window
+        at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t,
+        phi(k_{t-w}))|| (the raw read: before any output norm)."""
+        c = self.config
+        w, T = c.window, fk.shape[2]
+        fk_hist, v_hist = state.get("leaving") or (fk.new_zeros(*fk.shape[:2], w, fk.shape[-1]),
+                                                    v_lin.new_zeros(*v_lin.shape[:2], w, v_lin.shape[-1]))
+        fk_ext, v_ext = torch.cat([fk_hist, fk], 2), torch.cat([v_hist, v_lin], 2)
+        state["leaving"] = (fk_ext[:, :, T:], v_ext[:, :, T:])
+        with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
+            recall, _ = read(fk_ext[:, :, :T])
+            acc = torch.promote_types(v.dtype, torch.float32)
+            score = (v_ext[:, :, :T].to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+        local = state.get("local")
+        if local is None:  # rows start at minus their left padding, as the window's
+            _, pos = self._fresh_window_state(lk, valid)
+            B, H, _, d = lk.shape
+            local = fresh_sparse_state(B, H, d, v.shape[-1], c.window, c.sparse_cache,
+                                       dtype=torch.float64 if lk.dtype == torch.float64 else torch.float32,
+                                       device=lk.device, pos=pos)
+        kw = {k: val for k, val in self._window_kwargs().items() if k != "terraced"}
+        if step:
+            y_w, local = sparse_window_attn_recurrent(lq, lk, v, score, cache_size=c.sparse_cache, state=local, **kw)
+        else:
+            y_w, local = sparse_window_attn_chunk(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
+                                                  chunk_size=c.chunk_size, **kw)
+        state["local"] = local
+        if valid is not None:  # padding queries see no keys; give them zeros, not NaN
+            y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)
+        return y_w
 
     def _lizard_one_op(self, fq, fk, v, log_g, lq, lk, state: dict, step: bool, valid,
                        need_state: bool = True) -> tuple | None:

@@ -301,13 +301,23 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"corrupted checkpoint: cannot read {path} ({e})") from None
 
 
-def load(directory: str | os.PathLike, base: str | None = None, device=None, dtype=None):
-    """Rebuild a saved model: ``(model, tokenizer)``. ``base`` overrides the recorded base model."""
+def load(directory: str | os.PathLike, base: str | None = None, device=None, dtype=None,
+         overrides: dict | None = None):
+    """Rebuild a saved model: ``(model, tokenizer)``. ``base`` overrides the recorded base model.
+
+    ``overrides``: attention settings merged over the recorded ones, for settings that add no
+    parameters (e.g. ``{"sparse_cache": 64}``, LoLA's training-free cache, on a trained student);
+    ``save`` then records the merged settings. One that changes the new modules' parameters is
+    refused with the mismatch named."""
     from .convert import convert
     from .teacher import load_teacher
 
     directory = Path(directory)
     meta = read_meta(directory)
+    if overrides:
+        if not isinstance(overrides, dict):
+            raise ValueError(f"overrides must be a dict of attention settings, got {type(overrides).__name__}")
+        meta["overrides"] = {**meta["overrides"], **overrides}
     if meta.get("merged"):
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -318,7 +328,7 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
         convert(model, meta["method"], softmax_layers=meta["softmax_layers"], **meta["overrides"])
         state = _load_tensors(directory / MERGED_FILE)
         tied = getattr(config, "tie_word_embeddings", False) and not encoder
-        _load_exact(model, state, allow_missing={"lm_head.weight"} if tied else set())
+        _load_exact(model, state, allow_missing={"lm_head.weight"} if tied else set(), overrides=overrides)
         if tied:
             model.tie_weights()
     else:
@@ -338,9 +348,12 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
         expected = set(_added_state(model))
         if set(state) != expected:
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"corrupted checkpoint: {ADAPTER_FILE} does not match the model "
+            raise ValueError(f"{_why(overrides)}: {ADAPTER_FILE} does not match the model "
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        model.load_state_dict(state, strict=False)
+        try:
+            model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a shape mismatch
+            raise ValueError(f"{_why(overrides)}: {e}") from None
     model.linearize_base = meta["base"]["name"] if base is None else base
     if meta.get("training"):  # what the student was trained on survives a load and a save
         model.linearize_spec["training"] = meta["training"]
@@ -350,8 +363,16 @@ def load(directory: str | os.PathLike, base: str | None = None, device=None, dty
     return model, tokenizer
 
 
-def _load_exact(model: nn.Module, state: dict, allow_missing: set[str]) -> None:
-    result = model.load_state_dict(state, strict=False)
+def _why(overrides: dict | None) -> str:
+    return (f"the overrides {overrides} change the checkpoint's parameters" if overrides
+            else "corrupted checkpoint")
+
+
+def _load_exact(model: nn.Module, state: dict, allow_missing: set[str], overrides: dict | None = None) -> None:
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape mismatch
+        raise ValueError(f"{_why(overrides)}: {e}") from None
     missing = set(result.missing_keys) - allow_missing
     if missing or result.unexpected_keys:
-        raise ValueError(f"corrupted checkpoint: missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")
+        raise ValueError(f"{_why(overrides)}: missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")

@@ -182,7 +182,8 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 def _fast_kind(hybrid) -> str | None:
     """'torch' when the ring-buffer step applies to this layer's config (else None)."""
     c = hybrid.config
-    if c.global_rule not in ("gated", "linear") or c.feature_map not in ("hedgehog", "t2r"):
+    if (c.global_rule not in ("gated", "linear") or c.feature_map not in ("hedgehog", "t2r")
+            or c.sparse_cache):
         return None
     if c.local_rule == "none":
         return "torch"

@@ -23,7 +23,7 @@ class TrainConfig:
     # what to linearize, on what, and where the run lives
     method: str = "lizard"
     model: str = "smollm2-135m"          # a bundled teacher name, a local HF directory, or a hub id
-    data: str = "shakespeare"            # a file (.jsonl, .jsonl.xz, ...), a folder, "shakespeare", "passkey", a HF dataset name, or a mixture A:0.6,B:0.4
+    data: str = "shakespeare"            # a file (.jsonl, .jsonl.xz, ...), a folder, "shakespeare", "passkey", "retrieval:FORMAT", a HF dataset name, or a mixture A:0.6,B:0.4
     out: str = "runs/lizard"
     softmax_layers: list[int] | float | None = None
     overrides: dict = field(default_factory=dict)  # AttentionConfig fields (window, gate, ...)

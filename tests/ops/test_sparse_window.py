@@ -1,0 +1,122 @@
+"""The sparse window (window + sinks + a bounded cache of the worst-recalled pairs): every form
+against a brute-force reference that picks each query's cache by sorting, and the state's bounds."""
+
+import math
+
+import pytest
+import torch
+
+from linearize.ops.sparse_window import (
+    SparseWindowState, fresh_state, sparse_window_attn_chunk, sparse_window_attn_parallel,
+    sparse_window_attn_recurrent,
+)
+
+B, H, D = 2, 3, 8
+
+
+def shifted(pair_score, w):
+    """The op's score input: at query t, the score of the pair leaving the window then (t - w)."""
+    return torch.cat([torch.full_like(pair_score[..., :w], -7.0), pair_score], -1)[..., : pair_score.shape[-1]]
+
+
+def inputs(T, seed=0, ties=False, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
+    score = torch.randint(0, 3, (B, H, T), generator=g).to(dtype) if ties else torch.rand(B, H, T, generator=g, dtype=dtype)
+    sinks = torch.randn(H, 2, generator=g, dtype=dtype)
+    return q, k, v, score, sinks
+
+
+def reference(q, k, v, score, sinks, w, M):
+    """Query t: softmax over the sink logits, keys t-w < s <= t, and the M pairs s <= t - w with the
+    largest (score, s), found by sorting; score[s] is pair s's own."""
+    Bq, Hq, T, d = q.shape
+    out = torch.zeros_like(v)
+    for b in range(Bq):
+        for h in range(Hq):
+            for t in range(T):
+                old = sorted(range(0, max(t - w + 1, 0)), key=lambda s: (score[b, h, s].item(), s), reverse=True)
+                keys = list(range(max(t - w + 1, 0), t + 1)) + old[:M]
+                logits = torch.stack([q[b, h, t] @ k[b, h, s] / math.sqrt(d) for s in keys])
+                allz = torch.cat([logits, sinks[h]])
+                p = torch.softmax(allz, 0)[: len(keys)]
+                out[b, h, t] = p @ v[b, h, keys]
+    return out
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("w,M", [(3, 2), (4, 5), (2, 1)])
+def test_every_form_equals_the_sorting_reference(w, M, ties):
+    T = 17
+    q, k, v, score, sinks = inputs(T, ties=ties)
+    ref = reference(q, k, v, score, sinks, w, M)
+    kw = {"window": w, "cache_size": M, "sink_logits": sinks}
+    given = shifted(score, w)
+    outs = {"parallel": sparse_window_attn_parallel(q, k, v, given, **kw)[0],
+            "recurrent": sparse_window_attn_recurrent(q, k, v, given, **kw)[0]}
+    for C in (1, 3, 5, 64):
+        outs[f"chunk {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, **kw)[0]
+    for name, o in outs.items():
+        torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("cut", [1, 6, 9])
+def test_pieces_with_carried_state_equal_one_piece(cut):
+    T = 20
+    q, k, v, score, sinks = inputs(T, seed=1)
+    score = shifted(score, 4)
+    kw = {"window": 4, "cache_size": 3, "sink_logits": sinks}
+    one, s_one = sparse_window_attn_chunk(q, k, v, score, chunk_size=4, **kw)
+    a, st = sparse_window_attn_chunk(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], score[:, :, :cut], chunk_size=4, **kw)
+    b, s_two = sparse_window_attn_recurrent(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], score[:, :, cut:], state=st, **kw)
+    torch.testing.assert_close(torch.cat([a, b], 2), one, rtol=1e-12, atol=1e-12)
+    # the same pairs in the cache (slots may be in another order)
+    order = lambda s: torch.sort(s.cache_pos, -1).values  # noqa: E731
+    assert torch.equal(order(s_one), order(s_two))
+
+
+def test_cache_is_bounded_and_holds_the_top_scores():
+    T, w, M = 300, 8, 5
+    q, k, v, score, _ = inputs(T, seed=2)
+    score[:, :, T - w] = 2.0  # the best pair of all, but still in the window (it leaves at query T)
+    _, st = sparse_window_attn_chunk(q, k, v, shifted(score, w), window=w, cache_size=M, chunk_size=32)
+    assert st.cache_k.shape == (B, H, M, D) and st.k.shape == (B, H, w, D)
+    for b in range(B):
+        for h in range(H):
+            best = torch.topk(score[b, h, : T - w], M).indices  # candidates: positions <= T - 1 - w
+            assert sorted(st.cache_pos[b, h].tolist()) == sorted(best.tolist())
+            torch.testing.assert_close(st.cache_v[b, h][st.cache_pos[b, h].argsort()], v[b, h, best.sort().values])
+    # fewer candidates than slots: the rest stay empty
+    _, st = sparse_window_attn_chunk(q[:, :, :10], k[:, :, :10], v[:, :, :10], shifted(score[:, :, :10], w),
+                                     window=w, cache_size=M)
+    assert ((st.cache_pos >= 0).sum(-1) == 10 - w).all()
+    assert (st.cache_v[st.cache_pos < 0] == 0).all()
+
+
+def test_left_padding_is_never_cached_or_seen():
+    """A row whose first tokens are padding (positions below 0) gives the outputs it gives alone."""
+    T, pad, w, M = 15, 6, 3, 2
+    q, k, v, score, sinks = inputs(T, seed=3)
+    alone = sparse_window_attn_chunk(q[:, :, pad:], k[:, :, pad:], v[:, :, pad:], shifted(score[:, :, pad:], w),
+                                     window=w, cache_size=M, sink_logits=sinks, chunk_size=4)[0]
+    pos = torch.full((B,), -pad, dtype=torch.int64)
+    st = fresh_state(B, H, D, D, w, M, dtype=torch.float64, pos=pos)
+    score = score.clone()
+    score[:, :, :pad] = 1e9  # padding that would win every slot, were it a candidate
+    padded = sparse_window_attn_chunk(q, k, v, shifted(score, w), window=w, cache_size=M, sink_logits=sinks,
+                                      state=st, chunk_size=4)[0]
+    torch.testing.assert_close(padded[:, :, pad:], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_inputs_are_named():
+    q, k, v, score, _ = inputs(5)
+    with pytest.raises(ValueError, match=r"score must have shape \(B, H, T\) = \(2, 3, 5\), got \(2, 3, 4\)"):
+        sparse_window_attn_chunk(q, k, v, score[..., :4], window=2, cache_size=2)
+    with pytest.raises(ValueError, match="cache_size must be a positive int, got 0"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=0)
+    st = fresh_state(B, H, D, D, 2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"state.cache_k must have shape \(2, 3, 2, 8\), got \(2, 3, 3, 8\)"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=2, state=st)
+    with pytest.raises(ValueError, match="state must be a SparseWindowState or None, got tuple"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=3, state=tuple(st))
+    assert isinstance(st, SparseWindowState)
