@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from linearize.ops import common
 
@@ -66,3 +67,33 @@ def window_of(t: int, w: int, terraced: bool) -> list[int]:
 def capped(x, softcap):
     """Gemma 2's soft-cap, written out for the references."""
     return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+_SYNC = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
+         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+         torch.Tensor.cpu, torch.Tensor.numpy, torch.masked_select, torch.Tensor.masked_select}
+
+
+class NoHostSync(TorchFunctionMode):
+    """Raises on every call that reads a tensor's value on the host (``.item()``, ``bool(t)``, boolean
+    indexing, ``nonzero``, ...): on CUDA each is a sync, and inside a CUDA graph's capture an error."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SYNC:
+            raise AssertionError(f"host synchronisation: {func}")
+        if func is torch.Tensor.__getitem__:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                raise AssertionError("host synchronisation: boolean indexing (a data-dependent shape)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def capturing():
+    """As while a CUDA graph is captured (on the CPU, for ``NoHostSync`` checks): transformers and the
+    ops skip their host-side value checks and shortcuts then (``ops.common.graph_capturing``)."""
+    from unittest import mock
+
+    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True), \
+            mock.patch("torch.cuda.is_available", return_value=True):
+        yield

@@ -10,7 +10,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import linearize
 from linearize.train import TrainConfig, run
@@ -21,21 +20,10 @@ from linearize.train.run import _distill_loss, _next_token_loss, lm_loss, transf
 from linearize.train.transfer import make_blocks
 
 from fixtures import llama
+from helpers import NoHostSync, capturing
 from kernel_checks import needs_cuda
 
 torch.set_num_threads(1)
-
-
-class NoHostReads(TorchDispatchMode):
-    """Raises on every op that reads a tensor's value on the host (what ``.item()``, ``bool(t)``,
-    boolean indexing and ``nonzero`` do): on CUDA each is a sync, and inside a graph capture an error."""
-
-    HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "item"}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in self.HOST_READS:
-            raise AssertionError(f"{func} reads a device value on the host")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["whole rows", "padded rows"])
@@ -58,17 +46,20 @@ def test_stage_losses_read_no_device_value(method, stage, padded):
     else:
         fn = lambda: lm_loss(model, batch, teacher, config)  # noqa: E731
     # as while a CUDA stream captures: transformers and our "anything padded?" shortcuts read no mask
-    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True), \
-            mock.patch("torch.cuda.is_available", return_value=True), NoHostReads():
+    with capturing(), NoHostSync():
         loss, extras = fn()
         loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.is_tensor(v) for k, v in extras.items() if k != "layers")  # read back after the step
 
 
-def test_the_host_read_detector_catches_a_read():
-    with pytest.raises(AssertionError, match="reads a device value"), NoHostReads():
-        torch.ones(3).sum().item()
+def test_the_host_sync_detector_catches_a_read_unless_capturing_skips_it():
+    from linearize.ops.common import known_all_true
+
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        known_all_true(torch.ones(3, dtype=torch.bool))
+    with capturing(), NoHostSync():
+        assert not known_all_true(torch.ones(3, dtype=torch.bool))  # kept masked: no read
 
 
 def test_next_token_loss_is_the_mean_over_labelled_tokens_and_zero_without_any():

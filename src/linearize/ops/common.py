@@ -106,10 +106,16 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
+def graph_capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: no device value may be read on
+    the host then (value checks are skipped, shortcuts not taken)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def known_all_true(mask: torch.Tensor) -> bool:
     """Whether every entry of the bool ``mask`` is True, for a caller that may skip masking then (the
-    result is the same either way). While a CUDA graph is being captured no device value may be read
-    on the host: the answer is then False, and the caller keeps the mask."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    result is the same either way). While a CUDA graph is being captured the answer is False, and
+    the caller keeps the mask."""
+    if graph_capturing():
         return False
     return bool(mask.all())

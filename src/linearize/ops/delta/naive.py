@@ -70,12 +70,13 @@ def check_log_alpha(log_alpha: Optional[torch.Tensor], B: int, H: int, T: int) -
 
     Positive values (a growing state) and NaN are rejected; -inf (alpha = 0, the state is
     cleared before the token's update) is allowed. Checking the values reads one bool back from
-    the device; under torch.compile the value check is skipped (shapes and dtypes are still checked).
+    the device; under torch.compile and while a CUDA graph is captured the value check is skipped
+    (shapes and dtypes are still checked).
     """
     if log_alpha is None:
         return
     common.check_per_token("log_alpha", log_alpha, B, H, T, allow_vector=False)
-    if log_alpha.numel() == 0 or torch.compiler.is_compiling():
+    if log_alpha.numel() == 0 or torch.compiler.is_compiling() or common.graph_capturing():
         return
     bad = ~(log_alpha <= 0)  # NaN compares False, so it lands here too
     if bool(bad.any()):
