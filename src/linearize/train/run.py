@@ -79,8 +79,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
         choice = _choose_softmax(model, auto_k, config, train_rows if val_rows is None else val_rows, device, metrics)
         keep_softmax(model, choice["layers"], teacher_attention)
         summary["softmax_layers_auto"] = choice
-        log_progress(config, f"softmax_layers auto:{auto_k}: layers {choice['layers']} keep softmax attention "
-                     f"(largest stage-1 transfer error of {len(choice['errors'])} measured)")
+        print(f"softmax_layers auto:{auto_k}: layers {choice['layers']} go back to softmax attention (the largest "
+              f"stage-1 transfer error of the {len(choice['errors'])} measured)", flush=True)  # shown with progress off too
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
     if val_rows is not None:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
