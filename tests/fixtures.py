@@ -109,6 +109,17 @@ def gemma3(seed: int = 0, num_layers: int = 2):
                   sliding_window=SLIDING_WINDOW, layer_types=types[:num_layers], query_pre_attn_scalar=32)  # scale != head_dim ** -0.5
 
 
+def gemma3_5to1(seed: int = 0, num_layers: int = 6):
+    """Gemma 3's own pattern: five sliding-window layers, then one global layer, each kind with its
+    RoPE base (10K local, 1M global, as in the released models)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * ((num_layers + 5) // 6)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}
+    return _build(Gemma3TextConfig, Gemma3ForCausalLM, seed, num_layers, head_dim=16, sliding_window=SLIDING_WINDOW,
+                  layer_types=types[:num_layers], query_pre_attn_scalar=32, rope_parameters=rope)
+
+
 def gpt2(seed: int = 0):
     """An architecture linearize does not support."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -98,7 +98,8 @@ def parse_bool(text) -> bool:
 
 def parse_softmax_layers(text):
     """Layers kept as softmax attention: ``0,5,9`` (indices), ``0.25`` (a fraction of the layers,
-    spread evenly), ``none``. A single integer such as ``3`` is one index; ``1.0`` is the fraction."""
+    spread evenly), ``auto:K`` (chosen by measure in training), ``none``. A single integer such as
+    ``3`` is one index; ``1.0`` is the fraction."""
     if text is None:
         return None
     if isinstance(text, bool):
@@ -113,6 +114,10 @@ def parse_softmax_layers(text):
     s = str(text).strip()
     if s.lower() in ("none", "null", ""):
         return None
+    if s.lower().startswith("auto"):
+        from ..models.convert import auto_softmax_count
+
+        return f"auto:{auto_softmax_count(s)}"  # names a malformed auto:K
     s = s.removeprefix("[").removesuffix("]")
     if "," in s or re.fullmatch(r"\s*\d+\s*", s):
         parts = [p.strip() for p in s.split(",") if p.strip()]
@@ -126,7 +131,8 @@ def parse_softmax_layers(text):
 
 
 def _bad_layers(text):
-    raise ValueError(f"softmax_layers must be layer indices such as 0,5,9 or a fraction such as 0.25, got {text!r}")
+    raise ValueError(f"softmax_layers must be layer indices such as 0,5,9, a fraction such as 0.25 or auto:K, "
+                     f"got {text!r}")
 
 
 def parse_list(text) -> list[str] | None:

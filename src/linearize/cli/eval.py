@@ -39,6 +39,16 @@ def cmd_eval_ppl(args) -> int:
     return finish(args.out, "ppl")
 
 
+def cmd_eval_ppl_position(args) -> int:
+    check_models(args)
+    from ..eval.ppl_position import STEM, run_ppl_position
+
+    run_ppl_position(args.model, args.data, args.out, length=args.length, documents=args.documents,
+                     buckets=args.buckets, window=args.window, stride=args.stride, piece=args.piece,
+                     text_field=args.text_field, device=resolved_device(args.device))
+    return finish(args.out, STEM)
+
+
 def cmd_eval_report(args) -> int:
     if len(args.model) != 1:
         raise ValueError(f"eval report takes one linearized checkpoint (--model DIR), got {len(args.model)}")
@@ -72,7 +82,7 @@ def cmd_eval_embed(args) -> int:
 
 
 def add_parser(sub) -> None:
-    ev = add_command(sub, "eval", "evaluate teachers and students: passkey, needle, perplexity, lm-eval, transfer report",
+    ev = add_command(sub, "eval", "evaluate teachers and students: passkey, needle, perplexity (and by position), lm-eval, transfer report",
                      "Evaluate models side by side. Each command writes NAME.json, NAME.png (drawn from the JSON) and "
                      "NAME.md into --out and prints the Markdown table.")
     evsub = ev.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
@@ -155,6 +165,34 @@ def add_parser(sub) -> None:
     p.add_argument("--stride", type=argtype(parse_int), default=None, metavar="N",
                    help="softmax models: window step (default: half the window)")
     p.set_defaults(func=cmd_eval_ppl)
+
+    p = add_command(evsub, "ppl-position", "perplexity against position in long documents, teacher and student",
+                    "Each token's loss on long documents (cut to --length tokens; shorter ones are skipped), averaged "
+                    "over the documents in log-spaced buckets of its position, one curve per model: does the model keep "
+                    "improving with context, and beyond the teacher's? Linearized models read each document in one "
+                    "pass carrying their state (pieces of --piece tokens, constant memory); softmax models whole up to "
+                    "their context and in sliding windows beyond it (--window, --stride).",
+                    """\
+                    examples:
+                      linearize eval ppl-position --model smollm2-135m --model runs/lizard \\
+                          --data ../shared/data/mix/gutenberg_books.jsonl.xz --length 32K --documents 4""")
+    common_flags(p, "runs/eval")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="long held-out text: a JSON/JSONL/text file (plain or compressed) or folder, or a HF dataset name")
+    p.add_argument("--text-field", default=None, metavar="NAME", help="the text field of JSON/JSONL records")
+    p.add_argument("--length", type=argtype(parse_int), default=16384, metavar="N",
+                   help="tokens per document; documents shorter than this are skipped (default: 16K)")
+    p.add_argument("--documents", type=argtype(parse_int), default=4, metavar="N",
+                   help="documents averaged (default: %(default)s)")
+    p.add_argument("--buckets", type=argtype(parse_int), default=12, metavar="N",
+                   help="log-spaced position buckets, at most (default: %(default)s)")
+    p.add_argument("--piece", type=argtype(parse_int), default=4096, metavar="N",
+                   help="linearized models: tokens per prefill piece (default: %(default)s)")
+    p.add_argument("--window", type=argtype(parse_int), default=None, metavar="N",
+                   help="softmax models: window length (default: the model's context)")
+    p.add_argument("--stride", type=argtype(parse_int), default=None, metavar="N",
+                   help="softmax models: window step (default: half the window)")
+    p.set_defaults(func=cmd_eval_ppl_position)
 
     p = add_command(evsub, "lm-eval", "the papers' lm-eval tasks from local files",
                     "Run PIQA, ARC-Easy, ARC-Challenge, HellaSwag, WinoGrande and 5-shot MMLU through lm-eval, reading the "

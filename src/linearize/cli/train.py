@@ -33,7 +33,7 @@ def _field_kind(field: dataclasses.Field) -> str:
 _PARSERS = {"int": parse_int, "float": parse_float, "bool": parse_bool, "optional_int": parse_optional_int,
             "softmax_layers": parse_softmax_layers, "list": parse_list, "str": str}
 
-_METAVARS = {"int": "N", "float": "X", "optional_int": "N|none", "softmax_layers": "0,5,9|FRACTION",
+_METAVARS = {"int": "N", "float": "X", "optional_int": "N|none", "softmax_layers": "0,5,9|FRACTION|auto:K",
              "list": "A,B,...", "yaml": "VALUE"}
 
 
@@ -46,7 +46,6 @@ def _train_fields():
 # Help for the TrainConfig fields that carry no comment in its source.
 _EXTRA_HELP = {
     "out": "run directory: checkpoint, metrics.jsonl, loss curves, resume state",
-    "softmax_layers": "layers kept as softmax attention: indices (0,5,9) or a fraction of the layers (0.25)",
     "seq_len": "tokens per training row",
     "val_fraction": "share of the data held out for validation",
     "seed": "random seed (data split, initialisation, order)",

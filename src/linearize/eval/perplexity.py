@@ -44,14 +44,17 @@ def token_stream(documents: list[list[int]], eos_id: int | None, max_tokens: int
     return torch.tensor(ids[:max_tokens], dtype=torch.long)[None]
 
 
-def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (1, n, V), targets (1, n) -> (n,) fp32 NLL per token, on the CPU."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           reduction="none").cpu()
 
 
 @torch.no_grad()
-def stream_nll(model, ids: torch.Tensor, piece: int = 4096, progress=None) -> tuple[float, int]:
-    """(sum of NLL, tokens scored) for a stateful model reading ``ids`` in pieces with its cache."""
-    cache, total, scored = None, 0.0, 0
+def stream_token_nll(model, ids: torch.Tensor, piece: int = 4096, progress=None) -> torch.Tensor:
+    """NLL of tokens 1..T-1 of ``ids`` (1, T), as (T-1,), for a stateful model reading ``ids`` in
+    pieces of ``piece`` tokens with its cache (constant memory for linearized layers)."""
+    cache, parts = None, []
     device = next(model.parameters()).device
     last_logits = None
     for start in range(0, ids.shape[1], piece):
@@ -64,49 +67,64 @@ def stream_nll(model, ids: torch.Tensor, piece: int = 4096, progress=None) -> tu
             targets = chunk
         else:
             targets = chunk[:, 1:]
-        total += _nll_sum(logits[:, :targets.shape[1]], targets)
-        scored += targets.shape[1]
+        parts.append(_token_nll(logits[:, :targets.shape[1]], targets))
         last_logits = out.logits[:, -1:]
         if progress is not None:
             progress.update(chunk.shape[1])
-    return total, scored
+    return torch.cat(parts)
 
 
 @torch.no_grad()
-def sliding_nll(model, ids: torch.Tensor, window: int, stride: int, progress=None) -> tuple[float, int]:
-    """(sum of NLL, tokens scored) in windows of ``window`` tokens moved by ``stride``."""
+def sliding_token_nll(model, ids: torch.Tensor, window: int, stride: int, progress=None) -> torch.Tensor:
+    """NLL of tokens 1..T-1 of ``ids`` (1, T), as (T-1,), in windows of ``window`` tokens moved by
+    ``stride``: each token is scored once, with at least ``window - stride`` tokens before it
+    (all of them inside the first window)."""
     if not 0 < stride <= window:
         raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
     device = next(model.parameters()).device
     T = ids.shape[1]
-    total, scored, done = 0.0, 0, 1  # tokens [0, done) are scored (token 0 never is)
+    parts, done = [], 1  # tokens [0, done) are scored (token 0 never is)
     start = 0
     while done < T:
         end = min(start + window, T)
         logits = model(ids[:, start:end].to(device)).logits  # position i predicts token start + i + 1
         first = done  # score tokens first..end-1
-        targets = ids[:, first:end].to(device)
-        total += _nll_sum(logits[:, first - start - 1:end - start - 1], targets)
-        scored += end - first
+        parts.append(_token_nll(logits[:, first - start - 1:end - start - 1], ids[:, first:end].to(device)))
         if progress is not None:
             progress.update(end - first)
         done = end
         # the next window keeps at least one token of context before its first scored token
         start = max(0, min(start + stride, T - window, done - 1))
-    return total, scored
+    return torch.cat(parts)
+
+
+def stream_nll(model, ids: torch.Tensor, piece: int = 4096, progress=None) -> tuple[float, int]:
+    """(sum of NLL, tokens scored) of ``stream_token_nll``."""
+    nll = stream_token_nll(model, ids, piece, progress)
+    return nll.double().sum().item(), nll.numel()
+
+
+def sliding_nll(model, ids: torch.Tensor, window: int, stride: int, progress=None) -> tuple[float, int]:
+    """(sum of NLL, tokens scored) of ``sliding_token_nll``."""
+    nll = sliding_token_nll(model, ids, window, stride, progress)
+    return nll.double().sum().item(), nll.numel()
+
+
+def model_token_nll(model, ids: torch.Tensor, window: int | None, stride: int | None, piece: int,
+                    progress=None) -> tuple[torch.Tensor, str]:
+    """(NLL of tokens 1..T-1 of ``ids`` as (T-1,), how it was read): a linearized model in one pass
+    carrying its state, a softmax model in sliding windows (default: its context, half of it as stride)."""
+    if is_linearized(model):
+        return stream_token_nll(model, ids, piece, progress), f"one pass carrying state (pieces of {piece} tokens)"
+    window = min(window or context_length(model) or 2048, ids.shape[1])
+    stride = min(stride or max(1, window // 2), window)
+    return sliding_token_nll(model, ids, window, stride, progress), f"sliding window {window}, stride {stride}"
 
 
 def model_nll(model, ids: torch.Tensor, window: int | None, stride: int | None, piece: int, progress=None) -> dict:
-    if is_linearized(model):
-        nll, n = stream_nll(model, ids, piece, progress)
-        how = f"one pass carrying state (pieces of {piece} tokens)"
-    else:
-        window = min(window or context_length(model) or 2048, ids.shape[1])
-        stride = stride or max(1, window // 2)
-        stride = min(stride, window)
-        nll, n = sliding_nll(model, ids, window, stride, progress)
-        how = f"sliding window {window}, stride {stride}"
-    return {"nll": nll / n, "ppl": math.exp(nll / n), "tokens": n, "how": how}
+    nll, how = model_token_nll(model, ids, window, stride, piece, progress)
+    mean = nll.double().mean().item()
+    return {"nll": mean, "ppl": math.exp(mean), "tokens": nll.numel(), "how": how}
 
 
 def run_ppl(models: Sequence[str], data: str, out_dir: str | Path, *, max_tokens: int = 16384,
@@ -130,7 +148,7 @@ def run_ppl(models: Sequence[str], data: str, out_dir: str | Path, *, max_tokens
         model, tokenizer = load_model(name, device=device, dtype=dtype)
         if tokenizer is None:
             raise ValueError(f"model {name} has no tokenizer files; perplexity on text needs one")
-        documents = load_documents(data, tokenizer, text_field=text_field, max_tokens=max_tokens)  # reads no further
+        documents = load_documents(data, tokenizer, text_field=text_field or "text", max_tokens=max_tokens)  # reads no further
         ids = token_stream(documents, tokenizer.eos_token_id, max_tokens)
         if stream_ids is None:
             stream_ids = ids

@@ -24,6 +24,8 @@ class ArchAdapter:
     attention_attr: the attention module's attribute name on a decoder layer.
     fused_qkv: name of a fused q/k/v projection (Phi-3's ``qkv_proj``), or None.
     rotary: ``(q, k, cos, sin) -> (q, k)``; None = the modeling module's ``apply_rotary_pos_emb``.
+    softcap_attr: the attention attribute holding a logit soft-cap the teacher applies (Gemma 2), or
+        None where the modeling code has the attribute but never applies it (Gemma 3).
     """
 
     family: str
@@ -31,6 +33,7 @@ class ArchAdapter:
     attention_attr: str = "self_attn"
     fused_qkv: str | None = None
     rotary: Callable | None = None
+    softcap_attr: str | None = "attn_logit_softcapping"
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         obj = model
@@ -88,4 +91,6 @@ register_adapter("llama", ArchAdapter("llama"))
 register_adapter("mistral", ArchAdapter("mistral"))
 register_adapter(("qwen2", "qwen3"), ArchAdapter("qwen"))
 register_adapter("phi3", ArchAdapter("phi3", fused_qkv="qkv_proj"))
-register_adapter(("gemma2", "gemma3_text"), ArchAdapter("gemma"))
+register_adapter("gemma2", ArchAdapter("gemma"))
+# Gemma 3 keeps attn_logit_softcapping in its config and module but its attention never passes it on
+register_adapter("gemma3_text", ArchAdapter("gemma3", softcap_attr=None))

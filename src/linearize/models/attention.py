@@ -60,7 +60,7 @@ class LinearizedAttention(nn.Module):
         self.adapter = adapter
         self.rotary = adapter.rotary_fn(attn)
         # the teacher's logit soft-cap (Gemma 2; None elsewhere) and its own native window, if any
-        self.softcap = getattr(attn, "attn_logit_softcapping", None)
+        self.softcap = getattr(attn, adapter.softcap_attr, None) if adapter.softcap_attr else None
         self.sliding_window = getattr(attn, "sliding_window", None)
         self.hybrid = HybridAttention(config, self.num_heads, self.head_dim, model_config.hidden_size,
                                       scale=float(attn.scaling), softcap=self.softcap)

@@ -13,10 +13,42 @@ from .adapters import adapter_for
 from .attention import ATTN_IMPLEMENTATION, LinearizedAttention
 
 
+AUTO = "auto"
+
+
+def auto_softmax_count(spec) -> int | None:
+    """K of a ``"auto:K"`` softmax_layers spec (the K layers with the largest stage-1 transfer
+    error stay softmax; ``linearize train`` measures them); None for any other spec.
+
+    A malformed ``auto`` spec (``auto``, ``auto:x``, ``auto:0``) is a ValueError naming it."""
+    if not isinstance(spec, str) or not spec.strip().lower().startswith(AUTO):
+        return None
+    _, sep, count = spec.strip().partition(":")
+    try:
+        k = int(count.strip()) if sep else None
+    except ValueError:
+        k = None
+    if k is None or k <= 0:
+        raise ValueError(f"softmax_layers {spec!r}: write auto:K with K a positive integer, the number of layers "
+                         "kept as softmax (those with the largest stage-1 transfer error), e.g. auto:2")
+    return k
+
+
+def check_auto_count(k: int, candidates: int) -> None:
+    """``auto:K`` must leave at least one of the ``candidates`` linearizable layers linear."""
+    if k >= candidates:
+        raise ValueError(f"softmax_layers auto:{k} keeps {k} layers as softmax, but the model has only {candidates} "
+                         f"layers that can be linearized; K must be at most {candidates - 1}")
+
+
 def resolve_softmax_layers(spec, num_layers: int) -> list[int]:
     """Layer indices kept as softmax: a list of ints, or a fraction in [0, 1] spread evenly."""
     if spec is None:
         return []
+    if auto_softmax_count(spec) is not None:
+        raise ValueError(f"softmax_layers {spec!r} is chosen by measure during training (linearize train runs "
+                         "stage 1 with every layer linear, then keeps the K worst as softmax); conversion alone "
+                         "takes layer indices or a fraction")
     if isinstance(spec, Real) and not isinstance(spec, (bool, Integral)):
         if not 0.0 <= spec <= 1.0:
             raise ValueError(f"softmax_layers as a fraction must be in [0, 1], got {spec!r}")
@@ -83,3 +115,40 @@ def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) 
 
 def linearized_layers(model: nn.Module) -> list[LinearizedAttention]:
     return [m for m in model.modules() if isinstance(m, LinearizedAttention)]
+
+
+def linearizable_layers(model: nn.Module, method: str, **overrides) -> list[int]:
+    """The layers ``convert(model, method, **overrides)`` would linearize with no softmax_layers
+    (every layer, less the native sliding ones when the method keeps them)."""
+    layers = adapter_for(model).layers(model)
+    native = native_sliding_layers(model.config, len(layers)) if method_config(method, **overrides).keep_native_sliding \
+        else set()
+    return [i for i in range(len(layers)) if i not in native]
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: the attention module of that decoder layer}, e.g. the teacher's before ``convert``
+    (``keep_softmax`` puts such modules back)."""
+    adapter = adapter_for(model)
+    return {i: getattr(layer, adapter.attention_attr) for i, layer in enumerate(adapter.layers(model))}
+
+
+def keep_softmax(model: nn.Module, layers, teacher_attention: dict[int, nn.Module]) -> nn.Module:
+    """Switch the converted ``layers`` of ``model`` back to the teacher's softmax attention, in place.
+
+    ``teacher_attention``: ``attention_modules(model)`` taken before ``convert`` (the linearized
+    modules share their projections, so nothing is copied). The checkpoint then records these
+    layers among ``softmax_layers`` and reloads with softmax exactly there."""
+    adapter = adapter_for(model)
+    decoder = adapter.layers(model)
+    for i in layers:
+        current = getattr(decoder[i], adapter.attention_attr)
+        if not isinstance(current, LinearizedAttention):
+            raise ValueError(f"layer {i} is not linearized; linearized layers: "
+                             f"{sorted(m.layer_idx for m in linearized_layers(model))}")
+        if i not in teacher_attention:
+            raise ValueError(f"no teacher attention module given for layer {i}")
+        setattr(decoder[i], adapter.attention_attr, teacher_attention[i])
+    spec = model.linearize_spec
+    spec["softmax_layers"] = sorted(set(spec["softmax_layers"]) | {int(i) for i in layers})
+    return model

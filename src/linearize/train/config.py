@@ -25,7 +25,7 @@ class TrainConfig:
     model: str = "smollm2-135m"          # a bundled teacher name, a local HF directory, or a hub id
     data: str = "shakespeare"            # a file (.jsonl, .jsonl.xz, ...), a folder, "shakespeare", "passkey", "retrieval:FORMAT", a HF dataset name, or a mixture A:0.6,B:0.4
     out: str = "runs/lizard"
-    softmax_layers: list[int] | float | None = None
+    softmax_layers: list[int] | float | str | None = None  # kept as softmax attention: indices (0,5,9), a fraction of the layers (0.25), or auto:K (after stage 1, the K layers with the largest transfer error go back to softmax)
     overrides: dict = field(default_factory=dict)  # AttentionConfig fields (window, gate, ...)
 
     # data
@@ -114,6 +114,18 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
         if self.val_fraction == 0 and (self.early_stop_patience or self.lr_schedule == "plateau"):
             raise ValueError("early stopping and the plateau schedule need a validation split; val_fraction is 0")
+        from ..models.convert import auto_softmax_count
+
+        if auto_softmax_count(self.softmax_layers) is not None:  # names a malformed auto:K
+            self.softmax_layers = f"auto:{auto_softmax_count(self.softmax_layers)}"
+            if str(self.method).startswith("lion-"):
+                raise ValueError(f"softmax_layers {self.softmax_layers!r} is for causal methods; "
+                                 f"{self.method!r} takes layer indices or a fraction")
+            if self.stage1_tokens == 0:
+                raise ValueError(f"softmax_layers {self.softmax_layers!r} measures each layer's error after stage 1; "
+                                 "stage1_tokens is 0 (give stage 1 tokens, or name the layers)")
+        elif isinstance(self.softmax_layers, str):
+            raise ValueError(f"softmax_layers must be layer indices, a fraction or auto:K, got {self.softmax_layers!r}")
         if not isinstance(self.overrides, dict):
             raise ValueError(f"overrides must be a mapping of AttentionConfig fields, got {self.overrides!r}")
         if self.lora_targets is not None and (not isinstance(self.lora_targets, list) or not self.lora_targets

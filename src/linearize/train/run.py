@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from ..data import Rows, load_mixture, pack
 from ..models.checkpoint import check_directory_path, save
-from ..models.convert import convert, linearized_layers
+from ..models.convert import (attention_modules, auto_softmax_count, check_auto_count, convert, keep_softmax,
+                              linearizable_layers, linearized_layers)
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from ..records import device_name, write_json
@@ -29,7 +30,7 @@ from .config import TrainConfig
 from .graphs import compile_attention_modules
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
 from .schedules import mu_at
-from .transfer import Block, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
+from .transfer import Block, choose_softmax_layers, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
 
 CONFIG_FILE = "config.json"
 RESUME_IRRELEVANT = {"progress", "out", "device"}  # may differ between a run and its resumption
@@ -52,6 +53,9 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
         raise ValueError(f"model {config.model!r} has no tokenizer files; training needs one to read {config.data!r}")
     if config.lora_targets:  # fail before anything is written, not after stage 1
         check_lora_targets(model, config.lora_targets)
+    auto_k = auto_softmax_count(config.softmax_layers)
+    if auto_k is not None:
+        check_auto_count(auto_k, len(linearizable_layers(model, config.method, **config.overrides)))
     train_rows, val_rows = _rows(config, tokenizer)
     log_progress(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
                  f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
@@ -66,13 +70,20 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     teacher = copy.deepcopy(model) if config.distill > 0 else None
     teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
 
-    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+    teacher_attention = attention_modules(model)
+    convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
     model.to(device)
     if config.compile and device.type == "cuda":
         compile_attention_modules(model)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
+    if auto_k is not None:
+        choice = _choose_softmax(model, auto_k, config, train_rows if val_rows is None else val_rows, device, metrics)
+        keep_softmax(model, choice["layers"], teacher_attention)
+        summary["softmax_layers_auto"] = choice
+        print(f"softmax_layers auto:{auto_k}: layers {choice['layers']} go back to softmax attention (the largest "
+              f"stage-1 transfer error of the {len(choice['errors'])} measured)", flush=True)  # shown with progress off too
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
     if val_rows is not None:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
@@ -85,6 +96,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     # what the student was trained on, kept in its checkpoint (evals report the row length as its context)
     model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data, "loss_on": config.loss_on,
                                         "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
+    if auto_k is not None:
+        model.linearize_spec["training"]["softmax_layers_auto"] = summary["softmax_layers_auto"]
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     write_json(out / "summary.json", summary)
     from .plots import plot_metrics
@@ -254,6 +267,39 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
     for p in model.parameters():
         p.requires_grad_(False)
     return summaries
+
+
+CHOICE_EVENT = "softmax_layers_chosen"
+
+
+def _choose_softmax(model, k: int, config, rows, device, metrics: MetricsLog) -> dict:
+    """After stage 1: measure every linearized layer's transfer error on ``rows`` (the validation
+    rows, else the training rows, ``val_rows`` of them) and pick the ``k`` largest. Recorded in
+    metrics.jsonl; a resumed run reuses the recorded choice, so its stage-2 state still fits."""
+    for rec in _read_records(metrics.path):
+        if rec.get("event") == CHOICE_EVENT:
+            return {key: rec[key] for key in ("k", "layers", "errors")}
+    errors = measure_transfer_errors(model, rows.subset(range(min(len(rows), config.val_rows))), config, device)
+    choice = {"k": k, "layers": choose_softmax_layers(errors, k), "errors": {str(i): e for i, e in errors.items()}}
+    metrics.write({"event": CHOICE_EVENT, "stage": "stage1", "target": config.transfer_target, **choice})
+    return choice
+
+
+def _read_records(path: Path) -> list[dict]:
+    from .plots import read_metrics
+
+    return read_metrics(path) if Path(path).is_file() else []
+
+
+def measure_transfer_errors(model, rows, config: TrainConfig, device) -> dict[int, float]:
+    """{layer index: MSE(student, teacher)} of every linearized layer of ``model``, averaged over
+    ``rows``, teacher-forced (each layer sees the teacher's hidden states, so one pass measures all;
+    ``config.transfer_target`` says where: heads or output)."""
+    layers = tuple(sorted(m.layer_idx for m in linearized_layers(model)))
+    if not layers:
+        raise ValueError("the model has no linearized layers to measure")
+    _, extra = _transfer_eval(model, rows, Block(0, layers[-1] + 1, layers), None, config, device)
+    return dict(zip(extra["layers"], extra["layer_mse"]))
 
 
 def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.Tensor, dict]:

@@ -129,5 +129,14 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
     return recorder.losses
 
 
-__all__ = ["Block", "freeze_all_but", "make_blocks", "run_block",
+def choose_softmax_layers(errors: dict[int, float], k: int) -> list[int]:
+    """The ``k`` layers with the largest transfer error, sorted by index (equal errors: the lower
+    index first). ``errors``: {layer index: MSE(student, teacher)} after stage 1."""
+    if not 0 < k < len(errors):
+        raise ValueError(f"cannot keep {k} of {len(errors)} measured layers as softmax: K must be in 1..{len(errors) - 1}")
+    ranked = sorted(errors, key=lambda i: (-errors[i], i))
+    return sorted(ranked[:k])
+
+
+__all__ = ["Block", "choose_softmax_layers", "freeze_all_but", "make_blocks", "run_block",
            "trainable_attention_parameters", "transfer_mode"]
