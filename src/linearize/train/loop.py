@@ -42,6 +42,7 @@ class Stage:
     steps: int
     lr: float
     before_step: Callable[[int], None] | None = None      # e.g. liza's mu schedule
+    loss_tokens: Callable[[dict], int] | None = None      # tokens the loss averages over: weighs the ranks' shares
 
 
 @dataclass
@@ -111,16 +112,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None) -> None:
-    state = {
-        "params": {n: p.detach().cpu().clone() for n, p in stage.params.items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loop": asdict(loop),
-        "best": best,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-    }
+def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None,
+                parallel=None) -> None:
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    if parallel is not None:  # gathered whole: the one-process format, written by rank 0 alone
+        state = {"params": parallel.full_tensors(stage.params), "optimizer": parallel.full_optimizer_state(optimizer),
+                 "best": None if best is None else parallel.full_tensors(best), "rng": parallel.gather_rng(rng)}
+        if not parallel.writer:
+            return
+    else:
+        state = {"params": {n: p.detach().cpu().clone() for n, p in stage.params.items()},
+                 "optimizer": optimizer.state_dict(), "best": best, "rng": rng}
+    state.update(scheduler=scheduler.state_dict(), loop=asdict(loop))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -141,10 +145,13 @@ def read_state(path: Path) -> dict:
 
 
 def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                   batches: Iterable[dict], config: TrainConfig, device: torch.device) -> tuple[float, dict, bool, int]:
+                   batches: Iterable[dict], config: TrainConfig, device: torch.device,
+                   parallel=None) -> tuple[float, dict, bool, int]:
     """One optimizer step of ``stage`` over ``batches`` (its micro-batches, moved to ``device`` one at a
     time): the gradients zeroed, accumulated under autocast, clipped, applied. A non-finite loss or
-    gradient norm skips the update. Returns (mean loss, the loss function's extras, finite, tokens)."""
+    gradient norm skips the update. Returns (mean loss, the loss function's extras, finite, tokens).
+    With ``parallel`` (``distributed.Parallel``), ``batches`` are this rank's shares and the results
+    are the whole micro-batches'."""
     optimizer.zero_grad(set_to_none=True)
     total, extras, finite, tokens = 0.0, {}, True, 0
     for batch in batches:
@@ -152,15 +159,24 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
         tokens += int(batch["attention_mask"].sum())
         with autocast(device, config.precision):
             loss, extra = stage.loss_fn(batch)
-        if not torch.isfinite(loss):
+        weight = 1.0
+        if parallel is not None:  # every rank skips together, each weighed by its share of the tokens
+            weight, finite = parallel.weigh(loss, stage.loss_tokens(batch) if stage.loss_tokens else 1)
+        elif not torch.isfinite(loss):
             finite = False
+        if not finite:
             break
-        (loss / config.grad_accum).backward()
-        total += float(loss.detach()) / config.grad_accum
+        (loss * weight / config.grad_accum).backward()
+        total += float(loss.detach()) * weight / config.grad_accum
         for k, v in extra.items():
-            extras[k] = _accumulate(extras.get(k), v, config.grad_accum)
+            extras[k] = _accumulate(extras.get(k), v, config.grad_accum, weight)
+    if parallel is not None:
+        total, extras, tokens = parallel.reduce_metrics(total, extras, tokens)
+        if not finite:
+            parallel.reset()
     if finite and config.clip > 0:
-        finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, config.clip)))
+        norm = torch.nn.utils.clip_grad_norm_(params, config.clip)
+        finite = bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
     if finite:
         optimizer.step()
     else:
@@ -169,11 +185,15 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
 
 
 def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_path: Path,
-        metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None) -> dict:
+        metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None,
+        parallel=None) -> dict:
     """Train ``stage`` to completion (or early stop); returns a summary of the run.
 
     ``rows``: a ``data.Rows``; ``extra_batch(indices, batch)`` may add tensors (block inputs).
+    ``parallel``: a ``distributed.Parallel`` when several processes train ``stage`` together
+    (each takes its share of every micro-batch; ``metrics`` is rank 0's alone).
     """
+    speaks = parallel is None or parallel.writer
     params = list(stage.params.values())
     optimizer = torch.optim.AdamW(params, lr=stage.lr, weight_decay=config.weight_decay)
     scheduler = make_scheduler(optimizer, config.lr_schedule, stage.steps, config.warmup_steps,
@@ -181,6 +201,11 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
     loop, best = LoopState(), None
     if resume and state_path.is_file():
         saved = read_state(state_path)
+        if parallel is not None:  # saved whole: each rank takes its shards
+            saved["params"] = parallel.local_tensors(stage.params, saved["params"])
+            saved["optimizer"] = parallel.local_optimizer_state(optimizer, saved["optimizer"])
+            saved["best"] = None if saved["best"] is None else parallel.local_tensors(stage.params, saved["best"])
+            saved["rng"] = parallel.own_rng(saved["rng"])
         load_params(stage.params, saved["params"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -192,8 +217,9 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
         metrics.truncate_after(stage.name, loop.step)
         # said with or without progress bars: a resumed run is otherwise silent until its next step
-        print(f"{stage.name}: " + ("finished before the interruption; skipped" if loop.done else
-              f"resuming at step {loop.step} of {stage.steps} from {state_path}"), flush=True)
+        if speaks:
+            print(f"{stage.name}: " + ("finished before the interruption; skipped" if loop.done else
+                  f"resuming at step {loop.step} of {stage.steps} from {state_path}"), flush=True)
     if loop.done:
         return _summary(stage, loop, device)
 
@@ -201,7 +227,7 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         torch.cuda.reset_peak_memory_stats(device)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not config.progress,
+    bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not (config.progress and speaks),
                dynamic_ncols=True, leave=True)
     if loop.step == 0 and stage.eval_fn is not None:
         _evaluate(stage, loop, metrics, scheduler, config, update=False)
@@ -214,10 +240,13 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             for j in range(config.grad_accum):
                 indices = batch_indices(step * config.grad_accum + j, config.batch_size, len(rows), config.seed,
                                         stage.name)
+                if parallel is not None:
+                    indices = parallel.local_rows(indices)
                 batch = rows.batch(indices)
                 yield extra_batch(indices, batch) if extra_batch is not None else batch
 
-        total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device)
+        total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device,
+                                                        parallel)
         if finite:
             loop.nonfinite_streak = 0
         else:
@@ -253,7 +282,7 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
                 load_params(stage.params, best)
             loop.done = True
         if last or loop.step % config.save_every == 0:
-            _save_state(state_path, stage, optimizer, scheduler, loop, best)
+            _save_state(state_path, stage, optimizer, scheduler, loop, best, parallel)
         if last:
             break
     bar.close()
@@ -279,13 +308,13 @@ def _evaluate(stage, loop, metrics, scheduler, config, update: bool, best=None):
     return best
 
 
-def _accumulate(old, new, parts: int):
+def _accumulate(old, new, parts: int, weight: float = 1.0):
     if isinstance(new, list) and new and isinstance(new[0], int):  # labels (layer indices), not values
         return new
     if isinstance(new, list):
-        new = [x / parts for x in new]
+        new = [x * weight / parts for x in new]
         return new if old is None else [a + b for a, b in zip(old, new)]
-    return new / parts + (old or 0.0)
+    return new * weight / parts + (old or 0.0)
 
 
 def _as_python_rng_state(state):

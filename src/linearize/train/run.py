@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from ..models.convert import convert, linearized_layers
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from ..records import device_name, write_json
+from . import distributed
 from .config import TrainConfig
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
 from .schedules import mu_at
@@ -35,15 +38,38 @@ RESUME_IRRELEVANT = {"progress", "out", "device"}  # may differ between a run an
 
 
 def run(config: TrainConfig, *, resume: bool = False) -> Path:
-    """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves."""
+    """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves.
+
+    Launched by ``torchrun`` on several processes, the processes train together (``distributed``)
+    and rank 0 writes the run directory."""
     config.validate()
+    parallel = distributed.setup(config)
+    try:
+        out = _run(config, resume, parallel)
+    except BaseException:
+        if parallel is not None and parallel.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        raise
+    if parallel is not None:
+        parallel.close()
+    return out
+
+
+def _run(config: TrainConfig, resume: bool, parallel) -> Path:
     out = Path(config.out)
     check_run_dir(out, config, resume)
-    device = resolve_device(config.device)
+    writer = parallel is None or parallel.writer
+    if parallel is not None:
+        parallel.barrier()  # every rank has looked at --out before rank 0 writes to it
+        if not writer:
+            config = dataclasses.replace(config, progress=False)
+    device = parallel.device if parallel is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
-    if resume:
+    if resume and writer:
         print(f"resuming {out}: loading {config.model} and {config.data}, then each stage goes on "
               "where it stopped", flush=True)
     model, tokenizer = load_teacher(config.model)
@@ -55,11 +81,13 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     log_progress(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
                  f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
 
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / CONFIG_FILE).is_file():
-        write_json(out / CONFIG_FILE, config.to_dict())
-    metrics = MetricsLog(out / "metrics.jsonl")
-    if not resume and metrics.path.exists():
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / CONFIG_FILE).is_file():
+            write_json(out / CONFIG_FILE, config.to_dict())
+    # ranks other than 0 write their records nowhere
+    metrics = MetricsLog(out / "metrics.jsonl" if writer else Path(os.devnull))
+    if writer and not resume and metrics.path.exists():
         metrics.path.unlink()
     model.to(device)
     teacher = copy.deepcopy(model) if config.distill > 0 else None
@@ -67,13 +95,24 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
 
     convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
     model.to(device)
+    if parallel is not None:
+        # FSDP2 fixes the module tree, so LoRA goes in before stage 1, which leaves it untouched
+        # (B = 0 adds nothing, the random draws are the ones stage 2 makes on one process)
+        _add_lora(model, config)
+        parallel.shard(model)
+        if teacher is not None:
+            parallel.shard(teacher)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
-    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
-    summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
-    if val_rows is not None:
+    if parallel is not None:
+        summary["processes"] = parallel.world_size
+    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel)
+    summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume,
+                                     parallel))
+    student_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+    if val_rows is not None and writer:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
-        summary["student_val_loss"] = _lm_loss(model, val_rows, config, device)
+        summary["student_val_loss"] = student_val
         for key in ("teacher", "student"):
             summary[f"{key}_val_ppl"] = math.exp(summary[f"{key}_val_loss"])
         summary["val_ppl_ratio"] = summary["student_val_ppl"] / summary["teacher_val_ppl"]
@@ -82,6 +121,11 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     # what the student was trained on, kept in its checkpoint (evals report the row length as its context)
     model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data, "loss_on": config.loss_on,
                                         "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
+    if parallel is not None:
+        trained = parallel.added_state(model)  # every rank takes part in gathering the shards
+        if not writer:
+            return out
+        model = _unsharded_student(model, trained, config)
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     write_json(out / "summary.json", summary)
     from .plots import plot_metrics
@@ -199,7 +243,7 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 # --------------------------------------------------------------------------------------- stage 1
 
 
-def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -> list[dict]:
+def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel=None) -> list[dict]:
     steps = _steps(config.stage1_tokens, config)
     if not trainable_attention_parameters(model):
         log_progress(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
@@ -245,12 +289,21 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
             def eval_fn(block=block, inputs=val_inputs):
                 return _transfer_eval(model, val_rows, block, inputs, config, device)
 
-        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr)
+        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, loss_tokens=transfer_tokens)
+        if parallel is not None and config.transfer_target == "output":
+            parallel.keep_gathered(model, True)
         summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", metrics, resume,
-                             extra_batch=extra))
+                             extra_batch=extra, parallel=parallel))
+        if parallel is not None:
+            parallel.keep_gathered(model, False)
     for p in model.parameters():
         p.requires_grad_(False)
     return summaries
+
+
+def transfer_tokens(batch: dict) -> int:
+    """The tokens stage 1's loss averages over: every real one."""
+    return int(batch["attention_mask"].sum())
 
 
 def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.Tensor, dict]:
@@ -293,11 +346,12 @@ def _transfer_eval(model, rows, block: Block, inputs, config, device) -> tuple[f
 # --------------------------------------------------------------------------------------- stage 2
 
 
-def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume) -> dict:
-    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
-             targets=config.lora_targets)
-    model.to(device)
+def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume, parallel=None) -> dict:
+    if getattr(model, "linearize_lora", None) is None:  # (several processes: added before sharding)
+        _add_lora(model, config)
+        model.to(device)
     params = lora_parameters(model)
+    freeze_all_but(model, params)  # (several processes: stage 1 froze the LoRA it ran with)
     steps = _steps(config.stage2_tokens, config)
     log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
                  f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
@@ -320,9 +374,9 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
             return loss, {"ppl": math.exp(min(loss, 50.0))}
 
     stage = Stage("stage2", named_parameters_of(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
-                  before_step=set_mu if uses_mu else None)
+                  before_step=set_mu if uses_mu else None, loss_tokens=lm_tokens)
     model.train()
-    summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
+    summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume, parallel=parallel)
     model.eval()
     if uses_mu:  # the checkpoint keeps the mu the model ended with
         final_mu = set_mu(max(steps - 1, 0))
@@ -331,6 +385,16 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     for p in model.parameters():
         p.requires_grad_(False)
     return summary
+
+
+def _add_lora(model, config: TrainConfig) -> None:
+    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+             targets=config.lora_targets)
+
+
+def lm_tokens(batch: dict) -> int:
+    """The tokens stage 2's losses average over: those whose next token has a label."""
+    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Tensor, dict]:
@@ -389,6 +453,21 @@ def _lm_loss(model, rows, config, device) -> float:
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+
+def _unsharded_student(sharded, trained: dict, config: TrainConfig):
+    """The student as one process holds it (for ``save``): the teacher loaded again, converted
+    as the run converted it, with the trained tensors gathered from the ranks."""
+    model, _ = load_teacher(config.model)
+    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+    _add_lora(model, config)
+    result = model.load_state_dict(trained, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"gathered tensors the student does not have: {result.unexpected_keys[:4]}")
+    for name, value in vars(sharded).items():
+        if name.startswith("linearize_"):
+            setattr(model, name, copy.deepcopy(value))
+    return model.eval()
 
 
 def named_parameters_of(model, params) -> dict:

@@ -124,7 +124,9 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
         try:
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         except _StopForward:
-            pass
+            if not torch.is_grad_enabled() and hasattr(model, "reset_iter_state"):
+                # FSDP2: a forward cut short leaves the iteration open, and no backward will close it
+                model.reset_iter_state()
     return recorder.losses
 
 
