@@ -150,3 +150,46 @@ def test_a_killed_rank_resumes_to_the_uninterrupted_weights(two_runs, tiny, text
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
     steps = lambda out: [(r["stage"], r["step"], r["loss"]) for r in records(out)]
     assert steps(whole) == steps(tmp_path / "resumed")
+
+
+@pytest.mark.slow
+def test_block_parallel_stage1_equals_sequential(tiny, text_file, tmp_path):
+    """--block-size 1 on three layers and two ranks: rank 0 trains blocks 0 and 2 while rank 1
+    trains block 1, from block inputs shared through files; every block ends where the one-process
+    sequential run's does, and stage 2 (data parallel) goes on from there."""
+    config = settings(tiny, text_file, tmp_path / "one", block_size=1, grad_accum=1, stage2_tokens=32 * 4 * 2)
+    one = run(TrainConfig(**config))
+    done = torchrun(["-m", "linearize.cli", "train", *cli_flags({**config, "out": str(tmp_path / "two")})])
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = tmp_path / "two"
+    a, b = records(one), records(two)
+    assert [(r["stage"], r["split"], r["step"]) for r in a] == [(r["stage"], r["split"], r["step"]) for r in b]
+    assert {r["stage"] for r in b} == {"stage1-block0", "stage1-block1", "stage1-block2", "stage2"}
+    for x, y in zip(a, b):
+        if x["stage"].startswith("stage1"):  # the same computations, block by block
+            assert (x["loss"], x["layer_mse"], x["tokens"]) == (y["loss"], y["layer_mse"], y["tokens"]), (x, y)
+        else:
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(two / "adapter.safetensors"))
+    for k in wa:
+        if ".hybrid." in k:
+            assert torch.equal(wa[k], wb[k]), k
+        else:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert not (two / "state" / "block_inputs").exists()  # the shared block inputs are removed
+    assert not list((two / "state").glob("metrics-*"))  # the blocks' own logs are merged
+
+
+@pytest.mark.slow
+def test_output_target_on_two_processes_equals_one(tiny, text_file, tmp_path):
+    """transfer_target "output": stage 1's loss goes back through the frozen output projection,
+    whose sharded weight must stay gathered until backward."""
+    config = settings(tiny, text_file, tmp_path / "one", transfer_target="output", stage2_tokens=0)
+    one = run(TrainConfig(**config))
+    done = worker({**config, "out": str(tmp_path / "two")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for x, y in zip(records(one), records(tmp_path / "two"), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-9), (x, y)
+    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -125,6 +125,32 @@ class Parallel:
         start = self.rank * per + min(self.rank, extra)
         return range(start, start + per + (self.rank < extra))
 
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Rank ``src``'s values of ``tensors`` (plain, not sharded) to every rank, in place."""
+        for t in tensors:
+            dist.broadcast(t.data, src=src)
+
+    def all_objects(self, value) -> list:
+        """Every rank's ``value`` (picklable), by rank."""
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, value)
+        return everyone
+
+    def shared_tensors(self, paths: list, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Tensors of ``shape`` mapped from files at ``paths`` (created by rank 0) that all ranks of
+        this host read and write: the page cache holds what fits, the disk the rest."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if self.writer:
+            for path in paths:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb") as f:
+                    f.truncate(size)
+        self.barrier()
+        return [torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape) for path in paths]
+
     # ------------------------------------------------------------------------------ the model
 
     def shard(self, model: nn.Module) -> nn.Module:

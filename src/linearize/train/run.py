@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -95,18 +96,16 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
 
     convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
     model.to(device)
-    if parallel is not None:
-        # FSDP2 fixes the module tree, so LoRA goes in before stage 1, which leaves it untouched
-        # (B = 0 adds nothing, the random draws are the ones stage 2 makes on one process)
-        _add_lora(model, config)
-        parallel.shard(model)
-        if teacher is not None:
-            parallel.shard(teacher)
+    spread = parallel is not None and _blocks_spread(model, config)
+    if parallel is not None and not spread:
+        _shard(model, teacher, config, parallel)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     if parallel is not None:
         summary["processes"] = parallel.world_size
-    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel)
+    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel, spread)
+    if spread:
+        _shard(model, teacher, config, parallel)
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume,
                                      parallel))
     student_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
@@ -243,7 +242,28 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 # --------------------------------------------------------------------------------------- stage 1
 
 
-def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel=None) -> list[dict]:
+def _shard(model, teacher, config: TrainConfig, parallel) -> None:
+    """FSDP2 over the student (and a distillation teacher) for the data-parallel stages. FSDP2 fixes
+    the module tree, so LoRA goes in first: before stage 1 it is left untouched (B = 0 adds nothing),
+    and its random draws are the ones stage 2 makes on one process, as stage 1 draws none."""
+    _add_lora(model, config)
+    parallel.shard(model)
+    if teacher is not None:
+        parallel.shard(teacher)
+
+
+def _blocks_spread(model, config: TrainConfig) -> bool:
+    """Block-parallel stage 1 (several processes and several blocks): each rank trains its own
+    blocks, whole, on its own device, from the teacher's hidden states cached on disk."""
+    return (config.block_size is not None and _steps(config.stage1_tokens, config) > 0
+            and bool(trainable_attention_parameters(model)) and len(make_blocks(model, config.block_size)) > 1)
+
+
+def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel=None,
+            spread: bool = False) -> list[dict]:
+    """Stage 1, block by block. ``parallel``: data parallel over the ranks (FSDP). ``spread``:
+    block-parallel instead, block b trained by rank b mod N; the ranks share the block inputs
+    through files (memory-mapped), then each block's weights are sent from its rank to all."""
     steps = _steps(config.stage1_tokens, config)
     if not trainable_attention_parameters(model):
         log_progress(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
@@ -260,9 +280,18 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
         needed = min(len(train_rows), steps * config.batch_size * config.grad_accum)
         g = torch.Generator().manual_seed(config.seed)
         train_rows = _subset(train_rows, torch.randperm(len(train_rows), generator=g)[:needed].tolist())
+    if spread:
+        cache = out / "state" / "block_inputs"
+        spread_train = _shared_block_inputs(model, blocks, train_rows, config, device, cache / "train", parallel)
+        spread_val = (_shared_block_inputs(model, blocks, val_rows, config, device, cache / "val", parallel)
+                      if val_rows is not None else [None] * len(blocks))
     previous_end = 0
     for b, block in enumerate(blocks):
-        if b > 0:  # advance the cached inputs through the layers between the two blocks
+        if spread:
+            if b % parallel.world_size != parallel.rank:
+                continue
+            train_inputs, val_inputs = spread_train[b], spread_val[b]
+        elif b > 0:  # advance the cached inputs through the layers between the two blocks
             span = Block(previous_end, block.start, tuple(
                 m.layer_idx for m in linearized_layers(model) if previous_end <= m.layer_idx < block.start))
             train_inputs = _block_outputs(model, train_rows, span, train_inputs, config, device)
@@ -292,13 +321,68 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
         stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, loss_tokens=transfer_tokens)
         if parallel is not None and config.transfer_target == "output":
             parallel.keep_gathered(model, True)
-        summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", metrics, resume,
-                             extra_batch=extra, parallel=parallel))
-        if parallel is not None:
+        # a block trained on its own rank has its own log, merged into the run's afterwards
+        log = MetricsLog(out / "state" / f"metrics-{name}.jsonl") if spread else metrics
+        summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", log, resume,
+                             extra_batch=extra, parallel=None if spread else parallel))
+        if parallel is not None and not spread:
             parallel.keep_gathered(model, False)
     for p in model.parameters():
         p.requires_grad_(False)
+    if spread:
+        summaries = _gather_blocks(model, blocks, summaries, parallel, metrics, out)
     return summaries
+
+
+def _shared_block_inputs(model, blocks: list[Block], rows, config, device, prefix: Path, parallel) -> list:
+    """Block-parallel stage 1: the teacher's hidden states entering each block, for every row:
+    (N, seq_len, hidden) tensors mapped from files ``prefix-block{b}.bin`` (kept on disk when they
+    do not fit memory); None for the first block (the embeddings). Each rank computes every Nth
+    batch, through the layers between consecutive blocks as sequential stage 1 does."""
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = (len(rows), config.seq_len, model.config.hidden_size)
+    shared = [None] + parallel.shared_tensors([prefix.with_name(f"{prefix.name}-block{b}.bin")
+                                               for b in range(1, len(blocks))], shape, store)
+    linear = [m.layer_idx for m in linearized_layers(model)]
+    for b in range(1, len(blocks)):
+        start, end = blocks[b - 1].start, blocks[b].start
+        span = Block(start, end, tuple(i for i in linear if start <= i < end))
+        _block_outputs(model, rows, span, shared[b - 1], config, device, into=shared[b],
+                       part=(parallel.rank, parallel.world_size))
+    parallel.barrier()  # every rank's rows are in
+    return shared
+
+
+def _gather_blocks(model, blocks: list[Block], summaries: list[dict], parallel, metrics: MetricsLog, out: Path):
+    """After block-parallel stage 1: every block's weights from its rank to all, the blocks'
+    summaries in block order, and (rank 0) their logs appended to the run's."""
+    for b, block in enumerate(blocks):
+        parallel.broadcast(trainable_attention_parameters(model, block), src=b % parallel.world_size)
+    everyone = parallel.all_objects(summaries)
+    ordered = [everyone[b % parallel.world_size][b // parallel.world_size] for b in range(len(blocks))]
+    if parallel.writer:
+        seen = set()
+        if metrics.path.is_file():
+            seen = {_record_key(json.loads(line)) for line in metrics.path.read_text().splitlines() if line.strip()}
+        for b in range(len(blocks)):
+            log = out / "state" / f"metrics-stage1-block{b}.jsonl"
+            if not log.is_file():
+                continue
+            for line in log.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+                if _record_key(record) not in seen:  # (merged already before an interruption)
+                    metrics.write(record)
+            log.unlink()
+        shutil.rmtree(out / "state" / "block_inputs", ignore_errors=True)
+    parallel.barrier()
+    return ordered
+
+
+def _record_key(record: dict) -> tuple:
+    return record.get("stage"), record.get("split"), record.get("step"), record.get("event")
 
 
 def transfer_tokens(batch: dict) -> int:
@@ -315,18 +399,28 @@ def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.
 
 
 @torch.no_grad()
-def _block_outputs(model, rows, span: Block, inputs, config, device) -> torch.Tensor:
-    """Teacher hidden states leaving ``span`` for every row: (N, T, hidden) on the CPU."""
+def _block_outputs(model, rows, span: Block, inputs, config, device, into: torch.Tensor | None = None,
+                   part: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Teacher hidden states leaving ``span`` for every row: (N, T, hidden) on the CPU.
+
+    ``into``: write them into this (N, T, hidden) tensor instead; ``part=(i, n)``: only batches
+    i, i + n, ... (one rank's share)."""
     outs = []
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for indices, batch in _batches(rows, config.batch_size, device):
+    for k, (indices, batch) in enumerate(_batches(rows, config.batch_size, device)):
+        if k % part[1] != part[0]:
+            continue
         captured = []
         block_in = None if inputs is None else inputs[indices, :batch["input_ids"].shape[1]].to(device)
         with autocast(device, config.precision):
             run_block(model, batch, config.transfer_target, span, block_in, capture=captured)
         h = captured[0].to("cpu", store)
-        outs.append(F.pad(h, (0, 0, 0, config.seq_len - h.shape[1])))  # batches are trimmed; rows are not
-    return torch.cat(outs)
+        h = F.pad(h, (0, 0, 0, config.seq_len - h.shape[1]))  # batches are trimmed; rows are not
+        if into is not None:
+            into[indices] = h
+        else:
+            outs.append(h)
+    return into if into is not None else torch.cat(outs)
 
 
 @torch.no_grad()
