@@ -108,6 +108,10 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         _shard(model, teacher, config, parallel)
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume,
                                      parallel))
+    if parallel is not None:  # each rank's own peak memory and time beside the run's
+        everyone = parallel.all_objects(summary["stages"])
+        for i, stage in enumerate(summary["stages"]):
+            stage["ranks"] = [{k: theirs[i].get(k) for k in ("seconds", "peak_memory_bytes")} for theirs in everyone]
     student_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
     if val_rows is not None and writer:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
