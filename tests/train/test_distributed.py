@@ -193,3 +193,12 @@ def test_output_target_on_two_processes_equals_one(tiny, text_file, tmp_path):
     wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_encoders_refuse_several_processes(monkeypatch, tmp_path):
+    from linearize.train.encoder import run_encoder
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"encoder methods train on one process; 'lion-s' was launched on 2"):
+        run_encoder(TrainConfig(method="lion-s", out=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()

@@ -299,7 +299,9 @@ def _evaluate(stage, loop, metrics, scheduler, config, update: bool, best=None):
     if val < loop.best_val:
         loop.best_val, loop.bad_evals = val, 0
         if config.early_stop_patience:
-            best = {n: p.detach().cpu().clone() for n, p in stage.params.items()}
+            # (shards stay where they are: the best weights of every rank together)
+            best = {n: p.detach().clone() if hasattr(p, "full_tensor") else p.detach().cpu().clone()
+                    for n, p in stage.params.items()}
     else:
         loop.bad_evals += 1
         if config.early_stop_patience and loop.bad_evals >= config.early_stop_patience:

@@ -30,7 +30,7 @@ from ..models.teacher import load_teacher
 from ..records import device_name, write_json
 from . import distributed
 from .config import TrainConfig
-from .loop import MetricsLog, Stage, autocast, fit, resolve_device
+from .loop import MetricsLog, Stage, autocast, fit, read_state, resolve_device
 from .schedules import mu_at
 from .transfer import Block, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
 
@@ -284,7 +284,9 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
         needed = min(len(train_rows), steps * config.batch_size * config.grad_accum)
         g = torch.Generator().manual_seed(config.seed)
         train_rows = _subset(train_rows, torch.randperm(len(train_rows), generator=g)[:needed].tolist())
-    if spread:
+    if spread and resume and all(_finished(out / "state" / f"stage1-block{b}.pt") for b in range(len(blocks))):
+        spread_train = spread_val = [None] * len(blocks)  # each block's state is read back, nothing recomputed
+    elif spread:
         cache = out / "state" / "block_inputs"
         spread_train = _shared_block_inputs(model, blocks, train_rows, config, device, cache / "train", parallel)
         spread_val = (_shared_block_inputs(model, blocks, val_rows, config, device, cache / "val", parallel)
@@ -383,6 +385,10 @@ def _gather_blocks(model, blocks: list[Block], summaries: list[dict], parallel, 
         shutil.rmtree(out / "state" / "block_inputs", ignore_errors=True)
     parallel.barrier()
     return ordered
+
+
+def _finished(state_path: Path) -> bool:
+    return state_path.is_file() and bool(read_state(state_path)["loop"]["done"])
 
 
 def _record_key(record: dict) -> tuple:
