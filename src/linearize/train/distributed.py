@@ -119,12 +119,6 @@ class Parallel:
         per = len(indices) // self.world_size
         return indices[self.rank * per:(self.rank + 1) * per]
 
-    def split_rows(self, num_rows: int) -> range:
-        """This rank's consecutive share of ``num_rows`` rows (the last ranks may get one fewer)."""
-        per, extra = divmod(num_rows, self.world_size)
-        start = self.rank * per + min(self.rank, extra)
-        return range(start, start + per + (self.rank < extra))
-
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
         """Rank ``src``'s values of ``tensors`` (plain, not sharded) to every rank, in place."""
         for t in tensors:

@@ -18,13 +18,16 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
 from .schedules import make_scheduler
+
+if TYPE_CHECKING:
+    from .distributed import Parallel
 
 
 class NonFiniteLossError(RuntimeError):
@@ -113,7 +116,7 @@ def autocast(device: torch.device, precision: str):
 
 
 def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None,
-                parallel=None) -> None:
+                parallel: Parallel | None = None) -> None:
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     if parallel is not None:  # gathered whole: the one-process format, written by rank 0 alone
@@ -146,7 +149,7 @@ def read_state(path: Path) -> dict:
 
 def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
                    batches: Iterable[dict], config: TrainConfig, device: torch.device,
-                   parallel=None) -> tuple[float, dict, bool, int]:
+                   parallel: Parallel | None = None) -> tuple[float, dict, bool, int]:
     """One optimizer step of ``stage`` over ``batches`` (its micro-batches, moved to ``device`` one at a
     time): the gradients zeroed, accumulated under autocast, clipped, applied. A non-finite loss or
     gradient norm skips the update. Returns (mean loss, the loss function's extras, finite, tokens).
@@ -186,7 +189,7 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
 
 def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_path: Path,
         metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None,
-        parallel=None) -> dict:
+        parallel: Parallel | None = None) -> dict:
     """Train ``stage`` to completion (or early stop); returns a summary of the run.
 
     ``rows``: a ``data.Rows``; ``extra_batch(indices, batch)`` may add tensors (block inputs).
