@@ -202,3 +202,30 @@ def test_encoders_refuse_several_processes(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"encoder methods train on one process; 'lion-s' was launched on 2"):
         run_encoder(TrainConfig(method="lion-s", out=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_one_process_run_resumes_on_two(two_runs, tiny, text_file, tmp_path, monkeypatch):
+    """The resume state has the one-process format whoever wrote it: a run interrupted on one
+    process (in stage 2, last saved at its step 2) finishes on two with the one-process weights."""
+    from linearize.train import loop as loop_module
+
+    one, _, _ = two_runs
+    real, calls = loop_module.batch_indices, [0]
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 11:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "batch_indices", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run(TrainConfig(**settings(tiny, text_file, tmp_path / "moved")))
+    resumed = torchrun(["-m", "linearize.cli", "train", "--resume", "--out", str(tmp_path / "moved")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "stage2: resuming at step 2 of 3" in resumed.stdout
+    a, b = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "moved" / "adapter.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert [(r["stage"], r["step"]) for r in records(one)] == [(r["stage"], r["step"]) for r in records(tmp_path / "moved")]
