@@ -4,6 +4,7 @@ rank is killed resumes to the uninterrupted weights; bad setups are named."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -229,3 +230,26 @@ def test_a_one_process_run_resumes_on_two(two_runs, tiny, text_file, tmp_path, m
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
     assert [(r["stage"], r["step"]) for r in records(one)] == [(r["stage"], r["step"]) for r in records(tmp_path / "moved")]
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(tiny, text_file, tmp_path, monkeypatch):
+    """Rank 1's loss is NaN in the first micro-batch of step 2: every rank skips that step (none
+    waits in a collective the others left), as one process skips it when its micro-batch's loss is NaN."""
+    import sys as _sys
+
+    run_module = importlib.import_module("linearize.train.run")
+    _sys.path.insert(0, str(WORKER.parent))
+    from distributed_worker import nan_at_call
+
+    config = settings(tiny, text_file, tmp_path / "one", stage2_tokens=0)
+    monkeypatch.setattr(run_module, "transfer_loss", nan_at_call(run_module.transfer_loss, 3))
+    one = run(TrainConfig(**config))
+    done = worker({**config, "out": str(tmp_path / "two")}, env={"NAN_RANK1_AT": "3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = lambda out: [r for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if r.get("event")]
+    assert events(one) == events(tmp_path / "two") == [{"event": "nonfinite", "stage": "stage1", "step": 2}]
+    assert [r["step"] for r in records(tmp_path / "two") if r["split"] == "train"] == [1, 3]
+    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
