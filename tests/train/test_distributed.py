@@ -98,10 +98,10 @@ def test_two_processes_train_as_one_for_both_stages(two_runs):
     assert set(wa) == set(wb) and any("lora_" in k for k in wa) and any(".hybrid." in k for k in wa)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
-    summary = json.loads((two / "summary.json").read_text())
-    assert summary["processes"] == 2
-    assert summary["student_val_loss"] == pytest.approx(json.loads((one / "summary.json").read_text())
-                                                        ["student_val_loss"], rel=1e-5)
+    summary, alone = (json.loads((out / "summary.json").read_text()) for out in (two, one))
+    assert summary["processes"] == 2 and len(summary["stages"][0]["ranks"]) == 2
+    for key in ("teacher_val_loss", "stage1_val_loss", "student_val_loss"):
+        assert summary[key] == pytest.approx(alone[key], rel=1e-5), key
     assert done.stdout.count(str(two)) == 1  # rank 0 alone prints the run directory
 
 
@@ -111,6 +111,27 @@ def test_a_two_rank_checkpoint_loads_in_one_process(two_runs):
     with torch.no_grad():
         logits = [linearize.load(out)[0](input_ids=ids).logits for out in (one, two)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("softmax_layers", [None, [1]])
+def test_teacher_attention_gives_the_teachers_logits(tiny, softmax_layers):
+    """Several processes take the teacher's validation loss from the converted, sharded model (no
+    second copy of the weights): with ``teacher_attention`` its logits are the teacher's."""
+    from linearize.train.transfer import teacher_attention
+
+    model, _ = linearize.load_teacher(tiny)
+    ids = torch.randint(0, 1000, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0  # a padded row
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        linearize.convert(model, "lizard", softmax_layers=softmax_layers)
+        with teacher_attention(model):
+            got = model(input_ids=ids, attention_mask=mask).logits
+        student = model(input_ids=ids, attention_mask=mask).logits  # and afterwards the student again
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1, :17], expected[1, :17], rtol=1e-4, atol=1e-4)
+    assert (student - expected).abs().max() > 1e-3
 
 
 def test_ranks_with_different_settings_are_named(tiny, text_file, tmp_path):

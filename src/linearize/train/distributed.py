@@ -149,7 +149,8 @@ class Parallel:
 
     def shard(self, model: nn.Module) -> nn.Module:
         """FSDP2 over ``model`` in place: each new attention module, then each decoder layer, then
-        the rest (embeddings, final norm, head) are their own units."""
+        the rest (embeddings, final norm, head) are their own units; each unit's shards go to this
+        rank's device (from the CPU: the whole model is never on one GPU)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -157,7 +158,6 @@ class Parallel:
             self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # the new modules return views (heads transposed); nothing changes them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPHybridAttention\) returned a view")
-        model.to(self.device)
         # The new modules are units of their own: stage 1 trains them with the layers around them
         # frozen, and its loss reaches them without passing through the layer's output.
         for m in linearized_layers(model):

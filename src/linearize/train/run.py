@@ -32,7 +32,8 @@ from . import distributed
 from .config import TrainConfig
 from .loop import MetricsLog, Stage, autocast, fit, read_state, resolve_device
 from .schedules import mu_at
-from .transfer import Block, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
+from .transfer import (Block, freeze_all_but, make_blocks, run_block, teacher_attention,
+                       trainable_attention_parameters)
 
 CONFIG_FILE = "config.json"
 RESUME_IRRELEVANT = {"progress", "out", "device"}  # may differ between a run and its resumption
@@ -90,15 +91,27 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
     metrics = MetricsLog(out / "metrics.jsonl" if writer else Path(os.devnull))
     if writer and not resume and metrics.path.exists():
         metrics.path.unlink()
-    model.to(device)
-    teacher = copy.deepcopy(model) if config.distill > 0 else None
-    teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
-
-    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
-    model.to(device)
-    spread = parallel is not None and _blocks_spread(model, config)
-    if parallel is not None and not spread:
-        _shard(model, teacher, config, parallel)
+    spread = False
+    if parallel is None:
+        model.to(device)
+        teacher = copy.deepcopy(model) if config.distill > 0 else None
+        teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+        convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+        model.to(device)
+    else:
+        # converted on the CPU, so that only shards reach a GPU (FSDP2 moves each unit's own):
+        # the whole model never has to fit one
+        teacher = copy.deepcopy(model) if config.distill > 0 else None
+        convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+        spread = _blocks_spread(model, config)
+        if spread:  # block-parallel stage 1 trains on the whole model on each rank
+            model.to(device)
+        else:
+            _shard(model, teacher, config, parallel)
+        teacher_val = None
+        if val_rows is not None:  # the converted model passing each softmax teacher's output on
+            with teacher_attention(model):
+                teacher_val = _lm_loss(model, val_rows, config, device)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     if parallel is not None:

@@ -117,6 +117,22 @@ def transfer_mode(model: nn.Module, target: str, block: Block, block_inputs: tor
             attention[i].transfer = None
 
 
+@contextlib.contextmanager
+def teacher_attention(model: nn.Module):
+    """Run the converted ``model`` as its teacher: every linearized layer passes its softmax
+    teacher's output on (the transfer path over all layers, nothing cut short), so the logits are
+    the teacher's without a second copy of its weights."""
+    recorder = TransferRecorder("heads")
+    layers = linearized_layers(model)
+    try:
+        for m in layers:
+            m.transfer = recorder
+        yield
+    finally:
+        for m in layers:
+            m.transfer = None
+
+
 def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_inputs: torch.Tensor | None = None,
               capture: list | None = None) -> dict[int, torch.Tensor]:
     """One teacher-forced forward over ``block``: {layer index: MSE} (differentiable)."""
@@ -130,5 +146,5 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
     return recorder.losses
 
 
-__all__ = ["Block", "freeze_all_but", "make_blocks", "run_block",
+__all__ = ["Block", "freeze_all_but", "make_blocks", "run_block", "teacher_attention",
            "trainable_attention_parameters", "transfer_mode"]
