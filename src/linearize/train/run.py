@@ -304,19 +304,19 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
         spread_train = _shared_block_inputs(model, blocks, train_rows, config, device, cache / "train", parallel)
         spread_val = (_shared_block_inputs(model, blocks, val_rows, config, device, cache / "val", parallel)
                       if val_rows is not None else [None] * len(blocks))
-    previous_end = 0
+    inputs_at = 0
     for b, block in enumerate(blocks):
         if spread:
             if b % parallel.world_size != parallel.rank:
                 continue
             train_inputs, val_inputs = spread_train[b], spread_val[b]
-        elif b > 0:  # advance the cached inputs through the layers between the two blocks
-            span = Block(previous_end, block.start, tuple(
-                m.layer_idx for m in linearized_layers(model) if previous_end <= m.layer_idx < block.start))
+        elif block.start > inputs_at:  # advance the cached inputs to the block's first layer
+            span = Block(inputs_at, block.start, tuple(
+                m.layer_idx for m in linearized_layers(model) if inputs_at <= m.layer_idx < block.start))
             train_inputs = _block_outputs(model, train_rows, span, train_inputs, config, device)
             if val_rows is not None:
                 val_inputs = _block_outputs(model, val_rows, span, val_inputs, config, device)
-        previous_end = block.start
+        inputs_at = block.start
         name = "stage1" if len(blocks) == 1 else f"stage1-block{b}"
         params = trainable_attention_parameters(model, block)
         named = named_parameters_of(model, params)
@@ -356,18 +356,19 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
 def _shared_block_inputs(model, blocks: list[Block], rows, config, device, prefix: Path, parallel) -> list:
     """Block-parallel stage 1: the teacher's hidden states entering each block, for every row:
     (N, seq_len, hidden) tensors mapped from files ``prefix-block{b}.bin`` (kept on disk when they
-    do not fit memory); None for the first block (the embeddings). Each rank computes every Nth
+    do not fit memory); None for a block at layer 0 (the embeddings). Each rank computes every Nth
     batch, through the layers between consecutive blocks as sequential stage 1 does."""
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = (len(rows), config.seq_len, model.config.hidden_size)
-    shared = [None] + parallel.shared_tensors([prefix.with_name(f"{prefix.name}-block{b}.bin")
-                                               for b in range(1, len(blocks))], shape, store)
+    cached = [b for b, block in enumerate(blocks) if block.start > 0]
+    files = parallel.shared_tensors([prefix.with_name(f"{prefix.name}-block{b}.bin") for b in cached], shape, store)
+    shared = [None] * len(blocks)
     linear = [m.layer_idx for m in linearized_layers(model)]
-    for b in range(1, len(blocks)):
-        start, end = blocks[b - 1].start, blocks[b].start
-        span = Block(start, end, tuple(i for i in linear if start <= i < end))
-        _block_outputs(model, rows, span, shared[b - 1], config, device, into=shared[b],
-                       part=(parallel.rank, parallel.world_size))
+    start, inputs = 0, None
+    for b, into in zip(cached, files):
+        span = Block(start, blocks[b].start, tuple(i for i in linear if start <= i < blocks[b].start))
+        _block_outputs(model, rows, span, inputs, config, device, into=into, part=(parallel.rank, parallel.world_size))
+        start, inputs, shared[b] = blocks[b].start, into, into
     parallel.barrier()  # every rank's rows are in
     return shared
 
