@@ -360,3 +360,15 @@ def test_run_on_a_weighted_mixture_with_loss_on_assistant(tiny, text_file, tmp_p
     model, _ = linearize.load(out)
     assert model.linearize_spec["training"]["data"] == spec
     assert model.linearize_spec["training"]["loss_on"] == "assistant"
+
+
+def test_a_block_after_a_softmax_layer_starts_from_its_output(tiny, text_file, tmp_path):
+    """softmax_layers=[0], block_size=1: the first block is layer 1, and its inputs are the teacher's
+    hidden states leaving layer 0 (not the embeddings), so its untrained loss is the one the
+    whole-model transfer measures for layer 1; block 2's likewise (teacher forcing)."""
+    kw = dict(softmax_layers=[0], stage1_tokens=32 * 2, stage2_tokens=0)
+    whole = val_records(run(small(tiny, text_file, tmp_path / "whole", **kw)), "stage1")[0]
+    out = run(small(tiny, text_file, tmp_path / "blocks", block_size=1, **kw))
+    blocks = [val_records(out, f"stage1-block{b}")[0] for b in range(2)]
+    assert whole["layers"] == [1, 2] and [r["layers"] for r in blocks] == [[1], [2]]
+    assert [r["layer_mse"][0] for r in blocks] == pytest.approx(whole["layer_mse"], rel=1e-5)

@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -251,6 +252,8 @@ def cmd_train(args) -> int:
             raise
         print(f"linearize: training stopped: {e}", file=sys.stderr)
         return 1
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks and writes for the run
+        return 0
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and not list(out.glob("*.png")):  # the loop normally plots; make sure
         from ..train.plots import plot_metrics

@@ -60,6 +60,7 @@ from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from ..records import write_json
 from .config import TrainConfig
+from .distributed import launched_world_size
 from .loop import MetricsLog, Stage, autocast, fit, resolve_device
 from .run import CONFIG_FILE, check_run_dir, log_progress, named_parameters_of
 from .transfer import freeze_all_but
@@ -151,6 +152,10 @@ def run_encoder(config: TrainConfig, *, resume: bool = False) -> Path:
     config.validate()
     if not config.method.startswith("lion-"):
         raise ValueError(f"run_encoder trains the LION methods (lion-lit, lion-d, lion-s), got {config.method!r}")
+    processes = launched_world_size()
+    if processes > 1:
+        raise ValueError(f"the encoder methods train on one process; {config.method!r} was launched on {processes} "
+                         "(use python, not torchrun, or --nproc-per-node 1)")
     if config.transfer_target != "heads":
         raise ValueError(f"encoders transfer attention per head; transfer_target must be 'heads', got {config.transfer_target!r}")
     out = Path(config.out)

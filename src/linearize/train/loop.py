@@ -18,7 +18,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from torch import nn
 from .config import TrainConfig
 from .graphs import GraphedStep
 from .schedules import make_scheduler
+
+if TYPE_CHECKING:
+    from .distributed import Parallel
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,6 +47,7 @@ class Stage:
     lr: float
     before_step: Callable[[int], None] | None = None      # e.g. liza's mu schedule
     graphable: bool = False                               # loss_fn reads no device value: CUDA graphs may run it
+    loss_tokens: Callable[[dict], int] | None = None      # tokens the loss averages over: weighs the ranks' shares
 
 
 @dataclass
@@ -113,16 +117,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None) -> None:
-    state = {
-        "params": {n: p.detach().cpu().clone() for n, p in stage.params.items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loop": asdict(loop),
-        "best": best,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-    }
+def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None,
+                parallel: Parallel | None = None) -> None:
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    if parallel is not None:  # gathered whole: the one-process format, written by rank 0 alone
+        state = {"params": parallel.full_tensors(stage.params), "optimizer": parallel.full_optimizer_state(optimizer),
+                 "best": None if best is None else parallel.full_tensors(best), "rng": parallel.gather_rng(rng)}
+        if not parallel.writer:
+            return
+    else:
+        state = {"params": {n: p.detach().cpu().clone() for n, p in stage.params.items()},
+                 "optimizer": optimizer.state_dict(), "best": best, "rng": rng}
+    state.update(scheduler=scheduler.state_dict(), loop=asdict(loop))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -144,40 +151,53 @@ def read_state(path: Path) -> dict:
 
 def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
                    batches: Iterable[dict], config: TrainConfig, device: torch.device,
-                   graphed: "GraphedStep | None" = None) -> tuple[float, dict, bool, int]:
+                   graphed: "GraphedStep | None" = None,
+                   parallel: Parallel | None = None) -> tuple[float, dict, bool, int]:
     """One optimizer step of ``stage`` over ``batches`` (its micro-batches, moved to ``device`` one at a
     time): the gradients zeroed, accumulated under autocast, clipped, applied. A non-finite loss or
     gradient norm skips the update. ``graphed``: the stage's forward and backward as CUDA graphs
     (``graphs.GraphedStep``) for the micro-batches they take; the others run eagerly. The loss and
-    its extras are read back once, after the last micro-batch. Returns (mean loss, the loss
-    function's extras, finite, tokens)."""
+    its extras are read back once, after the last micro-batch. With ``parallel``
+    (``distributed.Parallel``), ``batches`` are this rank's shares and the results are the whole
+    micro-batches'. Returns (mean loss, the loss function's extras, finite, tokens)."""
     # with graphs the gradients stay the same tensors (the graphs write into them)
     optimizer.zero_grad(set_to_none=graphed is None)
-    losses, extras_list, tokens = [], [], 0
+    losses, extras_list, weights, finite, tokens = [], [], [], True, 0
     for batch in batches:
         tokens += int(batch["attention_mask"].sum())  # (on the CPU, where the rows are)
         out = graphed(batch) if graphed is not None else None
+        weight = 1.0
         if out is None:
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with autocast(device, config.precision):
                 loss, extra = stage.loss_fn(batch)
-            if not bool(torch.isfinite(loss)):  # (skips the backward of a loss that is already lost)
-                losses.append(loss.detach())
+            if parallel is not None:  # every rank skips together, each weighed by its share of the tokens
+                weight, finite = parallel.weigh(loss, stage.loss_tokens(batch) if stage.loss_tokens else 1)
+            elif not bool(torch.isfinite(loss)):  # (skips the backward of a loss that is already lost)
+                finite = False
+            if not finite:
                 break
-            (loss / config.grad_accum).backward()
+            (loss * weight / config.grad_accum).backward()
             out = loss.detach(), extra
         losses.append(out[0])
         extras_list.append(out[1])
+        weights.append(weight)
     # one read of the device for the whole step
-    values = torch.stack([x.float() for x in losses]).tolist()
-    finite = all(math.isfinite(x) for x in values) and len(values) == len(extras_list)
-    total = sum(values) / config.grad_accum if finite else 0.0
-    extras: dict = {}
-    for extra in extras_list:
-        for k, v in extra.items():
-            extras[k] = _accumulate(extras.get(k), _host(v), config.grad_accum)
+    values = torch.stack([x.float() for x in losses]).tolist() if losses else []
+    finite = finite and all(math.isfinite(x) for x in values)
+    total, extras = 0.0, {}
+    if finite:
+        total = sum(x * w for x, w in zip(values, weights)) / config.grad_accum
+        for extra, w in zip(extras_list, weights):
+            for k, v in extra.items():
+                extras[k] = _accumulate(extras.get(k), _host(v), config.grad_accum, w)
+    if parallel is not None:
+        total, extras, tokens = parallel.reduce_metrics(total, extras, tokens)
+        if not finite:
+            parallel.reset()
     if finite and config.clip > 0:
-        finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, config.clip)))
+        norm = torch.nn.utils.clip_grad_norm_(params, config.clip)
+        finite = bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
     if finite:
         optimizer.step()
     else:
@@ -193,11 +213,15 @@ def _host(value):
 
 
 def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_path: Path,
-        metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None) -> dict:
+        metrics: MetricsLog, resume: bool, extra_batch: Callable[[list[int], dict], dict] | None = None,
+        parallel: Parallel | None = None) -> dict:
     """Train ``stage`` to completion (or early stop); returns a summary of the run.
 
     ``rows``: a ``data.Rows``; ``extra_batch(indices, batch)`` may add tensors (block inputs).
+    ``parallel``: a ``distributed.Parallel`` when several processes train ``stage`` together
+    (each takes its share of every micro-batch; ``metrics`` is rank 0's alone).
     """
+    speaks = parallel is None or parallel.writer
     params = list(stage.params.values())
     optimizer = torch.optim.AdamW(params, lr=stage.lr, weight_decay=config.weight_decay)
     scheduler = make_scheduler(optimizer, config.lr_schedule, stage.steps, config.warmup_steps,
@@ -205,6 +229,11 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
     loop, best = LoopState(), None
     if resume and state_path.is_file():
         saved = read_state(state_path)
+        if parallel is not None:  # saved whole: each rank takes its shards
+            saved["params"] = parallel.local_tensors(stage.params, saved["params"])
+            saved["optimizer"] = parallel.local_optimizer_state(optimizer, saved["optimizer"])
+            saved["best"] = None if saved["best"] is None else parallel.local_tensors(stage.params, saved["best"])
+            saved["rng"] = parallel.own_rng(saved["rng"])
         load_params(stage.params, saved["params"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -216,8 +245,9 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
         metrics.truncate_after(stage.name, loop.step)
         # said with or without progress bars: a resumed run is otherwise silent until its next step
-        print(f"{stage.name}: " + ("finished before the interruption; skipped" if loop.done else
-              f"resuming at step {loop.step} of {stage.steps} from {state_path}"), flush=True)
+        if speaks:
+            print(f"{stage.name}: " + ("finished before the interruption; skipped" if loop.done else
+                  f"resuming at step {loop.step} of {stage.steps} from {state_path}"), flush=True)
     if loop.done:
         return _summary(stage, loop, device)
 
@@ -225,8 +255,9 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         torch.cuda.reset_peak_memory_stats(device)
     from tqdm.auto import tqdm
 
-    graphed = step_graphs(stage, params, config, device)
-    bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not config.progress,
+    # (not yet with several processes: FSDP's collectives inside a capture are untested)
+    graphed = step_graphs(stage, params, config, device) if parallel is None else None
+    bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not (config.progress and speaks),
                dynamic_ncols=True, leave=True)
     if loop.step == 0 and stage.eval_fn is not None:
         _evaluate(stage, loop, metrics, scheduler, config, update=False)
@@ -239,11 +270,13 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
             for j in range(config.grad_accum):
                 indices = batch_indices(step * config.grad_accum + j, config.batch_size, len(rows), config.seed,
                                         stage.name)
+                if parallel is not None:
+                    indices = parallel.local_rows(indices)
                 batch = rows.batch(indices)
                 yield extra_batch(indices, batch) if extra_batch is not None else batch
 
         total, extras, finite, tokens = optimizer_step(stage, params, optimizer, micro_batches(), config, device,
-                                                       graphed)
+                                                       graphed, parallel)
         if finite:
             loop.nonfinite_streak = 0
         else:
@@ -279,7 +312,7 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
                 load_params(stage.params, best)
             loop.done = True
         if last or loop.step % config.save_every == 0:
-            _save_state(state_path, stage, optimizer, scheduler, loop, best)
+            _save_state(state_path, stage, optimizer, scheduler, loop, best, parallel)
         if last:
             break
     bar.close()
@@ -306,7 +339,9 @@ def _evaluate(stage, loop, metrics, scheduler, config, update: bool, best=None):
     if val < loop.best_val:
         loop.best_val, loop.bad_evals = val, 0
         if config.early_stop_patience:
-            best = {n: p.detach().cpu().clone() for n, p in stage.params.items()}
+            # (shards stay where they are: the best weights of every rank together)
+            best = {n: p.detach().clone() if hasattr(p, "full_tensor") else p.detach().cpu().clone()
+                    for n, p in stage.params.items()}
     else:
         loop.bad_evals += 1
         if config.early_stop_patience and loop.bad_evals >= config.early_stop_patience:
@@ -315,13 +350,13 @@ def _evaluate(stage, loop, metrics, scheduler, config, update: bool, best=None):
     return best
 
 
-def _accumulate(old, new, parts: int):
+def _accumulate(old, new, parts: int, weight: float = 1.0):
     if isinstance(new, list) and new and isinstance(new[0], int):  # labels (layer indices), not values
         return new
     if isinstance(new, list):
-        new = [x / parts for x in new]
+        new = [x * weight / parts for x in new]
         return new if old is None else [a + b for a, b in zip(old, new)]
-    return new / parts + (old or 0.0)
+    return new * weight / parts + (old or 0.0)
 
 
 def _as_python_rng_state(state):

