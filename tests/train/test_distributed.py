@@ -27,21 +27,6 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 SRC = Path(linearize.__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", num_layers=3))
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    from linearize.data.sources import shakespeare_plays
-
-    for i, body in enumerate(shakespeare_plays()[:4]):
-        (folder / f"{i}.txt").write_text(body[:6000])
-    return str(folder)
-
-
 def settings(tiny, text_file, out, **kw) -> dict:
     """Both stages, 3 optimizer steps each of 2 micro-batches of 4 rows; split packing, so the
     ranks' shares of a micro-batch hold different numbers of real tokens."""

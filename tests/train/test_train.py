@@ -18,25 +18,7 @@ from linearize.train.loop import MetricsLog, NonFiniteLossError, Stage, fit
 from linearize.train.schedules import cosine_with_warmup, mu_at
 from linearize.train.transfer import Block, make_blocks, run_block
 
-from fixtures import tiny_model_dir
-
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", num_layers=3))
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    """Real prose in several documents (a folder of .txt files)."""
-    folder = tmp_path_factory.mktemp("text")
-    from linearize.data.sources import shakespeare_plays
-
-    for i, body in enumerate(shakespeare_plays()[:4]):
-        (folder / f"{i}.txt").write_text(body[:6000])
-    return str(folder)
 
 
 def small(tiny, text_file, out, **kw) -> TrainConfig:
