@@ -61,12 +61,6 @@ class GraphedStep:
         self.failed: str | None = None
         self.pool = None  # the graphs' shared memory pool (made at the first capture)
 
-    def applies(self, batch: dict) -> bool:
-        """Whether ``batch`` (on the CPU, as the loop makes it) can run on a graph."""
-        if self.failed is not None:
-            return False
-        return _signature(self._graph_inputs(batch)) in self.graphs or len(self.graphs) < MAX_GRAPHS
-
     @staticmethod
     def _graph_inputs(batch: dict) -> dict:
         """The batch without its attention mask where nothing is padded (a CPU tensor: no device sync)."""
@@ -76,11 +70,14 @@ class GraphedStep:
         return dict(batch)
 
     def __call__(self, batch: dict):
-        if not self.applies(batch):
+        """``batch`` on the CPU, as the loop makes it."""
+        if self.failed is not None:
             return None
         inputs = self._graph_inputs(batch)
         key = _signature(inputs)
         if key not in self.graphs:
+            if len(self.graphs) >= MAX_GRAPHS:
+                return None
             try:
                 self.graphs[key] = self._capture(inputs)
             except Exception as e:  # noqa: BLE001 - an op that cannot be captured: the stage runs eagerly
