@@ -52,6 +52,7 @@ from torch import nn
 
 from ..layers.gates import SigmoidGate
 from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_applies, lizard_step_launcher
+from ..ops.common import gc_paused
 from ..ops.gla import gla_step_
 from ..ops.window_attn import window_ring_step_
 from .adapters import adapter_for
@@ -430,7 +431,7 @@ class StaticDecoder:
             self.step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with gc_paused(), torch.cuda.graph(graph, stream=stream):
             self._step_body()
         self.graph, self.mode = graph, "cuda_graph"
 
@@ -698,23 +699,26 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     if use_cuda_graph is True and device.type != "cuda":
         raise ValueError(f"use_cuda_graph=True needs a CUDA device; the model is on {device}")
     check_every = 16
-    while dec.steps_done < max_new_tokens:
-        if eos and dec.steps_done % check_every == 0 and dec.all_finished():
-            break
-        if want_graph and dec.graph is None and dec.steps_done + 1 < max_new_tokens:
-            try:
-                dec.capture()  # runs one real step eagerly, then captures
-                continue
-            except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
-                if use_cuda_graph is True:
-                    raise
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly")
-                want_graph = False
-                dec.graph = None
-                if dec.steps_done >= max_new_tokens:
-                    break
-        dec.step()
-    new = dec.tokens()
+    try:
+        while dec.steps_done < max_new_tokens:
+            if eos and dec.steps_done % check_every == 0 and dec.all_finished():
+                break
+            if want_graph and dec.graph is None and dec.steps_done + 1 < max_new_tokens:
+                try:
+                    dec.capture()  # runs one real step eagerly, then captures
+                    continue
+                except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+                    if use_cuda_graph is True:
+                        raise
+                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly")
+                    want_graph = False
+                    dec.graph = None
+                    if dec.steps_done >= max_new_tokens:
+                        break
+            dec.step()
+        new = dec.tokens()
+    finally:
+        dec.release()  # now, not whenever the collector finds the decoder: see ops.common.gc_paused
     return torch.cat([input_ids, _cut_after_all_finished(new, eos)], dim=1)
 
 

@@ -17,8 +17,10 @@ tensors, ``None`` meaning "nothing seen yet"; the final state comes back in ever
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -110,6 +112,23 @@ def graph_capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream: no device value may be read on
     the host then (value checks are skipped, shortcuts not taken)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage now, then keep Python's collector off until the block ends: wrap every CUDA
+    graph capture in it. A collection that runs during a capture can free an older ``CUDAGraph``
+    caught in a reference cycle, and destroying a graph invalidates the capture in progress
+    (``cudaErrorStreamCaptureInvalidated``). torch no longer collects before a capture
+    (``torch.compiler.config.force_cudagraph_gc`` is off by default), so the capture must."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def known_all_true(mask: torch.Tensor) -> bool:

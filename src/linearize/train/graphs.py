@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..ops.common import gc_paused
+
 MAX_GRAPHS = 4  # batch signatures captured per stage; a stage's rows rarely have more than one
 
 
@@ -112,7 +114,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool):
             loss, extras = self._forward_backward(static_in)
         # the warm-up and the capture added gradients of their own: the caller's are restored
         with torch.no_grad():
