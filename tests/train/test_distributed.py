@@ -54,7 +54,7 @@ def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
 
 
 def records(out) -> list[dict]:
