@@ -1,6 +1,7 @@
 """Training on two processes (torchrun, gloo, CPU) equals training on one with the same global
 batch, for both stages; rank 0 alone writes, and its checkpoint loads in one process; a run whose
-rank is killed resumes to the uninterrupted weights; bad setups are named."""
+rank is killed resumes to the uninterrupted weights; bad setups are named. The two-process runs
+share two torchrun launches (distributed_worker.py plays several runs in one), once per session."""
 
 from __future__ import annotations
 
