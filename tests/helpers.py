@@ -1,8 +1,11 @@
-"""Shared test utilities: tolerances, comparison by relative RMS, step counting for chunk forms."""
+"""Shared test utilities: tolerances, comparison by relative RMS, step counting for chunk forms,
+work done once per session."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -97,3 +100,22 @@ def capturing():
     with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True), \
             mock.patch("torch.cuda.is_available", return_value=True):
         yield
+
+
+def once_per_session(request, tmp_path_factory, name: str, make) -> Path:
+    """The folder ``name`` that ``make(folder)`` fills once per test session, for work too costly
+    to repeat (module fixtures that launch processes). Under xdist the workers share it: the first
+    to ask makes it, under a file lock, and the others wait for it and read what it left."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # an xdist worker: its basetemp is one per worker
+        base = base.parent
+    folder, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder

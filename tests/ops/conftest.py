@@ -12,22 +12,29 @@ from pathlib import Path
 
 import pytest
 
+from helpers import once_per_session
 from kernel_checks import _gluon_spy
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where kernel_cases.py lives
 
 
 @pytest.fixture(scope="module")
-def interpreter_results(request):
+def interpreter_results(request, tmp_path_factory):
     """The interpreter cases of the test module's op (its ``INTERPRETER_OP``, a key of
     kernel_cases.CASE_OPS) in one subprocess (one Triton import, one torch start-up): each op file
-    runs its own cases, none twice."""
+    runs its own cases, none twice, and once per session (xdist workers that share a module's
+    cases share their results)."""
     op = request.module.INTERPRETER_OP
-    env = dict(os.environ, TRITON_INTERPRET="1", LINEARIZE_KERNELS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(TESTS / "kernel_cases.py"), op], cwd=TESTS, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def interpret(folder: Path) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1", LINEARIZE_KERNELS="1", CUDA_VISIBLE_DEVICES="")
+        proc = subprocess.run([sys.executable, str(TESTS / "kernel_cases.py"), op], cwd=TESTS, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+        (folder / "results.json").write_text(proc.stdout.strip().splitlines()[-1])
+
+    folder = once_per_session(request, tmp_path_factory, f"interpreter-{op}", interpret)
+    return json.loads((folder / "results.json").read_text())
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Training on two processes (torchrun, gloo, CPU) equals training on one with the same global
 batch, for both stages; rank 0 alone writes, and its checkpoint loads in one process; a run whose
-rank is killed resumes to the uninterrupted weights; bad setups are named."""
+rank is killed resumes to the uninterrupted weights; bad setups are named. The two-process runs
+share two torchrun launches (distributed_worker.py plays several runs in one), once per session."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from linearize.train import TrainConfig, run
 from linearize.train import distributed
 
 from fixtures import tiny_model_dir
+from helpers import once_per_session
 
 torch.set_num_threads(1)
 
@@ -36,15 +39,23 @@ def settings(tiny, text_file, out, **kw) -> dict:
     return {**base, **kw}
 
 
-def torchrun(args: list[str], nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+def output_settings(tiny, text_file, out) -> dict:
+    return settings(tiny, text_file, out, transfer_target="output", stage2_tokens=0)
+
+
+def nan_settings(tiny, text_file, out) -> dict:
+    return settings(tiny, text_file, out, stage2_tokens=0)
+
+
+def block_settings(four, text_file, out) -> dict:
+    return settings(four, text_file, out, block_size=1, grad_accum=1, stage2_tokens=32 * 4 * 2, softmax_layers=[0])
+
+
+def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=300)
-
-
-def worker(config: dict, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return torchrun([str(WORKER), json.dumps(config), *extra], env=env)
+               "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
 
 
 def records(out) -> list[dict]:
@@ -59,18 +70,132 @@ def cli_flags(config: dict) -> list[str]:
     return flags
 
 
+# The two-process runs, in the order a launch plays them (see distributed_worker.py). A launch
+# costs each rank torch's and transformers' imports, so the scenarios share launches: the first
+# holds every run that starts afresh and ends with the one whose rank 1 is killed; the second
+# resumes the interrupted runs.
+FIRST_LAUNCH = ("cli", "mismatch", "output", "nan", "block", "kill")
+SECOND_LAUNCH = ("resume_killed", "resume_moved")
+
+
+@dataclass
+class Launched:
+    """Each scenario's run directory, each rank's record of it, and the launch that played it
+    (``{"returncode", "stderr"}``: torchrun's exit code and its stderr)."""
+
+    dirs: dict[str, Path]
+    logs: Path
+    launches: dict[str, dict]
+    checkpoint_before_resume: bool | None = None  # did the killed run leave a checkpoint?
+
+    def outcomes(self, name: str) -> list[dict | None]:
+        """Each rank's ``{"error", "exit"}`` for the scenario (None: that rank did not finish it)."""
+        paths = [self.logs / f"{name}.rank{rank}.json" for rank in range(2)]
+        return [json.loads(p.read_text()) if p.is_file() else None for p in paths]
+
+    def said(self, name: str) -> str:
+        """The scenario's stdout, rank 0's then rank 1's."""
+        return "".join((self.logs / f"{name}.rank{rank}.out").read_text() for rank in range(2))
+
+    def finished(self, name: str) -> Path:
+        """The scenario's run directory, once every rank finished the scenario without an error."""
+        outcomes, stderr = self.outcomes(name), self.launches[name]["stderr"]
+        assert all(o is not None and o["error"] is None for o in outcomes), (outcomes, stderr[-3000:])
+        return self.dirs[name]
+
+
 @pytest.fixture(scope="module")
-def two_runs(tiny, text_file, tmp_path_factory):
-    """The same config on one process (``run``) and on two (``torchrun -m linearize.cli train``)."""
-    root = tmp_path_factory.mktemp("runs")
-    one = run(TrainConfig(**settings(tiny, text_file, root / "one")))
-    done = torchrun(["-m", "linearize.cli", "train", *cli_flags(settings(tiny, text_file, root / "two"))])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return one, root / "two", done
+def four(tmp_path_factory):
+    """A tiny random Llama of four layers (block-parallel stage 1 needs three blocks)."""
+    return str(tiny_model_dir(tmp_path_factory.mktemp("four") / "model", num_layers=4))
 
 
-def test_two_processes_train_as_one_for_both_stages(two_runs):
-    one, two, done = two_runs
+@pytest.fixture(scope="module")
+def one_run(request, tiny, text_file, tmp_path_factory) -> Path:
+    """``settings`` trained on one process, the reference of the two-process runs (once per session)."""
+    make = lambda folder: run(TrainConfig(**settings(tiny, text_file, folder / "one")))
+    return once_per_session(request, tmp_path_factory, "distributed-one-run", make) / "one"
+
+
+@pytest.fixture(scope="module")
+def launched(request, tiny, four, text_file, tmp_path_factory) -> Launched:
+    """The two-process scenarios that this session's selected tests of this module name in their
+    ``launched`` marks, played in at most two torchrun launches, once per session (the xdist
+    workers share them)."""
+    wanted = set()
+    for item in request.session.items:
+        mark = item.get_closest_marker("launched") if getattr(item, "module", None) is request.module else None
+        wanted |= set(mark.args) if mark else set()
+    play = lambda root: play_scenarios(sorted(wanted), root, tiny, four, text_file)
+    root = once_per_session(request, tmp_path_factory, "distributed-launched", play)
+    return Launched(scenario_dirs(root), root / "logs", **json.loads((root / "launches.json").read_text()))
+
+
+def scenario_dirs(root: Path) -> dict[str, Path]:
+    dirs = {name: root / name for name in FIRST_LAUNCH}
+    dirs.update(resume_killed=dirs["kill"], resume_moved=root / "moved")
+    return dirs
+
+
+def play_scenarios(wanted: list[str], root: Path, tiny: str, four: str, text_file: str) -> None:
+    """Launches the ``wanted`` scenarios with their run directories, logs and launches.json under ``root``."""
+    dirs, logs = scenario_dirs(root), root / "logs"
+    logs.mkdir()
+    plans = {
+        "cli": {"cli": ["train", *cli_flags(settings(tiny, text_file, dirs["cli"]))]},
+        "mismatch": {"config": settings(tiny, text_file, dirs["mismatch"]), "seed_by_rank": True,
+                     "expect_error": True},
+        "output": {"config": output_settings(tiny, text_file, dirs["output"])},
+        "nan": {"config": nan_settings(tiny, text_file, dirs["nan"]), "nan_rank1_at": 3},
+        "block": {"cli": ["train", *cli_flags(block_settings(four, text_file, dirs["block"]))]},
+        # rank 1 is SIGKILLed in stage 2's third step (its 11th micro-batch; the last resume
+        # state is from step 2)
+        "kill": {"config": settings(tiny, text_file, dirs["kill"]), "kill_rank1_at": 11},
+        "resume_killed": {"cli": ["train", "--resume", "--out", str(dirs["resume_killed"])]},
+        "resume_moved": {"cli": ["train", "--resume", "--out", str(dirs["resume_moved"])]},
+    }
+    result = {"launches": {}}
+
+    def launch(names: list[str]) -> None:
+        if not names:
+            return
+        plan = root / f"plan-{names[0]}.json"
+        plan.write_text(json.dumps({"logs": str(logs), "scenarios": [{"name": n, **plans[n]} for n in names]}))
+        done = torchrun([str(WORKER), str(plan)])
+        # (a scenario that failed, or never ran, fails the tests that read it: ``finished``)
+        result["launches"].update(dict.fromkeys(names, {"returncode": done.returncode, "stderr": done.stderr}))
+
+    launch([n for n in FIRST_LAUNCH if n in wanted])
+    if "kill" in wanted:
+        result["checkpoint_before_resume"] = (dirs["kill"] / "linearize.json").exists()
+    if "resume_moved" in wanted:
+        interrupt_one_process_run(TrainConfig(**settings(tiny, text_file, dirs["resume_moved"])))
+    launch([n for n in SECOND_LAUNCH if n in wanted])
+    (root / "launches.json").write_text(json.dumps(result))
+
+
+def interrupt_one_process_run(config: TrainConfig) -> None:
+    """``config`` run on one process until its 11th micro-batch (stage 2's third step), where a
+    KeyboardInterrupt stops it: the resume state is from stage 2's step 2."""
+    from linearize.train import loop as loop_module
+
+    real, calls = loop_module.batch_indices, [0]
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 11:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop_module, "batch_indices", dying)
+        with pytest.raises(KeyboardInterrupt):
+            run(config)
+
+
+@pytest.mark.launched("cli")
+def test_two_processes_train_as_one_for_both_stages(one_run, launched):
+    one, two = one_run, launched.finished("cli")
     a, b = records(one), records(two)  # rank 0 alone wrote: no record twice
     assert [(r["stage"], r["split"], r["step"]) for r in a] == [(r["stage"], r["split"], r["step"]) for r in b]
     assert {r["stage"] for r in b} == {"stage1", "stage2"} and len(b) == 12
@@ -87,11 +212,12 @@ def test_two_processes_train_as_one_for_both_stages(two_runs):
     assert summary["processes"] == 2 and len(summary["stages"][0]["ranks"]) == 2
     for key in ("teacher_val_loss", "stage1_val_loss", "student_val_loss"):
         assert summary[key] == pytest.approx(alone[key], rel=1e-5), key
-    assert done.stdout.count(str(two)) == 1  # rank 0 alone prints the run directory
+    assert launched.said("cli").count(str(two)) == 1  # rank 0 alone prints the run directory
 
 
-def test_a_two_rank_checkpoint_loads_in_one_process(two_runs):
-    one, two, _ = two_runs
+@pytest.mark.launched("cli")
+def test_a_two_rank_checkpoint_loads_in_one_process(one_run, launched):
+    one, two = one_run, launched.finished("cli")
     ids = torch.randint(0, 1000, (2, 24))
     with torch.no_grad():
         logits = [linearize.load(out)[0](input_ids=ids).logits for out in (one, two)]
@@ -119,11 +245,12 @@ def test_teacher_attention_gives_the_teachers_logits(tiny, softmax_layers):
     assert (student - expected).abs().max() > 1e-3
 
 
-def test_ranks_with_different_settings_are_named(tiny, text_file, tmp_path):
-    done = worker(settings(tiny, text_file, tmp_path / "run"), env={"SEED_BY_RANK": "1"})
-    assert done.returncode != 0
-    assert "rank 1 has seed=1 where rank 0 has seed=0" in done.stderr, done.stderr[-3000:]
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+@pytest.mark.launched("mismatch")
+def test_ranks_with_different_settings_are_named(launched):
+    for outcome in launched.outcomes("mismatch"):  # every rank refuses
+        assert outcome is not None and outcome["error"] is not None, launched.launches["mismatch"]["stderr"][-3000:]
+        assert "rank 1 has seed=1 where rank 0 has seed=0" in outcome["error"], outcome["error"][-3000:]
+    assert not launched.dirs["mismatch"].exists()  # refused before anything was written
 
 
 def test_a_batch_the_processes_cannot_split_is_named(monkeypatch):
@@ -140,38 +267,34 @@ def test_a_missing_backend_is_named(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_resumes_to_the_uninterrupted_weights(two_runs, tiny, text_file, tmp_path):
+@pytest.mark.launched("cli", "kill", "resume_killed")
+def test_a_killed_rank_resumes_to_the_uninterrupted_weights(launched):
     """Rank 1 is SIGKILLed in stage 2's third step (its 11th micro-batch; the last resume state is
     from step 2); ``--resume`` on two processes ends with the uninterrupted run's weights."""
-    _, whole, _ = two_runs
-    config = settings(tiny, text_file, tmp_path / "resumed")
-    killed = worker(config, env={"KILL_RANK1_AT": "11"})
-    assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
-    assert not (tmp_path / "resumed" / "linearize.json").exists()
-    resumed = torchrun(["-m", "linearize.cli", "train", "--resume", "--out", str(tmp_path / "resumed")])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    said = resumed.stdout
+    whole = launched.finished("cli")
+    killed = launched.launches["kill"]
+    assert killed["returncode"] != 0 and "Signal 9 (SIGKILL)" in killed["stderr"], killed["stderr"][-3000:]
+    assert launched.outcomes("kill")[1] is None  # rank 1 died in it
+    assert launched.checkpoint_before_resume is False
+    resumed = launched.finished("resume_killed")
+    said = launched.said("resume_killed")
     assert "stage1: finished before the interruption; skipped" in said and "stage2: resuming at step 2 of 3" in said
-    a, b = load_file(str(whole / "adapter.safetensors")), load_file(str(tmp_path / "resumed" / "adapter.safetensors"))
+    a, b = load_file(str(whole / "adapter.safetensors")), load_file(str(resumed / "adapter.safetensors"))
     assert set(a) == set(b)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
     steps = lambda out: [(r["stage"], r["step"], r["loss"]) for r in records(out)]
-    assert steps(whole) == steps(tmp_path / "resumed")
+    assert steps(whole) == steps(resumed)
 
 
 @pytest.mark.slow
-def test_block_parallel_stage1_equals_sequential(text_file, tmp_path):
+@pytest.mark.launched("block")
+def test_block_parallel_stage1_equals_sequential(four, text_file, launched, tmp_path):
     """--block-size 1 on four layers, layer 0 kept softmax, and two ranks: rank 0 trains blocks 0
     and 2 (layers 1 and 3) while rank 1 trains block 1, from block inputs shared through files (the
     first block's too: layer 0's output); every block ends where the one-process sequential run's
     does, and stage 2 (data parallel) goes on from there."""
-    four = str(tiny_model_dir(tmp_path / "model", num_layers=4))
-    config = settings(four, text_file, tmp_path / "one", block_size=1, grad_accum=1, stage2_tokens=32 * 4 * 2,
-                      softmax_layers=[0])
-    one = run(TrainConfig(**config))
-    done = torchrun(["-m", "linearize.cli", "train", *cli_flags({**config, "out": str(tmp_path / "two")})])
-    assert done.returncode == 0, done.stderr[-3000:]
-    two = tmp_path / "two"
+    one = run(TrainConfig(**block_settings(four, text_file, tmp_path / "one")))
+    two = launched.finished("block")
     a, b = records(one), records(two)
     assert [(r["stage"], r["split"], r["step"]) for r in a] == [(r["stage"], r["split"], r["step"]) for r in b]
     assert {r["stage"] for r in b} == {f"stage1-block{i}" for i in range(3)} | {"stage2"}
@@ -191,16 +314,15 @@ def test_block_parallel_stage1_equals_sequential(text_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_output_target_on_two_processes_equals_one(tiny, text_file, tmp_path):
+@pytest.mark.launched("output")
+def test_output_target_on_two_processes_equals_one(tiny, text_file, launched, tmp_path):
     """transfer_target "output": stage 1's loss goes back through the frozen output projection,
     whose sharded weight must stay gathered until backward."""
-    config = settings(tiny, text_file, tmp_path / "one", transfer_target="output", stage2_tokens=0)
-    one = run(TrainConfig(**config))
-    done = worker({**config, "out": str(tmp_path / "two")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    for x, y in zip(records(one), records(tmp_path / "two"), strict=True):
+    one = run(TrainConfig(**output_settings(tiny, text_file, tmp_path / "one")))
+    two = launched.finished("output")
+    for x, y in zip(records(one), records(two), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-9), (x, y)
-    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(two / "adapter.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
 
@@ -215,50 +337,33 @@ def test_encoders_refuse_several_processes(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_one_process_run_resumes_on_two(two_runs, tiny, text_file, tmp_path, monkeypatch):
+@pytest.mark.launched("resume_moved")
+def test_a_one_process_run_resumes_on_two(one_run, launched):
     """The resume state has the one-process format whoever wrote it: a run interrupted on one
     process (in stage 2, last saved at its step 2) finishes on two with the one-process weights."""
-    from linearize.train import loop as loop_module
-
-    one, _, _ = two_runs
-    real, calls = loop_module.batch_indices, [0]
-
-    def dying(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 11:
-            raise KeyboardInterrupt("killed")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "batch_indices", dying)
-    with pytest.raises(KeyboardInterrupt):
-        run(TrainConfig(**settings(tiny, text_file, tmp_path / "moved")))
-    resumed = torchrun(["-m", "linearize.cli", "train", "--resume", "--out", str(tmp_path / "moved")])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "stage2: resuming at step 2 of 3" in resumed.stdout
-    a, b = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "moved" / "adapter.safetensors"))
+    one, moved = one_run, launched.finished("resume_moved")
+    assert "stage2: resuming at step 2 of 3" in launched.said("resume_moved")
+    a, b = load_file(str(one / "adapter.safetensors")), load_file(str(moved / "adapter.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
-    assert [(r["stage"], r["step"]) for r in records(one)] == [(r["stage"], r["step"]) for r in records(tmp_path / "moved")]
+    assert [(r["stage"], r["step"]) for r in records(one)] == [(r["stage"], r["step"]) for r in records(moved)]
 
 
 @pytest.mark.slow
-def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(tiny, text_file, tmp_path, monkeypatch):
+@pytest.mark.launched("nan")
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(tiny, text_file, launched, tmp_path, monkeypatch):
     """Rank 1's loss is NaN in the first micro-batch of step 2: every rank skips that step (none
     waits in a collective the others left), as one process skips it when its micro-batch's loss is NaN."""
-    import sys as _sys
-
-    run_module = importlib.import_module("linearize.train.run")
-    _sys.path.insert(0, str(WORKER.parent))
+    sys.path.insert(0, str(WORKER.parent))
     from distributed_worker import nan_at_call
 
-    config = settings(tiny, text_file, tmp_path / "one", stage2_tokens=0)
+    run_module = importlib.import_module("linearize.train.run")
     monkeypatch.setattr(run_module, "transfer_loss", nan_at_call(run_module.transfer_loss, 3))
-    one = run(TrainConfig(**config))
-    done = worker({**config, "out": str(tmp_path / "two")}, env={"NAN_RANK1_AT": "3"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    one = run(TrainConfig(**nan_settings(tiny, text_file, tmp_path / "one")))
+    two = launched.finished("nan")
     events = lambda out: [r for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if r.get("event")]
-    assert events(one) == events(tmp_path / "two") == [{"event": "nonfinite", "stage": "stage1", "step": 2}]
-    assert [r["step"] for r in records(tmp_path / "two") if r["split"] == "train"] == [1, 3]
-    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    assert events(one) == events(two) == [{"event": "nonfinite", "stage": "stage1", "step": 2}]
+    assert [r["step"] for r in records(two) if r["split"] == "train"] == [1, 3]
+    wa, wb = load_file(str(one / "adapter.safetensors")), load_file(str(two / "adapter.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from ..models.encoder import embed, lion_layers, nn_agreement
 from ..models.lora import merge_lora
 from ..models.teacher import load_teacher
 from ..records import environment, markdown_table, new_figure, save_png, write_outputs
+from .layer_cost import measure_layer
 
 STEM = "embed"
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -85,55 +85,9 @@ def _untrained_like(meta: dict, device):
 # ------------------------------------------------------------------------------------ cost
 
 
-def _rss_kib(field: str) -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+)", status).group(1))
-
-
-def measure_layer(form: str, length: int, *, heads: int, head_dim: int, hidden: int, lion: dict | None,
-                  threads: int, max_seconds: float = 3.0, max_repeats: int = 5) -> dict:
-    """Time (ms) and extra memory (MiB) of one attention layer on (1, heads, length, head_dim) q/k/v.
-
-    Meant to run in a fresh process (``_measure_in_subprocess``) so that the memory peak belongs to
-    this call alone. ``lion``: the LionConfig fields (``form`` is overridden); None for SDPA.
-    """
-    from ..layers.lion import LionAttention, LionConfig
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, heads, length, head_dim) for _ in range(3))
-    x = torch.randn(1, length, hidden)
-    if form == "sdpa":
-        def run():
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    else:
-        layer = LionAttention(LionConfig().with_overrides(**{**lion, "form": form}), heads, head_dim, hidden)
-
-        def run():
-            return layer(q, k, v, x)
-    with torch.no_grad():
-        clear_refs = Path("/proc/self/clear_refs")
-        try:
-            clear_refs.write_text("5")  # reset the peak resident size to the current one
-            before = _rss_kib("VmRSS")
-        except OSError:
-            before = None
-        start = time.perf_counter()
-        out = run()
-        first = time.perf_counter() - start
-        extra = (_rss_kib("VmHWM") - before) / 1024 if before is not None else None
-        del out
-        times = []
-        while len(times) < max_repeats and (not times or sum(times) + first < max_seconds):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-    times.sort()
-    return {"ms": 1e3 * times[len(times) // 2], "first_ms": 1e3 * first, "repeats": len(times), "extra_mib": extra}
-
-
 def _measure_in_subprocess(spec: dict, timeout: float) -> dict:
-    code = ("import json, sys; from linearize.eval.embed import measure_layer; "
+    # (layer_cost imports torch and the LION layer alone: transformers would take seconds per process)
+    code = ("import json, sys; from linearize.eval.layer_cost import measure_layer; "
             "spec = json.loads(sys.argv[1]); print('RESULT ' + json.dumps(measure_layer(**spec)))")
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
     try:
