@@ -24,26 +24,18 @@ SHIPPED = BUNDLED_STUDENTS["smollm2-135m-lizard"]
 # fp32 on a CPU: a fresh load repeats the stored logits up to the order of floating-point sums
 # (thread count, BLAS build); a teacher or another checkpoint misses them by whole units.
 ATOL, RTOL = 1e-3, 1e-4
+IDS = torch.tensor([[1, 17, 400, 23, 9000, 5, 77, 1200]])
 
 
 @pytest.fixture(scope="module")
 def tiny_student(tmp_path_factory):
-    """``(root, teacher dir, logits)``: an untrained Lizard conversion of a tiny Llama saved as
-    ``root/tiny-lizard``, with its logits on ``IDS``, to stand in for a bundled student."""
+    """``(root, teacher dir, logits on IDS)``: a tiny Lizard student saved as ``root/tiny-lizard``."""
     tmp = tmp_path_factory.mktemp("students")
     teacher = str(fixtures.tiny_model_dir(tmp / "teacher"))
-    model, _ = linearize.load_teacher(teacher)
-    linearize.convert(model, "lizard", window=8)
+    model = fixtures.tiny_student_dir(tmp / "root" / "tiny-lizard", teacher)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".hybrid." in name:  # away from the initialisation, so the weights must be read
-                p.add_(torch.randn_like(p) * 0.1)
         logits = model(IDS).logits
-    linearize.save(model, tmp / "root" / "tiny-lizard")
     return tmp / "root", teacher, logits
-
-
-IDS = torch.tensor([[1, 17, 400, 23, 9000, 5, 77, 1200]])
 
 
 @pytest.fixture
