@@ -161,3 +161,20 @@ def tiny_model_dir(directory, num_layers: int = 2, seed: int = 0):
     LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def tiny_student_dir(directory, teacher_dir, seed: int = 0):
+    """An untrained Lizard conversion (window 8) of the model in ``teacher_dir``, its new modules moved
+    away from their initialisation (so that a load must read them), saved to ``directory``: a stand-in
+    for a bundled student. Returns the model, in eval mode."""
+    import linearize
+
+    model, _ = linearize.load_teacher(str(teacher_dir))
+    linearize.convert(model, "lizard", window=8)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".hybrid." in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    linearize.save(model, directory)
+    return model.eval()

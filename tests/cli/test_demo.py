@@ -40,7 +40,7 @@ def _parse_size(text: str) -> float:
     return float(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
 
 
-def test_demo_end_to_end_and_resume(tmp_path, tiny_dir, capsys):
+def test_demo_end_to_end_and_resume(tmp_path, tiny_dir, capsys, monkeypatch):
     out = tmp_path / "demo"
     assert _demo(out, tiny_dir) == 0
     text = capsys.readouterr().out
@@ -83,7 +83,27 @@ def test_demo_end_to_end_and_resume(tmp_path, tiny_dir, capsys):
     again = capsys.readouterr().out
     assert (out / "metrics.jsonl").read_text() == metrics
     assert "already done" in again and "Decode memory" in again
+    assert "shipped with linearize" not in again  # no bundled student of this teacher
     assert time.perf_counter() - started < 60  # no training: loads, answers, memory
+
+    # a bundled student of the teacher is shown beside it: here the run's own checkpoint, registered
+    # as one, so its numbers must be the demo student's
+    from linearize.models.students import BUNDLED_STUDENTS, BundledStudent
+
+    monkeypatch.setitem(BUNDLED_STUDENTS, "demo", BundledStudent("demo", str(tiny_dir), "lizard", root=tmp_path))
+    assert _demo(out, tiny_dir) == 0
+    shown = capsys.readouterr().out
+    assert "the trained student shipped with linearize (demo) beside the teacher" in shown
+    section = shown.split("The trained student shipped with linearize: demo")[1].split("What a few CPU minutes")[0]
+    assert "[1] What is the capital of France?" in section and "[2] Hi!" in section
+    assert re.search(r"^  teacher +\| demo$", section, re.M)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (f"teacher {summary['teacher_val_ppl']:.1f}, this demo's student {summary['student_val_ppl']:.1f}, "
+            f"demo {summary['student_val_ppl']:.1f}") in section  # the same rows, the same model
+    shipped = re.findall(r"^\s*([\d,]+) \| +([\d.]+ \w+) \| +([\d.]+ \w+) \| +([\d.]+)x$", section, re.M)
+    assert [int(n.replace(",", "")) for n, *_ in shipped] == [CONTEXTS[0], CONTEXTS[-1]]
+    assert [(t, s) for _, t, s, _ in shipped] == [(t, s) for _, t, s, _ in table]  # as measured for the student
+    assert "linearize generate --model demo --chat" in shown
 
     # a run stopped before its checkpoint and summary were written resumes instead of starting over
     from linearize.cli.demo import _train_config, train

@@ -14,8 +14,8 @@ import textwrap
 from pathlib import Path
 
 DEVICE_HELP = "auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default: %(default)s)"
-MODEL_HELP = ("a linearize checkpoint directory, a bundled teacher (smollm2-135m) or a local HF model "
-              "directory; repeat to compare several side by side")
+MODEL_HELP = ("a linearize checkpoint directory, the bundled trained student (smollm2-135m-lizard), a bundled "
+              "teacher (smollm2-135m) or a local HF model directory; repeat to compare several side by side")
 
 
 # ---------------------------------------------------------------------------- value parsers

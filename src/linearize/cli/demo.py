@@ -8,7 +8,11 @@ on the built-in Shakespeare text in a few CPU minutes, and show what that buys a
     4. answers                teacher and student, greedy, on a few chat prompts; validation perplexity
     5. decode memory          bytes of the teacher's KV cache and of the student's state as the
                               context grows (measured with ``models.cache.cache_bytes``)
-    6. closing note           what a few CPU minutes can and cannot do, and the full recipe on a GPU
+    6. the shipped student    where the package holds a trained student of this teacher
+                              (``models.students``, e.g. ``smollm2-135m-lizard``): its answers,
+                              validation perplexity and decode memory beside the teacher's, measured
+                              as in 4 and 5, to show what the full recipe gives
+    7. closing note           what a few CPU minutes can and cannot do, and the full recipe on a GPU
 
 Every number printed is measured in this run; nothing about the results is hard-coded.
 """
@@ -69,10 +73,12 @@ def run_demo(out: str = "runs/demo", device: str = "auto", *, model: str = "smol
     train(config)
     mse = show_transfer_mse(Path(out))
     teacher, student, tokenizer = load_models(Path(out), config)
-    show_answers(Path(out), teacher, student, tokenizer, prompts, max_new_tokens)
+    answers = show_answers(Path(out), teacher, student, tokenizer, prompts, max_new_tokens)
     memory = show_decode_memory(teacher, student, tokenizer, contexts)
-    del teacher, student
-    show_closing_note(Path(out), config, mse, memory)
+    del student
+    shipped = show_shipped_students(Path(out), config, teacher, tokenizer, prompts, max_new_tokens, answers, memory)
+    del teacher
+    show_closing_note(Path(out), config, mse, memory, shipped)
     _heading(f"Done in {_duration(time.perf_counter() - started)}")
     return 0
 
@@ -150,6 +156,8 @@ def _device(config):
 
 
 def show_plan(config, stage1_steps: int, stage2_steps: int, prompts, contexts) -> None:
+    from ..models.students import installed_students
+
     device = _device(config)
     _heading("linearize demo: Lizard on SmolLM2-135M, in a few CPU minutes"
              if config.model == "smollm2-135m" else f"linearize demo: Lizard on {config.model}")
@@ -164,12 +172,17 @@ def show_plan(config, stage1_steps: int, stage2_steps: int, prompts, contexts) -
           f"{config.stage2_tokens:,} tokens, lr {config.stage2_lr:g}")
     print(f"then        each layer's transfer MSE; teacher vs student on {len(prompts)} prompts; "
           f"decode memory at {', '.join(f'{c:,}' for c in contexts)} tokens of context")
+    shipped = [s.name for s in installed_students(config.model)]
+    if shipped:
+        print(f"and         the trained student shipped with linearize ({', '.join(shipped)}) beside the teacher: "
+              f"answers, perplexity, memory")
     print(f"run dir     {config.out} (device: {device})")
     if device.type == "cpu" and config.model == "smollm2-135m":
         scale = config.seq_len * config.batch_size / (256 * 2)
         train_s = scale * (stage1_steps * CPU_STAGE1_STEP_S + stage2_steps * CPU_STAGE2_STEP_S)
-        print(f"time        about {_duration(train_s + 90)} on a 2-core CPU (training ~{_duration(train_s)}, "
-              f"the rest ~1.5 min), plus ~40 s the first time to unpack the bundled teacher")
+        rest = 90 + 40 * len(shipped)  # the shipped student: a load, its answers, 4 rows, 2 prefills
+        print(f"time        about {_duration(train_s + rest)} on a 2-core CPU (training ~{_duration(train_s)}, "
+              f"the rest ~{_duration(rest)}), plus ~40 s the first time to unpack the bundled teacher")
     elif device.type == "cuda":
         print("time        a minute or two on a GPU")
     if _finished(Path(config.out)):
@@ -262,11 +275,11 @@ def _wrap(text: str, width: int) -> list[str]:
     return lines
 
 
-def _side_by_side(left: str, right: str, width: int = 37) -> str:
+def _side_by_side(left: str, right: str, width: int = 37, labels: tuple[str, str] = ("teacher", "student")) -> str:
     a, b = _wrap(left, width), _wrap(right, width)
     a += [""] * (len(b) - len(a))
     b += [""] * (len(a) - len(b))
-    rows = [f"  {'teacher':<{width}} | student", f"  {'-' * width} | {'-' * width}"]
+    rows = [f"  {labels[0]:<{width}} | {labels[1]}", f"  {'-' * width} | {'-' * width}"]
     rows += [f"  {x:<{width}} | {y}" for x, y in zip(a, b)]
     return "\n".join(rows)
 
@@ -281,11 +294,14 @@ def load_models(out: Path, config):
     return teacher, student, tokenizer
 
 
-def show_answers(out: Path, teacher, student, tokenizer, prompts, max_new_tokens: int) -> None:
+def show_answers(out: Path, teacher, student, tokenizer, prompts, max_new_tokens: int) -> list[str]:
+    """Print teacher and student answers side by side; returns the teacher's answers."""
     _heading(f"Teacher vs student: greedy answers ({max_new_tokens} new tokens at most)")
+    answers = []
     for i, prompt in enumerate(prompts, 1):
         t = _generate(teacher, tokenizer, prompt, max_new_tokens)
         s = _generate(student, tokenizer, prompt, max_new_tokens)
+        answers.append(t)
         print(f"\n[{i}] {prompt}")
         print(_side_by_side(t, s))
     summary = _summary(out)
@@ -294,6 +310,7 @@ def show_answers(out: Path, teacher, student, tokenizer, prompts, max_new_tokens
         print(f"\nvalidation perplexity (held-out Shakespeare): teacher {summary['teacher_val_ppl']:.1f}, "
               + (f"student after stage 1 {after1:.1f}, " if after1 is not None else "")
               + f"student after stage 2 {summary['student_val_ppl']:.1f}")
+    return answers
 
 
 def _summary(out: Path) -> dict:
@@ -336,6 +353,15 @@ def _decode_cache_bytes(model, ids) -> int:
     return sizes["linear"] + sizes["softmax"]
 
 
+def _memory_table(rows, label: str = "student state") -> None:
+    """``rows``: (context, teacher bytes, student bytes) each."""
+    w = max(13, len(label))
+    print(f"\n{'context':>9} | {'teacher KV cache':>16} | {label:>{w}} | {'teacher/student':>15}")
+    print(f"{'-' * 9}-+-{'-' * 16}-+-{'-' * w}-+-{'-' * 15}")
+    for n, t, s in rows:
+        print(f"{n:>9,} | {human_size(t):>16} | {human_size(s):>{w}} | {t / s if s else math.inf:>14.2f}x")
+
+
 def show_decode_memory(teacher, student, tokenizer, contexts) -> dict:
     _heading("Decode memory as the context grows (cache held by one sequence, fp32)")
     text = _context_tokens(tokenizer, max(contexts))
@@ -347,10 +373,7 @@ def show_decode_memory(teacher, student, tokenizer, contexts) -> dict:
         rows.append((n, t, s))
         print(f"  measured {n:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    print(f"\n{'context':>9} | {'teacher KV cache':>16} | {'student state':>13} | {'teacher/student':>15}")
-    print(f"{'-' * 9}-+-{'-' * 16}-+-{'-' * 13}-+-{'-' * 15}")
-    for n, t, s in rows:
-        print(f"{n:>9,} | {human_size(t):>16} | {human_size(s):>13} | {t / s if s else math.inf:>14.2f}x")
+    _memory_table(rows)
 
     student_flat = len({s for _, _, s in rows}) == 1
     per_token = [t / n for n, t, _ in rows]
@@ -375,10 +398,68 @@ def show_decode_memory(teacher, student, tokenizer, contexts) -> dict:
     return {"rows": rows, "student_flat": student_flat, "teacher_linear": teacher_linear}
 
 
-# --------------------------------------------------------------------------- 6. closing note
+# ----------------------------------------------------------------------- 6. the shipped student
 
 
-def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
+def show_shipped_students(out: Path, config, teacher, tokenizer, prompts, max_new_tokens: int,
+                          teacher_answers: list[str], memory: dict) -> list[dict]:
+    """The trained students the package ships for this teacher (``models.students``), beside it:
+    greedy answers to the same prompts, perplexity on the run's held-out rows (as its summary
+    measured the teacher and the demo's student), decode memory at the same contexts. Returns one
+    ``{"name", "val_ppl", "state_bytes"}`` per student shown; nothing is shown where none is installed."""
+    from ..models.students import BUNDLED_STUDENTS, installed_students
+
+    students = installed_students(config.model)
+    absent = [s.name for s in BUNDLED_STUDENTS.values() if s.teacher == config.model and not s.installed()]
+    if absent:
+        print(f"\n(the trained student {', '.join(absent)} is not installed: `pip install -e .` from a complete "
+              "linearize source tree installs it)")
+    if not students:
+        return []
+    import linearize
+    from ..models.checkpoint import read_meta
+    from ..train.run import held_out_loss, validation_rows
+
+    device = _device(config)
+    rows = validation_rows(config, tokenizer)
+    summary = _summary(out)
+    text = _context_tokens(tokenizer, max(n for n, _, _ in memory["rows"]))
+    shown = []
+    for spec in students:
+        _heading(f"The trained student shipped with linearize: {spec.name}")
+        training = read_meta(spec.name).get("training") or {}
+        size = human_size(sum(p.stat().st_size for p in spec.folder.glob("*.safetensors")
+                              if not p.name.startswith("reference")))
+        if training:
+            print(f"{config.model} converted with {spec.method} and trained with the full two-stage recipe: "
+                  f"{training.get('stage1_tokens', 0):,} + {training.get('stage2_tokens', 0):,} tokens of "
+                  f"{training.get('data')}, rows of {training.get('seq_len')} tokens; shipped as {size} of new "
+                  f"weights beside the teacher's")
+        student, _ = linearize.load(spec.name, device=device)
+        for i, (prompt, answer) in enumerate(zip(prompts, teacher_answers), 1):
+            print(f"\n[{i}] {prompt}")
+            print(_side_by_side(answer, _generate(student, tokenizer, prompt, max_new_tokens),
+                                labels=("teacher", spec.name)))
+        ppl = math.exp(min(held_out_loss(student, rows, config, device), 50.0)) if rows is not None else None
+        if ppl is not None:
+            parts = [f"teacher {summary['teacher_val_ppl']:.1f}" if summary.get("teacher_val_ppl") else None,
+                     f"this demo's student {summary['student_val_ppl']:.1f}" if summary.get("student_val_ppl") else None,
+                     f"{spec.name} {ppl:.1f}"]
+            print(f"\nvalidation perplexity (the same held-out Shakespeare rows): "
+                  + ", ".join(p for p in parts if p))
+        # the shortest and the longest context only: the prefills are most of this section's time
+        ends = memory["rows"][:1] + memory["rows"][1:][-1:]
+        measured = [(n, t, _decode_cache_bytes(student, text[:n])) for n, t, _ in ends]
+        _memory_table(measured, f"{spec.name} state")
+        shown.append({"name": spec.name, "val_ppl": ppl, "state_bytes": [s for _, _, s in measured]})
+        del student
+    return shown
+
+
+# --------------------------------------------------------------------------- 7. closing note
+
+
+def show_closing_note(out: Path, config, mse: dict, memory: dict, shipped: list[dict] | None = None) -> None:
     _heading("What a few CPU minutes can and cannot do")
     summary = _summary(out)
     seen = {s.get("stage"): s.get("tokens") for s in summary.get("stages", [])}
@@ -416,6 +497,9 @@ def show_closing_note(out: Path, config, mse: dict, memory: dict) -> None:
     print(f"  linearize train --method lizard --model {config.model} --data shakespeare --out runs/lizard \\\n"
           "      --stage1-tokens 2M --stage2-tokens 2M --seq-len 1024 --batch-size 8 --device cuda")
     print('  linearize generate --model runs/lizard --chat --prompt "What is the capital of France?"')
+    for student in shipped or []:
+        print(f"What that gives, trained and shipped with linearize ({student['name']}, shown above):")
+        print(f'  linearize generate --model {student["name"]} --chat --prompt "What is the capital of France?"')
     print("Your own text: --data FILE_OR_FOLDER (.txt, .md, .json/.jsonl with text, Alpaca or chat records, "
           "also .gz/.xz; A:0.6,B:0.4 mixes sources); `linearize train --help` lists every setting.")
 

@@ -152,6 +152,7 @@ def add_parser(sub) -> None:
                     "their state; softmax models in sliding windows of their context (--window, --stride).",
                     """\
                     examples:
+                      linearize eval ppl --model smollm2-135m --model smollm2-135m-lizard --data shakespeare
                       linearize eval ppl --model smollm2-135m --model runs/lizard --data ../shared/data/wiki_demo.txt
                       linearize eval ppl --model runs/lizard --data notes/ --max-tokens 32K""")
     common_flags(p, "runs/eval")

@@ -53,14 +53,15 @@ def cmd_generate(args) -> int:
 def add_parser(sub) -> None:
     p = add_command(sub, "generate", "complete prompts with a teacher or a linearized checkpoint",
                     "Complete one or more prompts, batched with left padding, and print only the new text of each. "
-                    "--model is a linearize checkpoint directory (it holds linearize.json), a bundled teacher, a "
-                    "local HF model directory or a hub id.",
+                    "--model is a linearize checkpoint directory (it holds linearize.json), the bundled trained "
+                    "student (smollm2-135m-lizard), a bundled teacher, a local HF model directory or a hub id.",
                     """\
                     examples:
+                      linearize generate --model smollm2-135m-lizard --chat --prompt "What is the capital of France?"
                       linearize generate --model runs/lizard --chat --prompt "Write a haiku about rain."
                       linearize generate --model smollm2-135m --prompt "Once upon a time" --prompt "The sea" \\
                           --max-new-tokens 32 --temperature 0.7 --top-p 0.9 --seed 1""")
-    p.add_argument("--model", required=True, metavar="DIR_OR_NAME", help="checkpoint directory or teacher")
+    p.add_argument("--model", required=True, metavar="DIR_OR_NAME", help="checkpoint directory, bundled student or teacher")
     p.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="a prompt; repeatable")
     p.add_argument("--max-new-tokens", type=argtype(parse_int), default=64, metavar="N",
                    help="tokens to generate per prompt (default: %(default)s)")

@@ -265,6 +265,10 @@ def _merged_model(model: nn.Module) -> nn.Module:
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
+    """The checkpoint's linearize.json, checked; ``directory`` may be a bundled student's name."""
+    from .students import resolve_student
+
+    directory = resolve_student(directory)
     path = Path(directory) / META_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a linearize checkpoint: {META_FILE} is missing")
@@ -303,16 +307,18 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load(directory: str | os.PathLike, base: str | None = None, device=None, dtype=None,
          overrides: dict | None = None):
-    """Rebuild a saved model: ``(model, tokenizer)``. ``base`` overrides the recorded base model.
+    """Rebuild a saved model: ``(model, tokenizer)``. ``directory`` is a checkpoint directory or a
+    bundled student's name (``smollm2-135m-lizard``). ``base`` overrides the recorded base model.
 
     ``overrides``: attention settings merged over the recorded ones, for settings that add no
     parameters (e.g. ``{"sparse_cache": 64}``, LoLA's training-free cache, on a trained student);
     ``save`` then records the merged settings. One that changes the new modules' parameters is
     refused with the mismatch named."""
     from .convert import convert
+    from .students import resolve_student
     from .teacher import load_teacher
 
-    directory = Path(directory)
+    directory = Path(resolve_student(directory))
     meta = read_meta(directory)
     if overrides:
         if not isinstance(overrides, dict):

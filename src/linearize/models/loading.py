@@ -1,4 +1,5 @@
-"""One way to open any model the commands accept: a linearize checkpoint, a bundled teacher name
+"""One way to open any model the commands accept: a linearize checkpoint, a bundled student name
+(``smollm2-135m-lizard``, a checkpoint shipped in the package), a bundled teacher name
 (``smollm2-135m``) or a Hugging Face model directory / hub id."""
 
 from __future__ import annotations
@@ -7,16 +8,19 @@ from pathlib import Path
 
 import torch
 
+from .students import BUNDLED_STUDENTS, resolve_student
 
-MODEL_FORMS = ("a linearize checkpoint directory (it holds linearize.json), a bundled name ({bundled}), "
-               "a local Hugging Face model directory, or a hub id org/name where a network exists")
+
+MODEL_FORMS = ("a linearize checkpoint directory (it holds linearize.json), a bundled student ({students}), "
+               "a bundled teacher ({teachers}), a local Hugging Face model directory, or a hub id org/name "
+               "where a network exists")
 
 
 def model_forms() -> str:
     """The forms a model name takes, for messages."""
     from .teacher import BUNDLED_TEACHERS
 
-    return MODEL_FORMS.format(bundled=", ".join(BUNDLED_TEACHERS))
+    return MODEL_FORMS.format(students=", ".join(BUNDLED_STUDENTS), teachers=", ".join(BUNDLED_TEACHERS))
 
 
 def looks_local(name: str) -> bool:
@@ -42,11 +46,15 @@ def _near_names(path: Path) -> str:
 
 def check_model_name(name: str) -> None:
     """Fail fast, before any loading, on a model that is neither bundled nor an existing path
-    but clearly meant as a local path (``looks_local``), naming it and the accepted forms."""
+    but clearly meant as a local path (``looks_local``), naming it and the accepted forms; and on a
+    bundled student that is not installed, naming it and how to get it."""
     from .teacher import BUNDLED_TEACHERS
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"a model must be a checkpoint directory or a teacher name, got {name!r}")
+    if name in BUNDLED_STUDENTS:
+        resolve_student(name)
+        return
     if name in BUNDLED_TEACHERS or Path(name).exists():
         return
     if looks_local(name):
@@ -56,18 +64,22 @@ def check_model_name(name: str) -> None:
         raise FileNotFoundError(f"model directory {name} does not exist{why}{_near_names(Path(name))}. "
                                 f"A model is {model_forms()}")
     if "/" not in name:
-        raise ValueError(f"unknown model {name!r}: use a bundled teacher ({', '.join(BUNDLED_TEACHERS)}), "
-                         "a linearize checkpoint directory, a local model directory, or a Hugging Face hub id (org/name)")
+        raise ValueError(f"unknown model {name!r}: use a bundled student ({', '.join(BUNDLED_STUDENTS)}), a bundled "
+                         f"teacher ({', '.join(BUNDLED_TEACHERS)}), a linearize checkpoint directory, a local model "
+                         "directory, or a Hugging Face hub id (org/name)")
 
 
 def is_checkpoint(name: str) -> bool:
+    """Whether ``name`` opens as a linearize checkpoint: a checkpoint directory, or an installed bundled student."""
     from .checkpoint import META_FILE
 
+    if name in BUNDLED_STUDENTS:
+        return BUNDLED_STUDENTS[name].installed()
     return (Path(name) / META_FILE).is_file()
 
 
 def load_model(name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """``(model, tokenizer)`` in eval mode for a checkpoint directory or a teacher name/path."""
+    """``(model, tokenizer)`` in eval mode for a checkpoint directory, a bundled student or a teacher name/path."""
     from .checkpoint import load
     from .teacher import load_teacher
 

@@ -149,6 +149,13 @@ def resolve_teacher_path(name: str) -> str:
 
         check_model_name(name)  # a mistyped local path: named now, never sent to the hub
         return resolve_hub_id(name)
+    from .students import BUNDLED_STUDENTS
+
+    if name in BUNDLED_STUDENTS:
+        student = BUNDLED_STUDENTS[name]
+        raise ValueError(f"{name!r} is a bundled student (a trained {student.method} checkpoint), not a teacher; "
+                         f"its teacher is {student.teacher!r}. Evaluate or chat with it (--model {name} in linearize "
+                         "eval / generate), or convert and train its teacher")
     raise ValueError(
         f"unknown teacher {name!r}: use a bundled name ({', '.join(BUNDLED_TEACHERS)}), "
         "a local model directory, or a Hugging Face hub id")

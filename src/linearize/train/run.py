@@ -104,7 +104,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
     if parallel is None:
         model.to(device)
         teacher = copy.deepcopy(model) if config.distill > 0 else None
-        teacher_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+        teacher_val = held_out_loss(model, val_rows, config, device) if val_rows is not None else None
         convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
         model.to(device)
         if config.compile and device.type == "cuda":  # (not yet under FSDP: unmeasured there)
@@ -122,7 +122,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         teacher_val = None
         if val_rows is not None:  # the converted model passing each softmax teacher's output on
             with teacher_attention(model):
-                teacher_val = _lm_loss(model, val_rows, config, device)
+                teacher_val = held_out_loss(model, val_rows, config, device)
     summary = {"method": config.method, "model": config.model, "device": device_name(device),
                "teacher_val_loss": teacher_val, "stages": []}
     if parallel is not None:
@@ -142,7 +142,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         everyone = parallel.all_objects(summary["stages"])
         for i, stage in enumerate(summary["stages"]):
             stage["ranks"] = [{k: theirs[i].get(k) for k in ("seconds", "peak_memory_bytes")} for theirs in everyone]
-    student_val = _lm_loss(model, val_rows, config, device) if val_rows is not None else None
+    student_val = held_out_loss(model, val_rows, config, device) if val_rows is not None else None
     if val_rows is not None and writer:
         summary["stage1_val_loss"] = stage1_val_loss(metrics.path)
         summary["student_val_loss"] = student_val
@@ -258,6 +258,12 @@ def _rows(config: TrainConfig, tokenizer):
         parts.append(_subset(rows, range(min(len(rows), share))))
     val = Rows.concat(parts) if parts else None
     return train, val
+
+
+def validation_rows(config: TrainConfig, tokenizer):
+    """The held-out rows a run of ``config`` validates on (its summary's ``*_val_ppl``), the same
+    rows every time for the same settings; None when its data holds too little for a row."""
+    return _rows(config, tokenizer)[1]
 
 
 def _subset(rows, indices):
@@ -541,7 +547,7 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     eval_fn = None
     if val_rows is not None:
         def eval_fn():
-            loss = _lm_loss(model, val_rows, config, device)
+            loss = held_out_loss(model, val_rows, config, device)
             model.train()
             return loss, {"ppl": math.exp(min(loss, 50.0))}
 
@@ -606,8 +612,9 @@ def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Te
 
 
 @torch.no_grad()
-def _lm_loss(model, rows, config, device) -> float:
-    """Mean next-token cross-entropy over every labelled token of ``rows``."""
+def held_out_loss(model, rows, config, device) -> float:
+    """Mean next-token cross-entropy over every labelled token of ``rows`` (batches of
+    ``config.batch_size``, in ``config.precision``); its exp is a summary's validation perplexity."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
