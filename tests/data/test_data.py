@@ -275,15 +275,15 @@ def test_split_rows_never_mix_documents_and_mask_padding():
 
 def test_split_min_tokens_drops_or_keeps_short_tails():
     docs = _docs([2 * 16 + 5, 4, 16])
-    assert len(pack(docs, 16, min_tokens=16)) == 3  # two full pieces + the 16-token document
-    lenient = pack(docs, 16, min_tokens=4)
+    assert len(pack(docs, 16, "split", min_tokens=16)) == 3  # two full pieces + the 16-token document
+    lenient = pack(docs, 16, "split", min_tokens=4)
     assert len(lenient) == 5
     assert lenient.attention_mask.sum(1).tolist() == [16, 16, 5, 4, 16]
-    assert len(pack(docs, 16, min_tokens=5)) == 4  # the 4-token document is dropped, the 5-token tail kept
+    assert len(pack(docs, 16, "split", min_tokens=5)) == 4  # the 4-token document is dropped, the 5-token tail kept
 
 
 def test_batch_labels_and_trimming():
-    rows = pack(_docs([5, 70, 256]), 256, min_tokens=1)  # trimmed in steps of trim_bucket(256) = 64
+    rows = pack(_docs([5, 70, 256]), 256, "split", min_tokens=1)  # trimmed in steps of trim_bucket(256) = 64
     b = rows.batch([0, 1])
     assert b["input_ids"].shape == (2, 128)  # the longest row (70) rounded up to the bucket
     assert b["attention_mask"].tolist()[0] == [1] * 5 + [0] * 123
@@ -291,7 +291,7 @@ def test_batch_labels_and_trimming():
     assert torch.equal(b["labels"][b["attention_mask"] == 1], b["input_ids"][b["attention_mask"] == 1])
     assert rows.batch([1, 2])["input_ids"].shape == (2, 256)
     assert rows.batch(torch.tensor([0]))["input_ids"].tolist() == [[1, 2, 3, 4, 5] + [0] * 59]
-    short = pack(_docs([5, 9, 16]), 16, min_tokens=1)  # seq_len <= 64: one bucket, never trimmed
+    short = pack(_docs([5, 9, 16]), 16, "split", min_tokens=1)  # seq_len <= 64: one bucket, never trimmed
     assert short.batch([0])["input_ids"].shape == (1, 16)
     with pytest.raises(ValueError, match="at least one"):
         rows.batch([])
@@ -304,7 +304,7 @@ def test_trim_bucket_gives_a_few_widths_in_whole_chunks():
     seq_len = 1000
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, seq_len + 1, (64,), generator=g).tolist()
-    rows = pack([list(range(1, n + 1)) for n in lengths], seq_len, min_tokens=1)
+    rows = pack([list(range(1, n + 1)) for n in lengths], seq_len, "split", min_tokens=1)
     widths = set()
     for _ in range(200):
         index = torch.randint(0, len(rows), (3,), generator=g).tolist()
@@ -409,9 +409,9 @@ def test_pack_rejects_bad_arguments():
     with pytest.raises(ValueError, match="'bogus'.*split, pack, concat"):
         pack(docs, 16, "bogus")
     with pytest.raises(ValueError, match=r"min_tokens.*\[1, seq_len=16\].*got 17"):
-        pack(docs, 16, min_tokens=17)
+        pack(docs, 16, "split", min_tokens=17)
     with pytest.raises(ValueError, match="too short"):
-        pack(_docs([3, 8]), 16, min_tokens=10)
+        pack(_docs([3, 8]), 16, "split", min_tokens=10)
     with pytest.raises(ValueError, match="too short"):
         pack(_docs([3, 8]), 16, "concat")
     with pytest.raises(ValueError, match="no token"):
@@ -419,7 +419,9 @@ def test_pack_rejects_bad_arguments():
     from linearize.train.config import PACKING
 
     assert PACKING_POLICIES == ("split", "pack", "concat") == PACKING  # the CLI's choices, kept without torch
-    assert isinstance(pack(docs, 16), Rows)
+    default = pack(docs, 16)
+    assert isinstance(default, Rows) and torch.equal(default.input_ids, pack(docs, 16, "pack").input_ids)
+    assert len(default) == 3 and len(pack(docs, 16, "split")) == 2  # "pack" keeps the 8-token tail split drops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +526,7 @@ def test_passkey_documents(tok):
         assert 350 <= len(d) <= 400 and d[-1] == tok.eos_token_id
         assert re.search(r'passkey\? Answer: [a-z ]+$', tok.decode(d[:-1]))
     # a document fits in one row, so packing keeps every answer
-    assert len(pack(docs, 400)) == 4
+    assert len(pack(docs, 400, "split")) == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -881,7 +883,8 @@ def test_train_rows_honour_loss_on(tmp_path, tok):
                            {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(40)]
     chat = _write(tmp_path / "chat.jsonl", "\n".join(json.dumps(c) for c in chats))
     books = _write(tmp_path / "books.jsonl", "\n".join(json.dumps({"text": f"Book {i}. " * 30}) for i in range(40)))
-    common = dict(seq_len=64, stage1_tokens=2000, stage2_tokens=2000, val_fraction=0.1, val_rows=4)
+    # split: each row holds one document, which the checks below read
+    common = dict(seq_len=64, stage1_tokens=2000, stage2_tokens=2000, val_fraction=0.1, val_rows=4, packing="split")
     train, val = _rows(TrainConfig(data=f"{chat}:0.5,{books}:0.5", loss_on="assistant", **common).validate(), tok)
     batch = train.batch(range(len(train)))
     labelled = batch["labels"] != -100

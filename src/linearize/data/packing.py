@@ -5,12 +5,12 @@ token; inside a row, nothing resets it at an EOS. Packing two documents into one
 lets the first document's state leak into the second, which a softmax teacher (whose attention
 the student imitates) would mostly ignore but a recurrent student cannot. So:
 
-``"split"`` (the default): documents never share a row. Each document is cut into consecutive
+``"split"``: documents never share a row. Each document is cut into consecutive
     pieces of ``seq_len`` tokens; the last piece is right-padded (``attention_mask`` False there,
     ``labels`` -100) and kept only if it has at least ``min_tokens`` real tokens. Every row starts
     a fresh state at a document start or at a ``seq_len`` cut of one long document. On short
     documents most of each row is padding.
-``"pack"``: full rows without cutting documents. Each document is cut into ``seq_len`` pieces as
+``"pack"`` (the default): full rows without cutting documents. Each document is cut into ``seq_len`` pieces as
     in ``"split"`` (a document no longer than ``seq_len`` is one piece); the pieces are then placed
     into rows by best-fit decreasing bin packing (longest piece first, into the row with the least
     room that still holds it, else a new row), several per row, each document still ending with
@@ -125,7 +125,7 @@ class Rows:
         return Rows(torch.cat([p.input_ids for p in parts]), torch.cat([p.attention_mask for p in parts]), masks)
 
 
-def pack(documents: list[list[int]], seq_len: int, policy: str = "split", *, min_tokens: int = 16,
+def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_tokens: int = 16,
          pad_id: int = 0, loss_masks: bool = False) -> Rows:
     """Pack token documents into rows of ``seq_len`` under ``policy`` (see the module docstring).
 
