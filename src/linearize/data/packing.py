@@ -3,21 +3,21 @@
 Policy at document boundaries. A linear-attention layer carries a recurrent state from token to
 token; inside a row, nothing resets it at an EOS. Packing two documents into one row therefore
 lets the first document's state leak into the second, which a softmax teacher (whose attention
-the student imitates) would mostly ignore but a recurrent student cannot. So:
+the student imitates) would mostly ignore but a recurrent student cannot. Keeping documents apart
+costs padding instead, most of each row on short documents (chats, retrieval examples). So:
 
-``"split"``: documents never share a row. Each document is cut into consecutive
-    pieces of ``seq_len`` tokens; the last piece is right-padded (``attention_mask`` False there,
-    ``labels`` -100) and kept only if it has at least ``min_tokens`` real tokens. Every row starts
-    a fresh state at a document start or at a ``seq_len`` cut of one long document. On short
-    documents most of each row is padding.
-``"pack"`` (the default): full rows without cutting documents. Each document is cut into ``seq_len`` pieces as
-    in ``"split"`` (a document no longer than ``seq_len`` is one piece); the pieces are then placed
-    into rows by best-fit decreasing bin packing (longest piece first, into the row with the least
-    room that still holds it, else a new row), several per row, each document still ending with
-    its EOS. A row is right-padded only where no remaining piece fits, and no token is dropped.
-    Inside a row the state carries across document boundaries exactly as in ``"concat"``: this is
-    concat's leak without concat's cut in the middle, so a document that fits in a row (a
-    retrieval example's facts and its question, a chat) is always whole in one row.
+``"pack"`` (the default): full rows without cutting documents. Each document is cut into pieces
+    of ``seq_len`` tokens as in ``"split"`` (a document no longer than ``seq_len`` is one piece);
+    the pieces are then placed into rows by best-fit decreasing bin packing (longest piece first,
+    into the row with the least room that still holds it, else a new row), several per row, each
+    document still ending with its EOS. A row is right-padded only where no remaining piece fits,
+    and no token is dropped. Inside a row the state carries across document boundaries exactly as
+    in ``"concat"``: this is concat's leak without concat's cut in the middle, so a document that
+    fits in a row (a retrieval example's facts and its question, a chat) is always whole in one row.
+``"split"``: documents never share a row. Each document is cut into consecutive pieces of
+    ``seq_len`` tokens; the last piece is right-padded (``attention_mask`` False there, ``labels``
+    -100) and kept only if it has at least ``min_tokens`` real tokens. Every row starts a fresh
+    state at a document start or at a ``seq_len`` cut of one long document.
 ``"concat"``: the papers' packing (LoLCATs, Lizard), opted into explicitly. All documents (each
     already ending with EOS) are concatenated and cut into full rows of ``seq_len``; the state
     carries across document boundaries inside a row; the last partial row is dropped.
@@ -50,12 +50,13 @@ TRIM_MULTIPLE = 64  # the chunk (tile) length of the chunked attention kernels
 
 def trim_bucket(seq_len: int) -> int:
     """Columns ``Rows.batch`` trims in: ``seq_len / 8`` rounded up to a multiple of 64, capped at
-    ``seq_len`` (at 2048: 256; at 512: 64; at 64 or fewer: ``seq_len``, so never trimmed).
+    ``seq_len`` (at 2048: 256; at 1000: 128; at 512: 64; at 64 or fewer: ``seq_len``, never trimmed).
 
     Every new batch width is a new CUDA graph to capture and a new torch.compile specialisation,
-    so widths come from at most 8 values (plus ``seq_len``); a batch keeps at most 1/8 of a row of
-    extra padding for it. Multiples of 64 keep the chunked kernels on whole chunks (the Gluon
-    window kernel's fast path asks for ``T % 64 == 0``).
+    so widths take at most 8 values (multiples of the bucket, and ``seq_len``), and a batch pays
+    less than a bucket of padding for it (1/8 of a row from ``seq_len`` 512 up). Multiples of 64
+    keep the chunked kernels on whole chunks (the Gluon window kernel's fast path asks for
+    ``T % 64 == 0``).
     """
     return min(seq_len, TRIM_MULTIPLE * max(1, -(-seq_len // (8 * TRIM_MULTIPLE))))
 
