@@ -17,7 +17,7 @@ import torch
 
 from linearize.data import (PACKING_POLICIES, Document, PasskeyExample, Rows, load_documents, load_mixture,
                             make_classic_passkey_example, make_passkey_example, mix_documents, pack,
-                            parse_data_spec, passkey_documents, split_documents)
+                            parse_data_spec, passkey_documents, split_documents, trim_bucket)
 from linearize.data.passkey import CLASSIC_FILLER
 from linearize.data.sources import shakespeare_plays
 
@@ -275,26 +275,48 @@ def test_split_rows_never_mix_documents_and_mask_padding():
 
 def test_split_min_tokens_drops_or_keeps_short_tails():
     docs = _docs([2 * 16 + 5, 4, 16])
-    assert len(pack(docs, 16, min_tokens=16)) == 3  # two full pieces + the 16-token document
-    lenient = pack(docs, 16, min_tokens=4)
+    assert len(pack(docs, 16, "split", min_tokens=16)) == 3  # two full pieces + the 16-token document
+    lenient = pack(docs, 16, "split", min_tokens=4)
     assert len(lenient) == 5
     assert lenient.attention_mask.sum(1).tolist() == [16, 16, 5, 4, 16]
-    assert len(pack(docs, 16, min_tokens=5)) == 4  # the 4-token document is dropped, the 5-token tail kept
+    assert len(pack(docs, 16, "split", min_tokens=5)) == 4  # the 4-token document is dropped, the 5-token tail kept
 
 
 def test_batch_labels_and_trimming():
-    rows = pack(_docs([5, 9, 16]), 16, min_tokens=1)
+    rows = pack(_docs([5, 70, 256]), 256, "split", min_tokens=1)  # trimmed in steps of trim_bucket(256) = 64
     b = rows.batch([0, 1])
-    assert b["input_ids"].shape == (2, 9)  # trimmed to the longest real row
-    assert b["attention_mask"].tolist()[0] == [1] * 5 + [0] * 4
+    assert b["input_ids"].shape == (2, 128)  # the longest row (70) rounded up to the bucket
+    assert b["attention_mask"].tolist()[0] == [1] * 5 + [0] * 123
     assert (b["labels"][b["attention_mask"] == 0] == -100).all()
     assert torch.equal(b["labels"][b["attention_mask"] == 1], b["input_ids"][b["attention_mask"] == 1])
-    assert rows.batch([1, 2])["input_ids"].shape == (2, 16)
-    assert rows.batch(torch.tensor([0]))["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
+    assert rows.batch([1, 2])["input_ids"].shape == (2, 256)
+    assert rows.batch(torch.tensor([0]))["input_ids"].tolist() == [[1, 2, 3, 4, 5] + [0] * 59]
+    short = pack(_docs([5, 9, 16]), 16, "split", min_tokens=1)  # seq_len <= 64: one bucket, never trimmed
+    assert short.batch([0])["input_ids"].shape == (1, 16)
     with pytest.raises(ValueError, match="at least one"):
         rows.batch([])
     with pytest.raises(IndexError):
         rows.batch([3])
+
+
+def test_trim_bucket_gives_a_few_widths_in_whole_chunks():
+    assert [trim_bucket(n) for n in (2048, 4096, 512, 1000, 100, 64, 32)] == [256, 512, 64, 128, 64, 64, 32]
+    seq_len = 1000
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, seq_len + 1, (64,), generator=g).tolist()
+    rows = pack([list(range(1, n + 1)) for n in lengths], seq_len, "split", min_tokens=1)
+    widths = set()
+    for _ in range(200):
+        index = torch.randint(0, len(rows), (3,), generator=g).tolist()
+        b = rows.batch(index)
+        width, longest = b["input_ids"].shape[1], max(lengths[i] for i in index)
+        assert width == seq_len or width % 128 == 0
+        assert longest <= width < longest + 128  # no real column lost, less than a bucket of padding added
+        assert torch.equal(b["input_ids"], rows.input_ids[index][:, :width])
+        assert not rows.attention_mask[index][:, width:].any()  # only padding is dropped
+        assert (b["labels"][b["attention_mask"] == 0] == -100).all()
+        widths.add(width)
+    assert len(widths) > 1 and widths <= {128 * k for k in range(1, 8)} | {seq_len}
 
 
 def test_concat_rows_are_full_and_preserve_the_stream():
@@ -308,20 +330,98 @@ def test_concat_rows_are_full_and_preserve_the_stream():
     assert (rows.batch(range(len(rows)))["labels"] == rows.input_ids).all()
 
 
+def _doc_runs(row) -> list[list[int]]:
+    """A packed row's real tokens as runs of one document each (tokens name their document)."""
+    runs = []
+    for t in row:
+        if runs and runs[-1][-1] // 1000 == t // 1000:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def test_pack_keeps_every_token_once_and_cuts_only_long_documents():
+    seq_len = 16
+    lengths = [5, 40, 16, 3, 11, 7, 9, 2, 33, 1, 14, 8, 12, 6, 4]
+    docs = _docs(lengths)
+    rows = pack(docs, seq_len, "pack", pad_id=0)
+    assert rows.input_ids.shape == (len(rows), seq_len) and rows.num_tokens == sum(lengths)
+    found = {i: [] for i in range(len(docs))}
+    for ids, mask in zip(rows.input_ids, rows.attention_mask):
+        real = ids[mask].tolist()
+        assert mask[: len(real)].all() and not mask[len(real):].any() and (ids[~mask] == 0).all()
+        for run in _doc_runs(real):
+            found[run[0] // 1000].append(run)
+    for i, doc in enumerate(docs):
+        pieces = sorted(found[i])
+        if len(doc) <= seq_len:
+            assert pieces == [doc]  # whole, in one row
+        else:  # cut where "split" cuts it: full pieces of seq_len and one tail
+            assert pieces == [doc[s:s + seq_len] for s in range(0, len(doc), seq_len)]
+    assert len(rows) < len(pack(docs, seq_len, "split", min_tokens=1))
+    assert any(len(_doc_runs(ids[mask].tolist())) > 1 for ids, mask in zip(rows.input_ids, rows.attention_mask))
+
+
+def test_pack_fills_rows_where_split_pads():
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 60) for _ in range(300)] + [rng.randint(100, 700) for _ in range(30)]
+    rng.shuffle(lengths)
+    docs, seq_len = _docs(lengths), 128
+    packed, split = pack(docs, seq_len, "pack"), pack(docs, seq_len, "split", min_tokens=1)
+    assert packed.num_tokens == split.num_tokens == sum(lengths)
+    assert packed.fill == pytest.approx(sum(lengths) / (len(packed) * seq_len))
+    assert packed.fill >= 0.9 and split.fill < 0.5, (packed.fill, split.fill)
+    assert len(packed) <= -(-sum(lengths) // seq_len) + 2  # within two rows of the least possible
+
+
+def test_pack_is_deterministic():
+    rng = random.Random(1)
+    sources = [_docs([rng.randint(3, 50) for _ in range(60)]), _docs([rng.randint(40, 300) for _ in range(10)])]
+
+    def rows(seed):
+        return pack(mix_documents(sources, [0.5, 0.5], 4000, seed, note=None), 64, "pack")
+
+    a, b, other = rows(3), rows(3), rows(4)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+    assert not torch.equal(a.input_ids[: len(other)], other.input_ids[: len(a)])
+
+
+def test_pack_loss_masks_follow_their_documents():
+    """Masked documents label the tokens divisible by 3; a document without a mask counts whole."""
+    docs = []
+    for i, doc in enumerate(_docs([7, 30, 5, 12, 9, 3, 20])):
+        docs.append(doc if i % 3 == 2 else Document(doc, [t % 3 == 0 for t in doc]))
+    rows = pack(docs, 16, "pack", loss_masks=True)
+    assert rows.loss_mask is not None
+    real = rows.attention_mask
+    expected = torch.where((rows.input_ids // 1000) % 3 == 2, True, rows.input_ids % 3 == 0) & real
+    assert torch.equal(rows.loss_mask, expected)
+    batch = rows.batch(range(len(rows)))
+    assert torch.equal(batch["labels"] != -100, expected[:, : batch["labels"].shape[1]])
+    assert pack(docs, 16, "pack").loss_mask is None
+
+
 def test_pack_rejects_bad_arguments():
     docs = _docs([40])
     with pytest.raises(ValueError, match="seq_len.*got 1"):
         pack(docs, 1)
-    with pytest.raises(ValueError, match="'bogus'.*split, concat"):
+    with pytest.raises(ValueError, match="'bogus'.*split, pack, concat"):
         pack(docs, 16, "bogus")
     with pytest.raises(ValueError, match=r"min_tokens.*\[1, seq_len=16\].*got 17"):
-        pack(docs, 16, min_tokens=17)
+        pack(docs, 16, "split", min_tokens=17)
     with pytest.raises(ValueError, match="too short"):
-        pack(_docs([3, 8]), 16, min_tokens=10)
+        pack(_docs([3, 8]), 16, "split", min_tokens=10)
     with pytest.raises(ValueError, match="too short"):
         pack(_docs([3, 8]), 16, "concat")
-    assert PACKING_POLICIES == ("split", "concat")
-    assert isinstance(pack(docs, 16), Rows)
+    with pytest.raises(ValueError, match="no token"):
+        pack([[], []], 16, "pack")
+    from linearize.train.config import PACKING
+
+    assert PACKING_POLICIES == ("split", "pack", "concat") == PACKING  # the CLI's choices, kept without torch
+    default = pack(docs, 16)
+    assert isinstance(default, Rows) and torch.equal(default.input_ids, pack(docs, 16, "pack").input_ids)
+    assert len(default) == 3 and len(pack(docs, 16, "split")) == 2  # "pack" keeps the 8-token tail split drops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +526,7 @@ def test_passkey_documents(tok):
         assert 350 <= len(d) <= 400 and d[-1] == tok.eos_token_id
         assert re.search(r'passkey\? Answer: [a-z ]+$', tok.decode(d[:-1]))
     # a document fits in one row, so packing keeps every answer
-    assert len(pack(docs, 400)) == 4
+    assert len(pack(docs, 400, "split")) == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,7 +853,7 @@ def test_assistant_mask_reaches_the_stage2_loss():
         batch = rows.batch([0])
         if masks:
             assert batch["labels"][0].tolist() == [t if answer.start <= i < answer.stop else -100
-                                                   for i, t in enumerate(tokens)]
+                                                   for i, t in enumerate(tokens)] + [-100] * (64 - len(tokens))
         with torch.no_grad():
             return lm_loss(model, batch, teacher if with_teacher else None, distill if with_teacher else config)[0].item()
 
@@ -783,7 +883,8 @@ def test_train_rows_honour_loss_on(tmp_path, tok):
                            {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(40)]
     chat = _write(tmp_path / "chat.jsonl", "\n".join(json.dumps(c) for c in chats))
     books = _write(tmp_path / "books.jsonl", "\n".join(json.dumps({"text": f"Book {i}. " * 30}) for i in range(40)))
-    common = dict(seq_len=64, stage1_tokens=2000, stage2_tokens=2000, val_fraction=0.1, val_rows=4)
+    # split: each row holds one document, which the checks below read
+    common = dict(seq_len=64, stage1_tokens=2000, stage2_tokens=2000, val_fraction=0.1, val_rows=4, packing="split")
     train, val = _rows(TrainConfig(data=f"{chat}:0.5,{books}:0.5", loss_on="assistant", **common).validate(), tok)
     batch = train.batch(range(len(train)))
     labelled = batch["labels"] != -100

@@ -35,7 +35,8 @@ def settings(tiny, text_file, out, **kw) -> dict:
     ranks' shares of a micro-batch hold different numbers of real tokens."""
     base = dict(model=tiny, data=text_file, out=str(out), seq_len=32, batch_size=4, grad_accum=2,
                 stage1_tokens=32 * 4 * 2 * 3, stage2_tokens=32 * 4 * 2 * 3, eval_every=2, save_every=2, val_rows=4,
-                progress=False, warmup_steps=0, stage1_lr=1e-2, stage2_lr=1e-2, device="cpu")
+                progress=False, warmup_steps=0, stage1_lr=1e-2, stage2_lr=1e-2, device="cpu",
+                packing="split")
     return {**base, **kw}
 
 

@@ -150,9 +150,28 @@ def test_distillation_adds_a_kl_term(tiny, text_file, tmp_path):
 # ------------------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("kill_at", [4, 11])  # micro-batches: inside stage 1 / inside stage 2
-def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, monkeypatch, kill_at, capsys):
+def _short_notes(path, n: int = 80) -> str:
+    """A JSONL file of documents far shorter than a row (about ten tokens each)."""
+    path.write_text("\n".join(json.dumps({"text": f"Note {i}: {i} is {i % 7} mod 7."}) for i in range(n)))
+    return str(path)
+
+
+# micro-batches: inside stage 1 / inside stage 2; on prose (long documents) or with short notes that
+# "pack" puts several to a row
+@pytest.mark.parametrize("kill_at,short_docs", [(4, False), (11, False), (4, True)])
+def test_resume_reaches_the_uninterrupted_weights(tiny, text_file, tmp_path, monkeypatch, kill_at, short_docs,
+                                                  capsys):
     config = dict(stage1_lr=1e-2, stage2_lr=1e-2, lr_schedule="cosine", warmup_steps=2)
+    if short_docs:
+        from transformers import AutoTokenizer
+
+        from linearize.train.run import _rows
+
+        config.update(packing="pack", data=f"{_short_notes(tmp_path / 'notes.jsonl')}:0.5,{text_file}:0.5")
+        tok = AutoTokenizer.from_pretrained(tiny)
+        rows, _ = _rows(small(tiny, text_file, tmp_path / "probe", **config).validate(), tok)
+        ends = ((rows.input_ids == tok.eos_token_id) & rows.attention_mask).sum(1)
+        assert rows.fill > 0.9 and ends.max() > 1  # full rows, several documents in some
     whole = run(small(tiny, text_file, tmp_path / "whole", **config))
 
     calls = {"n": 0}

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-PACKING = ("split", "concat")
+PACKING = ("split", "pack", "concat")  # data.packing.PACKING_POLICIES, kept here so the CLI need not import torch
 TRANSFER_TARGETS = ("heads", "output")
 LR_SCHEDULES = ("cosine", "plateau", "constant")
 MU_SCHEDULES = ("constant", "ramp", "cyclic", "switch")
@@ -30,7 +30,7 @@ class TrainConfig:
 
     # data
     seq_len: int = 512
-    packing: str = "split"               # split: documents never share a row | concat: the papers' packing
+    packing: str = "pack"                # pack: whole documents several to a row, full rows (the state crosses documents in a row; only documents longer than a row are cut) | split: documents never share a row, short ones padded | concat: the papers' packing, documents cut at row ends
     val_fraction: float = 0.05
     loss_on: str = "all"                 # stage-2 next-token loss on all tokens | assistant: only chat/Alpaca answers (plain text still counts whole)
     val_rows: int = 16                   # validation rows evaluated (at most)

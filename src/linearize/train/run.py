@@ -246,6 +246,8 @@ def _rows(config: TrainConfig, tokenizer):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
     train = pack(mixture.train, config.seq_len, config.packing, **kw)
+    log_progress(config, f"data: packed {len(mixture.train):,} documents into {len(train):,} rows of {config.seq_len} "
+                 f"({config.packing}), {train.fill:.1%} of slots hold tokens")
     parts = []
     for docs, weight in zip(mixture.val, mixture.weights):
         if not docs:
