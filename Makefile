@@ -33,7 +33,7 @@ demo: $(BASE)
 	$(VENV)/bin/linearize demo
 
 test: $(TESTS)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
