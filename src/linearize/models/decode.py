@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.gates import SigmoidGate
-from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_applies, lizard_step_launcher
 from ..ops.common import gc_paused
 from ..ops.gla import gla_step_
+from ..ops.lizard_attn import fused_norms_ok, launch_rmsnorm, lizard_step_applies, lizard_step_launcher
 from ..ops.window_attn import window_ring_step_
 from .adapters import adapter_for
 from .cache import StateLayer, iter_tensors

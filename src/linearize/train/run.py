@@ -235,19 +235,30 @@ def _rows(config: TrainConfig, tokenizer):
     taken from every source by its weight. With ``loss_on="assistant"`` the rows carry the
     documents' assistant loss masks (train and validation alike).
     """
-    train_tokens = max(config.stage1_tokens, config.stage2_tokens, config.seq_len * config.batch_size)
-    mixture = load_mixture(config.data, tokenizer, train_tokens=train_tokens, val_fraction=config.val_fraction,
-                           val_tokens=config.val_rows * config.seq_len, seed=config.seed,
-                           note=lambda message: print(message, flush=True))  # shown with progress off too
+    mixture, kw = _mixture(config, tokenizer)
     if len(mixture.sources) > 1:
         for source, weight, tokens, val in zip(mixture.sources, mixture.weights, mixture.train_tokens, mixture.val):
             log_progress(config, f"data: {source}: weight {weight:.3g}, {tokens:,} training tokens, "
                          f"{len(val)} held-out documents")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
     train = pack(mixture.train, config.seq_len, config.packing, **kw)
     log_progress(config, f"data: packed {len(mixture.train):,} documents into {len(train):,} rows of {config.seq_len} "
                  f"({config.packing}), {train.fill:.1%} of slots hold tokens")
+    return train, _validation(mixture, config, kw)
+
+
+def _mixture(config: TrainConfig, tokenizer):
+    """``config.data`` read as far as the run needs, and the packing settings of its rows."""
+    train_tokens = max(config.stage1_tokens, config.stage2_tokens, config.seq_len * config.batch_size)
+    mixture = load_mixture(config.data, tokenizer, train_tokens=train_tokens, val_fraction=config.val_fraction,
+                           val_tokens=config.val_rows * config.seq_len, seed=config.seed,
+                           note=lambda message: print(message, flush=True))  # shown with progress off too
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    kw = {"pad_id": pad_id, "min_tokens": min(16, config.seq_len), "loss_masks": config.loss_on == "assistant"}
+    return mixture, kw
+
+
+def _validation(mixture, config: TrainConfig, kw: dict):
+    """The validation rows: each source's held-out documents packed, ``val_rows`` in all by weight."""
     parts = []
     for docs, weight in zip(mixture.val, mixture.weights):
         if not docs:
@@ -258,14 +269,15 @@ def _rows(config: TrainConfig, tokenizer):
             continue
         share = config.val_rows if len(mixture.sources) == 1 else max(1, math.floor(weight * config.val_rows))
         parts.append(_subset(rows, range(min(len(rows), share))))
-    val = Rows.concat(parts) if parts else None
-    return train, val
+    return Rows.concat(parts) if parts else None
 
 
 def validation_rows(config: TrainConfig, tokenizer):
     """The held-out rows a run of ``config`` validates on (its summary's ``*_val_ppl``), the same
-    rows every time for the same settings; None when its data holds too little for a row."""
-    return _rows(config, tokenizer)[1]
+    rows every time for the same settings; None when its data holds too little for a row. The
+    training rows are not packed for it."""
+    mixture, kw = _mixture(config, tokenizer)
+    return _validation(mixture, config, kw)
 
 
 def _subset(rows, indices):
