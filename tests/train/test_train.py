@@ -147,6 +147,56 @@ def test_distillation_adds_a_kl_term(tiny, text_file, tmp_path):
     assert kls and all(k > 0 for k in kls)
 
 
+def _memory_and_rest(model) -> tuple[dict, dict]:
+    """A student's memory parameters (decay gate, write strength) and its other attention parameters,
+    by name."""
+    from linearize.train.transfer import MEMORY_MODULES
+
+    memory, rest = {}, {}
+    for m in linearize.models.convert.linearized_layers(model):
+        for name, p in m.hybrid.named_parameters():
+            (memory if name.split(".")[0] in MEMORY_MODULES else rest)[f"{m.layer_idx}.{name}"] = p.detach().clone()
+    return memory, rest
+
+
+def _trained(out) -> tuple[dict, dict]:
+    return _memory_and_rest(linearize.load(out)[0])
+
+
+@pytest.fixture(scope="module")
+def fresh_gdn(tiny):
+    """The parameters a lizard-gdn conversion of the tiny model starts from (its init is deterministic)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny)
+    return _memory_and_rest(linearize.models.convert.convert(model, "lizard-gdn"))
+
+
+def test_stage1_can_leave_the_memory_as_initialised(tiny, text_file, tmp_path, fresh_gdn):
+    init_memory, init_rest = fresh_gdn
+    kw = dict(method="lizard-gdn", stage2_tokens=0, stage1_lr=1e-2)
+    kept, trained = _trained(run(small(tiny, text_file, tmp_path / "kept", stage1_memory=False, **kw)))
+    assert kept.keys() == init_memory.keys() and len(kept) == 3 * 5  # 3 layers x (gate w, b, log_a; beta w, b)
+    assert all(torch.equal(kept[n], init_memory[n]) for n in kept)
+    assert any(not torch.equal(trained[n], init_rest[n]) for n in trained)  # the window weight, the sinks
+    memory, _ = _trained(run(small(tiny, text_file, tmp_path / "default", **kw)))
+    assert all(not torch.equal(memory[n], init_memory[n]) for n in memory if not n.endswith("log_a"))
+
+
+@pytest.mark.parametrize("train_attention", [False, True])
+def test_stage2_trains_the_attention_modules_only_when_asked(tiny, text_file, tmp_path, fresh_gdn, train_attention):
+    out = run(small(tiny, text_file, tmp_path / "run", method="lizard-gdn", stage1_tokens=0, stage2_lr=1e-2,
+                    stage2_attention=train_attention))
+    memory, rest = _trained(out)
+    init = {**fresh_gdn[0], **fresh_gdn[1]}
+    changed = {n for n, p in {**memory, **rest}.items() if not torch.equal(p, init[n])}
+    if train_attention:
+        assert {n for n in memory if n.endswith("gate.bias") or n.startswith(tuple(f"{i}.beta" for i in range(3)))} <= changed
+        assert any(n.endswith("alpha") for n in changed)
+    else:
+        assert not changed
+
+
 # ------------------------------------------------------------------------------------- resume
 
 

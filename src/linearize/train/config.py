@@ -40,6 +40,7 @@ class TrainConfig:
     stage1_tokens: int = 1_000_000
     stage1_lr: float = 3e-2              # measured: docs/results/lr-defaults-smollm2.md
     transfer_target: str = "heads"       # heads: per head before o_proj (LoLCATs) | output: after o_proj
+    stage1_memory: bool = True           # stage 1 also trains the global memory's decay gate and write strength | off: they keep their initial long memory (matching the teacher on ordinary text, stage 1 learns to close them)
     block_size: int | None = None        # layers trained together; None = all jointly
 
     # stage 2: LoRA
@@ -49,6 +50,7 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # None: the architecture's q, k, v, o projections
+    stage2_attention: bool = False       # stage 2 also trains the new attention modules (feature maps, gates, write strength, sinks, window weight) beside LoRA, at stage2_lr
     distill: float = 0.0                 # weight of KL(teacher || student) on logits; 0 = next-token loss only
     distill_temperature: float = 1.0
     relational: float = 0.0              # encoders: weight of KL(teacher || student) similarities to a bank; 0 = off
@@ -131,7 +133,7 @@ class TrainConfig:
         if self.lora_targets is not None and (not isinstance(self.lora_targets, list) or not self.lora_targets
                                               or not all(isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError(f"lora_targets must be a non-empty list of module names, got {self.lora_targets!r}")
-        for name in ("progress", "cuda_graph", "compile"):
+        for name in ("progress", "cuda_graph", "compile", "stage1_memory", "stage2_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):

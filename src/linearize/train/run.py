@@ -312,7 +312,8 @@ def _blocks_spread(model, config: TrainConfig) -> bool:
     """Block-parallel stage 1 (several processes and several blocks): each rank trains its own
     blocks, whole, on its own device, from the teacher's hidden states cached on disk."""
     return (config.block_size is not None and _steps(config.stage1_tokens, config) > 0
-            and bool(trainable_attention_parameters(model)) and len(make_blocks(model, config.block_size)) > 1)
+            and bool(trainable_attention_parameters(model, memory=config.stage1_memory))
+            and len(make_blocks(model, config.block_size)) > 1)
 
 
 def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, parallel=None,
@@ -321,7 +322,7 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
     block-parallel instead, block b trained by rank b mod N; the ranks share the block inputs
     through files (memory-mapped), then each block's weights are sent from its rank to all."""
     steps = _steps(config.stage1_tokens, config)
-    if not trainable_attention_parameters(model):
+    if not trainable_attention_parameters(model, memory=config.stage1_memory):
         log_progress(config, f"stage 1: method {config.method!r} has no attention parameters to learn "
                      "(nothing to transfer); going straight to stage 2")
         metrics.write({"event": "stage1_skipped", "stage": "stage1", "reason": "no trainable attention parameters"})
@@ -357,7 +358,7 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
                 val_inputs = _block_outputs(model, val_rows, span, val_inputs, config, device)
         inputs_at = block.start
         name = "stage1" if len(blocks) == 1 else f"stage1-block{b}"
-        params = trainable_attention_parameters(model, block)
+        params = trainable_attention_parameters(model, block, memory=config.stage1_memory)
         named = named_parameters_of(model, params)
         freeze_all_but(model, params)
         log_progress(config, f"{name}: layers {list(block.layers)}, {sum(p.numel() for p in params):,} parameters, "
@@ -543,9 +544,12 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
         _add_lora(model, config)
         model.to(device)
     params = lora_parameters(model)
+    if config.stage2_attention:
+        params += trainable_attention_parameters(model)
     freeze_all_but(model, params)  # (several processes: stage 1 froze the LoRA it ran with)
     steps = _steps(config.stage2_tokens, config)
-    log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}, "
+    log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}"
+                 f"{' and the attention modules' if config.stage2_attention else ''}, "
                  f"{sum(p.numel() for p in params):,} parameters, {steps} steps")
     uses_mu = model.linearize_spec["config"]["combine"] == "mu"
 

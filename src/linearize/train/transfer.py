@@ -59,13 +59,20 @@ def make_blocks(model: nn.Module, block_size: int | None) -> list[Block]:
     return blocks
 
 
-def trainable_attention_parameters(model: nn.Module, block: Block | None = None) -> list[nn.Parameter]:
-    """The new modules' parameters that stage 1 trains (all blocks when ``block`` is None)."""
+# The global memory's decay gate and write strength: what decides how long anything stays recallable.
+MEMORY_MODULES = ("gate", "beta_proj")
+
+
+def trainable_attention_parameters(model: nn.Module, block: Block | None = None, *,
+                                   memory: bool = True) -> list[nn.Parameter]:
+    """The new modules' parameters (all blocks when ``block`` is None); ``memory`` False leaves out
+    those of ``MEMORY_MODULES``."""
     params = []
     for m in linearized_layers(model):
         if block is None or m.layer_idx in block.layers:
             if m.hybrid.config.trainable:  # liger's pooled gate has nothing to learn
-                params += list(m.hybrid.parameters())
+                params += [p for name, p in m.hybrid.named_parameters()
+                           if memory or name.split(".")[0] not in MEMORY_MODULES]
     return params
 
 
@@ -156,5 +163,5 @@ def choose_softmax_layers(errors: dict[int, float], k: int) -> list[int]:
     return sorted(ranked[:k])
 
 
-__all__ = ["Block", "choose_softmax_layers", "freeze_all_but", "make_blocks", "run_block", "teacher_attention",
+__all__ = ["MEMORY_MODULES", "Block", "choose_softmax_layers", "freeze_all_but", "make_blocks", "run_block", "teacher_attention",
            "trainable_attention_parameters", "transfer_mode"]
