@@ -402,12 +402,40 @@ def test_pack_loss_masks_follow_their_documents():
     assert pack(docs, 16, "pack").loss_mask is None
 
 
+@pytest.mark.parametrize("policy", PACKING_POLICIES)
+def test_document_weights_give_every_piece_one_unit_of_loss(policy):
+    """With ``weighting="document"`` each piece (a document, or a seq_len-long part of one) spreads a
+    weight of 1 evenly over its labelled tokens, whatever the policy and the loss masks."""
+    docs = []
+    for i, doc in enumerate(_docs([7, 30, 5, 12, 9, 3, 20, 40])):
+        docs.append(doc if i % 3 == 2 else Document(doc, [t % 3 == 0 for t in doc]))
+    rows = pack(docs, 16, policy, min_tokens=1, loss_masks=True, weighting="document")
+    labelled = rows.loss_mask & rows.attention_mask
+    assert torch.all((rows.loss_weight > 0) == labelled)
+    # sum the weights of each (document, piece): token ids are 1000 * document + position
+    doc, pos = rows.input_ids // 1000, rows.input_ids % 1000 - 1
+    sums: dict = {}
+    for d, p, w in zip(doc[labelled].tolist(), pos[labelled].tolist(), rows.loss_weight[labelled].tolist()):
+        sums[(d, p // 16)] = sums.get((d, p // 16), 0.0) + w
+    assert sums and all(v == pytest.approx(1.0) for k, v in sums.items() if policy != "concat" or k != max(sums))
+    batch = rows.batch([0, 1])
+    assert torch.equal(batch["loss_weight"] > 0, batch["labels"] != -100)
+    kept = rows.subset([1, 0])
+    assert torch.equal(kept.loss_weight, rows.loss_weight[[1, 0]])
+    assert torch.equal(Rows.concat([rows, kept]).loss_weight, torch.cat([rows.loss_weight, kept.loss_weight]))
+    assert pack(docs, 16, policy, min_tokens=1, loss_masks=True).loss_weight is None
+    with pytest.raises(ValueError, match="with and without loss weights"):
+        Rows.concat([rows, pack(docs, 16, policy, min_tokens=1)])
+
+
 def test_pack_rejects_bad_arguments():
     docs = _docs([40])
     with pytest.raises(ValueError, match="seq_len.*got 1"):
         pack(docs, 1)
     with pytest.raises(ValueError, match="'bogus'.*split, pack, concat"):
         pack(docs, 16, "bogus")
+    with pytest.raises(ValueError, match="loss weighting 'tokens'.*token, document"):
+        pack(docs, 16, weighting="tokens")
     with pytest.raises(ValueError, match=r"min_tokens.*\[1, seq_len=16\].*got 17"):
         pack(docs, 16, "split", min_tokens=17)
     with pytest.raises(ValueError, match="too short"):
@@ -416,9 +444,11 @@ def test_pack_rejects_bad_arguments():
         pack(_docs([3, 8]), 16, "concat")
     with pytest.raises(ValueError, match="no token"):
         pack([[], []], 16, "pack")
-    from linearize.train.config import PACKING
+    from linearize.data.packing import WEIGHTINGS
+    from linearize.train.config import LOSS_AVERAGES, PACKING
 
     assert PACKING_POLICIES == ("split", "pack", "concat") == PACKING  # the CLI's choices, kept without torch
+    assert WEIGHTINGS == ("token", "document") == LOSS_AVERAGES
     default = pack(docs, 16)
     assert isinstance(default, Rows) and torch.equal(default.input_ids, pack(docs, 16, "pack").input_ids)
     assert len(default) == 3 and len(pack(docs, 16, "split")) == 2  # "pack" keeps the 8-token tail split drops

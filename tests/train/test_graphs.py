@@ -16,7 +16,7 @@ from linearize.train import TrainConfig, run
 from linearize.train import graphs as graphs_module
 from linearize.train.graphs import compile_attention_modules
 from linearize.train.loop import Stage, step_graphs
-from linearize.train.run import _distill_loss, _next_token_loss, lm_loss, transfer_loss
+from linearize.train.run import _distill_loss, _next_token_loss, _position_weights, lm_loss, transfer_loss
 from linearize.train.transfer import make_blocks
 
 from fixtures import llama
@@ -69,9 +69,30 @@ def test_next_token_loss_is_the_mean_over_labelled_tokens_and_zero_without_any()
     labels[0, 2:4] = -100
     want = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
     torch.testing.assert_close(_next_token_loss(logits, labels), want)
+    torch.testing.assert_close(_next_token_loss(logits, labels, _position_weights(labels)), want)
     none = _next_token_loss(logits, torch.full_like(labels, -100))
     none.backward()
     assert none.item() == 0.0 and logits.grad is not None and torch.all(logits.grad == 0)
+
+
+def test_document_weights_make_the_loss_a_mean_over_documents():
+    """Row 0 holds a document of 4 tokens then one of 1; row 1 one of 2 (and padding). Each label
+    weighs 1 / its document's labels, so every document weighs about the same, not every token
+    (a row's first token has no prediction, so document 0 keeps 3 of its 4 quarters)."""
+    from linearize.data.packing import pack
+
+    rows = pack([[5, 6, 7, 8], [9], [3, 4]], 5, "pack", min_tokens=1, weighting="document")
+    batch = rows.batch([0, 1])
+    labels = batch["labels"]
+    logits = torch.randn(*labels.shape, 13, generator=torch.Generator().manual_seed(3))
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                         reduction="none").view(2, -1)
+    # row 0 predicts 6, 7, 8 (document 0) and 9 (document 1); row 1 predicts 4 (document 2)
+    want = (ce[0, :3].sum() / 4 + ce[0, 3] + ce[1, 0] / 2) / (3 / 4 + 1 + 1 / 2)
+    got = _next_token_loss(logits, labels, _position_weights(labels, batch["loss_weight"]))
+    torch.testing.assert_close(got, want)
+    per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert abs(float(got) - float(per_token)) > 1e-3
 
 
 def test_distill_loss_is_the_batch_mean_kl_over_kept_positions():
@@ -84,8 +105,8 @@ def test_distill_loss_is_the_batch_mean_kl_over_kept_positions():
     temp = 2.0
     want = F.kl_div(F.log_softmax(s[keep] / temp, -1), F.log_softmax(t[keep] / temp, -1), log_target=True,
                     reduction="batchmean") * temp**2
-    torch.testing.assert_close(_distill_loss(s, t, labels, temp), want)
-    assert _distill_loss(s, t, torch.full_like(labels, -100), temp).item() == 0.0
+    torch.testing.assert_close(_distill_loss(s, t, _position_weights(labels), temp), want)
+    assert _distill_loss(s, t, _position_weights(torch.full_like(labels, -100)), temp).item() == 0.0
 
 
 def test_graphs_only_where_asked_on_cuda_and_allowed():

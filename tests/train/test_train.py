@@ -393,7 +393,7 @@ def test_early_stopping_keeps_the_best_weights(tmp_path):
     assert torch.equal(layer.weight, history[1])  # the weights of the best evaluation (step 2)
 
 
-def test_run_on_a_weighted_mixture_with_loss_on_assistant(tiny, text_file, tmp_path):
+def test_run_on_a_weighted_mixture_with_loss_on_assistant(tiny, text_file, tmp_path, monkeypatch):
     """A whole run on a compressed chat file mixed with plain text, loss on the answers only (issue 43):
     it trains, validates on both sources, and records the spec and loss_on in its checkpoint."""
     import lzma
@@ -411,6 +411,29 @@ def test_run_on_a_weighted_mixture_with_loss_on_assistant(tiny, text_file, tmp_p
     model, _ = linearize.load(out)
     assert model.linearize_spec["training"]["data"] == spec
     assert model.linearize_spec["training"]["loss_on"] == "assistant"
+    # the same run with the loss averaged per document: stage 2's batches carry each label's weight,
+    # 1 / its document's labels (a chat's answer, or a row-long piece of the prose)
+    import importlib
+
+    run_module = importlib.import_module("linearize.train.run")  # (linearize.train.run is also the function)
+    seen = []
+
+    def spy(model, batch, teacher, config):
+        seen.append(batch)
+        return lm_loss(model, batch, teacher, config)
+
+    lm_loss = run_module.lm_loss
+    monkeypatch.setattr(run_module, "lm_loss", spy)
+    out2 = run(small(tiny, text_file, tmp_path / "run2", data=spec, loss_on="assistant", val_fraction=0.1,
+                     loss_average="document"))
+    assert seen and all("loss_weight" in b for b in seen)
+    for b in seen:
+        w, labelled = b["loss_weight"], b["labels"] != -100
+        assert torch.equal(w > 0, labelled)
+        assert 1.0 <= float(w.sum()) <= labelled.sum()  # at least one whole piece, at most one a token
+    assert any(float(b["loss_weight"].sum()) < (b["labels"] != -100).sum() for b in seen)
+    assert all(math.isfinite(r["loss"]) for r in val_records(out2, "stage2"))
+    assert linearize.load(out2)[0].linearize_spec["training"]["loss_average"] == "document"
 
 
 def test_a_block_after_a_softmax_layer_starts_from_its_output(tiny, text_file, tmp_path):

@@ -31,6 +31,13 @@ Loss on assistant turns only: ``pack(..., loss_masks=True)`` carries each docume
 (``sources.Document``; a document without one counts whole) into ``Rows.loss_mask`` (N, seq_len)
 bool, and ``Rows.batch`` then gives label -100 to the tokens it marks False, so next-token losses
 skip them. The inputs (and stage 1, which uses no labels) still see every token.
+
+Loss per document: ``pack(..., weighting="document")`` gives every labelled token of a piece (a
+document, or a ``seq_len``-long part of a longer one, cut from its start) the weight 1 / the
+piece's labelled tokens, in ``Rows.loss_weight`` (N, seq_len) float32, which ``Rows.batch`` hands
+on as ``loss_weight``: a loss averaged with these weights is the mean over pieces of each piece's
+mean, so a retrieval example whose answer is 5 labelled tokens weighs as much as a chat with 500.
+With ``"token"`` (the default) there are no weights: every labelled token weighs the same.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch
 from .sources import loss_mask_of, piece_of
 
 PACKING_POLICIES = ("split", "pack", "concat")
+WEIGHTINGS = ("token", "document")
 TRIM_MULTIPLE = 64  # the chunk (tile) length of the chunked attention kernels
 
 
@@ -68,6 +76,7 @@ class Rows:
     input_ids: torch.LongTensor
     attention_mask: torch.BoolTensor
     loss_mask: torch.BoolTensor | None = None  # (N, seq_len): tokens that get a label; None = all real ones
+    loss_weight: torch.Tensor | None = None    # (N, seq_len) float32: each label's weight; None = all equal
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -93,7 +102,8 @@ class Rows:
         ``trim_bucket(seq_len)``, at most seq_len; the columns beyond it, padding in every selected
         row, are dropped, so a batch of short rows costs less while batches keep a few shapes.
         ``labels`` are ``input_ids`` with -100 at padding and, with a ``loss_mask``, where it is
-        False (the model shifts them for next-token loss).
+        False (the model shifts them for next-token loss). With ``loss_weight``: ``loss_weight``
+        (B, W) float32 too, 0 wherever the label is -100.
         """
         index = torch.as_tensor(list(indices), dtype=torch.long)
         if index.numel() == 0:
@@ -107,34 +117,44 @@ class Rows:
         width = min(self.seq_len, -(-longest // bucket) * bucket)
         ids, mask = ids[:, :width], mask[:, :width]
         labelled = mask if self.loss_mask is None else mask & self.loss_mask[index][:, :width]
-        return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~labelled, -100)}
+        batch = {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~labelled, -100)}
+        if self.loss_weight is not None:
+            batch["loss_weight"] = self.loss_weight[index][:, :width].masked_fill(~labelled, 0.0)
+        return batch
 
     def subset(self, indices: Sequence[int]) -> "Rows":
         """The rows at ``indices``, in that order (loss masks kept)."""
         index = torch.as_tensor(list(indices), dtype=torch.long)
         return Rows(self.input_ids[index], self.attention_mask[index],
-                    None if self.loss_mask is None else self.loss_mask[index])
+                    None if self.loss_mask is None else self.loss_mask[index],
+                    None if self.loss_weight is None else self.loss_weight[index])
 
     @staticmethod
     def concat(parts: Sequence["Rows"]) -> "Rows":
         """Rows of several packings one after the other (of one ``seq_len``)."""
         if not parts:
             raise ValueError("concat needs at least one Rows")
-        masks = None
+        masks = weights = None
         if any(p.loss_mask is not None for p in parts):
             masks = torch.cat([p.attention_mask.clone() if p.loss_mask is None else p.loss_mask for p in parts])
-        return Rows(torch.cat([p.input_ids for p in parts]), torch.cat([p.attention_mask for p in parts]), masks)
+        if any(p.loss_weight is not None for p in parts):
+            if not all(p.loss_weight is not None for p in parts):
+                raise ValueError("concat of rows with and without loss weights: pack them all with one weighting")
+            weights = torch.cat([p.loss_weight for p in parts])
+        return Rows(torch.cat([p.input_ids for p in parts]), torch.cat([p.attention_mask for p in parts]), masks,
+                    weights)
 
 
 def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_tokens: int = 16,
-         pad_id: int = 0, loss_masks: bool = False) -> Rows:
+         pad_id: int = 0, loss_masks: bool = False, weighting: str = "token") -> Rows:
     """Pack token documents into rows of ``seq_len`` under ``policy`` (see the module docstring).
 
     ``min_tokens`` (split only): the fewest real tokens a document's last, padded piece needs to be
     kept ("pack" keeps every token, "concat" drops only the last partial row). ``pad_id`` fills
     padding (masked out, so its value only matters for tidiness). ``loss_masks``: carry the
     documents' ``loss_mask`` into ``Rows.loss_mask`` (loss on assistant turns only); off, every
-    real token gets a label. The result's ``fill`` says how much of it is real tokens.
+    real token gets a label. ``weighting``: ``"token"`` or ``"document"`` (``Rows.loss_weight``,
+    see the module docstring). The result's ``fill`` says how much of it is real tokens.
     """
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ValueError(f"seq_len must be an integer >= 2, got {seq_len!r}")
@@ -142,12 +162,25 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
         raise ValueError(f"unknown packing policy {policy!r}: use one of {', '.join(PACKING_POLICIES)}")
     if not isinstance(min_tokens, int) or not 1 <= min_tokens <= seq_len:
         raise ValueError(f"min_tokens must be an integer in [1, seq_len={seq_len}], got {min_tokens!r}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown loss weighting {weighting!r}: use one of {', '.join(WEIGHTINGS)}")
 
     use_masks = loss_masks and any(loss_mask_of(doc) is not None for doc in documents)
 
     def doc_mask(doc) -> list[bool]:
-        mask = loss_mask_of(doc)
+        mask = loss_mask_of(doc) if loss_masks else None
         return [True] * len(doc) if mask is None else mask
+
+    def doc_weights(doc) -> list[float]:
+        """Each token's loss weight: 1 / the labelled tokens of its seq_len-long piece (0 if unlabelled)."""
+        flags, weights = doc_mask(doc), []
+        for start in range(0, len(doc), seq_len):
+            piece = flags[start:start + seq_len]
+            w = 1.0 / max(1, sum(piece))
+            weights += [w if f else 0.0 for f in piece]
+        return weights
+
+    by_document = weighting == "document"
 
     if policy == "concat":
         stream = [token for doc in documents for token in doc]
@@ -156,11 +189,14 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
             raise ValueError(f"documents are too short to pack: {len(stream)} tokens in all, fewer than "
                              f"one row of seq_len={seq_len}")
         ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
-        labelled = None
+        labelled = weights = None
         if use_masks:
             flags = [m for doc in documents for m in doc_mask(doc)]
             labelled = torch.tensor(flags[: n * seq_len], dtype=torch.bool).view(n, seq_len)
-        return Rows(ids, torch.ones(n, seq_len, dtype=torch.bool), labelled)
+        if by_document:
+            flat = [w for doc in documents for w in doc_weights(doc)]
+            weights = torch.tensor(flat[: n * seq_len], dtype=torch.float32).view(n, seq_len)
+        return Rows(ids, torch.ones(n, seq_len, dtype=torch.bool), labelled, weights)
 
     # a piece: (document index, start, length), a document's tokens [start, start + length)
     pieces = [(i, start, min(seq_len, len(doc) - start)) for i, doc in enumerate(documents)
@@ -179,6 +215,7 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
     ids = torch.full((len(layout), seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(len(layout), seq_len, dtype=torch.bool)
     labelled = torch.zeros(len(layout), seq_len, dtype=torch.bool) if use_masks else None
+    weights = torch.zeros(len(layout), seq_len, dtype=torch.float32) if by_document else None
     for row, placed in enumerate(layout):
         at = 0
         for doc_index, start, length in placed:
@@ -187,8 +224,11 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
             mask[row, at:at + length] = True
             if labelled is not None:
                 labelled[row, at:at + length] = torch.tensor(doc_mask(doc)[start:start + length], dtype=torch.bool)
+            if weights is not None:  # pieces start at multiples of seq_len: the piece is [start, start + length)
+                flags = doc_mask(doc)[start:start + length]
+                weights[row, at:at + length] = torch.tensor(flags, dtype=torch.float32) / max(1, sum(flags))
             at += length
-    return Rows(ids, mask, labelled)
+    return Rows(ids, mask, labelled, weights)
 
 
 def _best_fit(pieces: list[tuple[int, int, int]], seq_len: int) -> list[list[tuple[int, int, int]]]:

@@ -16,6 +16,7 @@ LR_SCHEDULES = ("cosine", "plateau", "constant")
 MU_SCHEDULES = ("constant", "ramp", "cyclic", "switch")
 PRECISIONS = ("auto", "bf16", "fp32")
 LOSS_ON = ("all", "assistant")
+LOSS_AVERAGES = ("token", "document")  # data.packing.WEIGHTINGS
 
 
 @dataclass
@@ -33,6 +34,7 @@ class TrainConfig:
     packing: str = "pack"                # pack: whole documents several to a row, full rows (the state crosses documents in a row; only documents longer than a row are cut) | split: documents never share a row, short ones padded | concat: the papers' packing, documents cut at row ends
     val_fraction: float = 0.05
     loss_on: str = "all"                 # stage-2 next-token loss on all tokens | assistant: only chat/Alpaca answers (plain text still counts whole)
+    loss_average: str = "token"          # stage 2's loss is the mean over labelled tokens | document: the mean over documents (each, or each seq_len-long piece of a longer one, weighs the same: a retrieval example's 5-token answer counts as much as a 500-token chat)
     val_rows: int = 16                   # validation rows evaluated (at most)
     seed: int = 0
 
@@ -89,6 +91,7 @@ class TrainConfig:
         _one_of(self, "mu_schedule", MU_SCHEDULES)
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "loss_on", LOSS_ON)
+        _one_of(self, "loss_average", LOSS_AVERAGES)
         if str(self.method).startswith("lion-"):  # encoders read comma-joined sentence sources (train/encoder.py)
             if not isinstance(self.data, str):
                 raise ValueError(f"data of an encoder method must be a string (sources joined by commas), got {self.data!r}")

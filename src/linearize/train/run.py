@@ -153,7 +153,9 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
 
     # what the student was trained on, kept in its checkpoint (evals report the row length as its context)
     model.linearize_spec["training"] = {"seq_len": config.seq_len, "data": config.data, "loss_on": config.loss_on,
-                                        "stage1_tokens": config.stage1_tokens, "stage2_tokens": config.stage2_tokens}
+                                        "loss_average": config.loss_average, "stage1_tokens": config.stage1_tokens,
+                                        "stage2_tokens": config.stage2_tokens, "stage1_memory": config.stage1_memory,
+                                        "stage2_attention": config.stage2_attention}
     if auto_k is not None:
         model.linearize_spec["training"]["softmax_layers_auto"] = summary["softmax_layers_auto"]
     if parallel is not None:
@@ -240,7 +242,7 @@ def _rows(config: TrainConfig, tokenizer):
         for source, weight, tokens, val in zip(mixture.sources, mixture.weights, mixture.train_tokens, mixture.val):
             log_progress(config, f"data: {source}: weight {weight:.3g}, {tokens:,} training tokens, "
                          f"{len(val)} held-out documents")
-    train = pack(mixture.train, config.seq_len, config.packing, **kw)
+    train = pack(mixture.train, config.seq_len, config.packing, weighting=config.loss_average, **kw)
     log_progress(config, f"data: packed {len(mixture.train):,} documents into {len(train):,} rows of {config.seq_len} "
                  f"({config.packing}), {train.fill:.1%} of slots hold tokens")
     return train, _validation(mixture, config, kw)
@@ -588,8 +590,11 @@ def _add_lora(model, config: TrainConfig) -> None:
              targets=config.lora_targets)
 
 
-def lm_tokens(batch: dict) -> int:
-    """The tokens stage 2's losses average over: those whose next token has a label."""
+def lm_tokens(batch: dict) -> float:
+    """What stage 2's losses average over: the tokens whose next token has a label, or with
+    ``loss_weight`` (``loss_average="document"``) those tokens' weights summed."""
+    if "loss_weight" in batch:
+        return float(batch["loss_weight"][:, 1:].sum())
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
@@ -598,35 +603,48 @@ def lm_loss(model, batch: dict, teacher, config: TrainConfig) -> tuple[torch.Ten
     logits by ``config.distill`` when a ``teacher`` is given."""
     mask = batch.get("attention_mask")  # (none: no padding, as a CUDA graph gets it)
     out_ = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)
-    ce = _next_token_loss(out_.logits, batch["labels"])
+    weights = _position_weights(batch["labels"], batch.get("loss_weight"))
+    ce = _next_token_loss(out_.logits, batch["labels"], weights)
     if teacher is None:
         return ce, {"ce": ce.detach()}
     with torch.no_grad():
         t_logits = teacher(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits
-    kl = _distill_loss(out_.logits, t_logits, batch["labels"], config.distill_temperature)
+    kl = _distill_loss(out_.logits, t_logits, weights, config.distill_temperature)
     return (1 - config.distill) * ce + config.distill * kl, {"ce": ce.detach(), "kl": kl.detach()}
 
 
-def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _position_weights(labels: torch.Tensor, loss_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T - 1) float32: the weight of the prediction at each position (of the next token): 1
+    where the next token has a label, else 0; with ``loss_weight`` (B, T), the next token's weight."""
+    if loss_weight is not None:
+        return loss_weight[:, 1:].float() * (labels[:, 1:] != -100)
+    return (labels[:, 1:] != -100).float()
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of each labelled token given the ones before it (labels -100 are skipped:
-    padding, and with ``loss_on="assistant"`` every token outside an assistant answer). A batch with
-    no labelled token gives 0 (with a gradient), not NaN. Reads no device value on the host."""
+    padding, and with ``loss_on="assistant"`` every token outside an assistant answer), weighted by
+    ``weights`` (``_position_weights``; None: each labelled token alike). A batch with no labelled
+    token gives 0 (with a gradient), not NaN. Reads no device value on the host."""
     targets = labels[:, 1:].flatten()
-    total = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-    return total / (targets != -100).sum().clamp_min(1)
+    if weights is None:
+        total = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+        return total / (targets != -100).sum().clamp_min(1)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="none")
+    w = weights.flatten()
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
-def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float):
-    """KL(teacher || student) at the positions whose next token has a label (those the next-token
-    loss trains: with ``loss_on="assistant"``, the positions predicting an assistant answer), scaled
-    by T^2 (Hinton et al.). 0 (with a gradient) when no position qualifies."""
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != -100
-    # every position's KL, the kept ones summed: no boolean indexing, which would read the mask on the host
-    s = F.log_softmax(student.float() / temperature, -1)
-    t = F.log_softmax(teacher.float() / temperature, -1)
+def _distill_loss(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, temperature: float):
+    """KL(teacher || student) at each position, weighted by ``weights`` (B, T - 1)
+    (``_position_weights``: the positions whose next token the next-token loss trains: with
+    ``loss_on="assistant"``, those predicting an assistant answer), scaled by T^2 (Hinton et al.).
+    0 (with a gradient) when no position weighs anything."""
+    # every position's KL, the weighted ones summed: no boolean indexing, which would read the mask on the host
+    s = F.log_softmax(student[:, :-1].float() / temperature, -1)
+    t = F.log_softmax(teacher[:, :-1].float() / temperature, -1)
     kl = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
-    return (kl * keep).sum() / keep.sum().clamp_min(1) * temperature**2
+    return (kl * weights).sum() / weights.sum().clamp_min(1e-6) * temperature**2
 
 
 @torch.no_grad()
