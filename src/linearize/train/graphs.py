@@ -132,11 +132,23 @@ class GraphedStep:
         return loss.detach(), extras
 
 
+# Compiled variants one training run needs of each feature map / gate forward (they share one code
+# object across layers): grad mode on or off (training, validation) x parameters trainable or not
+# (stage 1, stage 2) x input needing a gradient or not (LoRA on q, k) x input layout (a transposed
+# view, or contiguous after RoPE) x batch width (Rows.batch's trim buckets). torch's default of 8
+# was used up within a run, after which the maps ran eagerly.
+RECOMPILE_LIMIT = 64
+
+
 def compile_attention_modules(model: nn.Module) -> int:
     """Compile, in place (``nn.Module.compile``: the state dict keeps its keys), the feature maps and
-    gates of every linearized layer of ``model``; returns how many modules were compiled."""
+    gates of every linearized layer of ``model``; returns how many modules were compiled. Raises
+    torch's recompile limit to at least ``RECOMPILE_LIMIT``."""
+    import torch._dynamo
+
     from ..models.convert import linearized_layers
 
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for layer in linearized_layers(model):
         for name in ("phi_q", "phi_k", "gate"):
