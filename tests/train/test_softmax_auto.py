@@ -46,16 +46,6 @@ def loud(tmp_path_factory):
     return str(directory)
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    from linearize.data.sources import shakespeare_plays
-
-    for i, body in enumerate(shakespeare_plays()[:3]):
-        (folder / f"{i}.txt").write_text(body[:5000])
-    return str(folder)
-
-
 def small(model, data, out, **kw) -> TrainConfig:
     base = dict(model=model, data=data, out=str(out), seq_len=32, batch_size=2, stage1_tokens=32 * 2 * 4,
                 stage2_tokens=32 * 2 * 3, eval_every=2, save_every=2, val_rows=4, progress=False, warmup_steps=0,
@@ -69,8 +59,8 @@ def choice_event(out):
     return events[0]
 
 
-def test_auto_keeps_the_layers_with_the_largest_transfer_error(loud, text_dir, tmp_path):
-    out = run(small(loud, text_dir, tmp_path / "run"))
+def test_auto_keeps_the_layers_with_the_largest_transfer_error(loud, text_file, tmp_path):
+    out = run(small(loud, text_file, tmp_path / "run"))
     event = choice_event(out)
     errors = {int(i): e for i, e in event["errors"].items()}
     assert sorted(errors) == [0, 1, 2, 3]  # every layer measured, all linear during stage 1
@@ -93,8 +83,8 @@ def test_auto_keeps_the_layers_with_the_largest_transfer_error(loud, text_dir, t
 
 
 @pytest.mark.slow  # two runs, ~10 s
-def test_a_resumed_auto_run_reuses_its_choice_and_reaches_the_same_weights(loud, text_dir, tmp_path, monkeypatch):
-    whole = run(small(loud, text_dir, tmp_path / "whole"))
+def test_a_resumed_auto_run_reuses_its_choice_and_reaches_the_same_weights(loud, text_file, tmp_path, monkeypatch):
+    whole = run(small(loud, text_file, tmp_path / "whole"))
     calls = {"n": 0}
     real = loop_module.batch_indices
 
@@ -106,9 +96,9 @@ def test_a_resumed_auto_run_reuses_its_choice_and_reaches_the_same_weights(loud,
 
     monkeypatch.setattr(loop_module, "batch_indices", dying)
     with pytest.raises(KeyboardInterrupt):
-        run(small(loud, text_dir, tmp_path / "resumed"))
+        run(small(loud, text_file, tmp_path / "resumed"))
     monkeypatch.setattr(loop_module, "batch_indices", real)
-    resumed = run(small(loud, text_dir, tmp_path / "resumed"), resume=True)
+    resumed = run(small(loud, text_file, tmp_path / "resumed"), resume=True)
     assert choice_event(resumed)["layers"] == choice_event(whole)["layers"] == list(LOUD)
     a, b = load_file(str(whole / "adapter.safetensors")), load_file(str(resumed / "adapter.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -138,11 +128,11 @@ def test_bad_auto_specs_are_named(spec, message, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_auto_needs_a_stage1_and_a_layer_left_linear(loud, text_dir, tmp_path):
+def test_auto_needs_a_stage1_and_a_layer_left_linear(loud, text_file, tmp_path):
     with pytest.raises(ValueError, match="stage1_tokens is 0"):
-        run(small(loud, text_dir, tmp_path / "a", stage1_tokens=0))
+        run(small(loud, text_file, tmp_path / "a", stage1_tokens=0))
     with pytest.raises(ValueError, match=r"auto:4 keeps 4 layers.*only 4 layers.*at most 3"):
-        run(small(loud, text_dir, tmp_path / "b", softmax_layers="auto:4"))
+        run(small(loud, text_file, tmp_path / "b", softmax_layers="auto:4"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="chosen by measure during training"):
         convert(fixtures.llama(), "lizard", softmax_layers="auto:1")
