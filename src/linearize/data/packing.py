@@ -171,14 +171,9 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
         mask = loss_mask_of(doc) if loss_masks else None
         return [True] * len(doc) if mask is None else mask
 
-    def doc_weights(doc) -> list[float]:
-        """Each token's loss weight: 1 / the labelled tokens of its seq_len-long piece (0 if unlabelled)."""
-        flags, weights = doc_mask(doc), []
-        for start in range(0, len(doc), seq_len):
-            piece = flags[start:start + seq_len]
-            w = 1.0 / max(1, sum(piece))
-            weights += [w if f else 0.0 for f in piece]
-        return weights
+    def piece_weights(flags: list[bool]) -> torch.Tensor:
+        """A piece's loss weights: 1 / its labelled tokens on each of them, 0 elsewhere."""
+        return torch.tensor(flags, dtype=torch.float32) / max(1, sum(flags))
 
     by_document = weighting == "document"
 
@@ -194,8 +189,9 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
             flags = [m for doc in documents for m in doc_mask(doc)]
             labelled = torch.tensor(flags[: n * seq_len], dtype=torch.bool).view(n, seq_len)
         if by_document:
-            flat = [w for doc in documents for w in doc_weights(doc)]
-            weights = torch.tensor(flat[: n * seq_len], dtype=torch.float32).view(n, seq_len)
+            flat = torch.cat([piece_weights(flags[start:start + seq_len]) for flags in map(doc_mask, documents)
+                              for start in range(0, len(flags), seq_len)])
+            weights = flat[: n * seq_len].view(n, seq_len)
         return Rows(ids, torch.ones(n, seq_len, dtype=torch.bool), labelled, weights)
 
     # a piece: (document index, start, length), a document's tokens [start, start + length)
@@ -222,11 +218,12 @@ def pack(documents: list[list[int]], seq_len: int, policy: str = "pack", *, min_
             doc = documents[doc_index]
             ids[row, at:at + length] = torch.tensor(doc[start:start + length], dtype=torch.long)
             mask[row, at:at + length] = True
-            if labelled is not None:
-                labelled[row, at:at + length] = torch.tensor(doc_mask(doc)[start:start + length], dtype=torch.bool)
-            if weights is not None:  # pieces start at multiples of seq_len: the piece is [start, start + length)
+            if labelled is not None or weights is not None:
                 flags = doc_mask(doc)[start:start + length]
-                weights[row, at:at + length] = torch.tensor(flags, dtype=torch.float32) / max(1, sum(flags))
+            if labelled is not None:
+                labelled[row, at:at + length] = torch.tensor(flags, dtype=torch.bool)
+            if weights is not None:  # pieces start at multiples of seq_len: the piece is [start, start + length)
+                weights[row, at:at + length] = piece_weights(flags)
             at += length
     return Rows(ids, mask, labelled, weights)
 

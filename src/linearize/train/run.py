@@ -626,12 +626,9 @@ def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.
     padding, and with ``loss_on="assistant"`` every token outside an assistant answer), weighted by
     ``weights`` (``_position_weights``; None: each labelled token alike). A batch with no labelled
     token gives 0 (with a gradient), not NaN. Reads no device value on the host."""
-    targets = labels[:, 1:].flatten()
-    if weights is None:
-        total = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-        return total / (targets != -100).sum().clamp_min(1)
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="none")
-    w = weights.flatten()
+    w = (_position_weights(labels) if weights is None else weights).flatten()
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                         reduction="none")
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
