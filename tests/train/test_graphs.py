@@ -227,8 +227,8 @@ def test_graphed_training_matches_eager(method, tmp_path):
     replays = []
     real_call = graphs_module.GraphedStep.__call__
 
-    def counting(self, batch):
-        out = real_call(self, batch)
+    def counting(self, batch, weight=1.0):
+        out = real_call(self, batch, weight)
         replays.append(out is not None)
         signatures.add(tuple(sorted(graphs_module.GraphedStep._graph_inputs(batch))))
         return out
@@ -247,3 +247,36 @@ def test_graphed_training_matches_eager(method, tmp_path):
     assert eager[1].keys() == graph[1].keys() and eager[1]
     for name, w in eager[1].items():
         torch.testing.assert_close(graph[1][name], w, rtol=3e-2, atol=3e-3, msg=name)
+
+
+@needs_cuda
+def test_a_graphed_steps_weight_scales_its_gradients():
+    """A replicated rank weighs its share of a micro-batch by a number the graph reads from the device
+    at each replay: the gradients are that multiple of the unweighted ones, from one captured graph."""
+    from linearize.train.graphs import GraphedStep
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 1).to(device)
+    params = list(layer.parameters())
+
+    def loss_fn(batch):
+        return layer(batch["x"].to(device)).square().mean(), {}
+
+    step = GraphedStep(loss_fn, params, lambda: torch.autocast("cuda", enabled=False), 0.5, device)
+    batch = {"x": torch.randn(4, 8)}
+    grads = []
+    for weight in (1.0, 0.25, 3.0):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        assert step(batch, weight) is not None
+        grads.append([p.grad.clone() for p in params])
+    assert len(step.graphs) == 1
+    for scaled, weight in zip(grads[1:], (0.25, 3.0)):
+        for g, g1 in zip(scaled, grads[0]):
+            torch.testing.assert_close(g, g1 * weight)
+    x = batch["x"].to(device).requires_grad_(False)
+    expected = torch.autograd.grad(layer(x).square().mean() * 0.5, params)
+    for g, e in zip(grads[0], expected):
+        torch.testing.assert_close(g, e)

@@ -100,7 +100,7 @@ def _choices() -> dict[str, tuple]:
 
     return {"method": tuple(methods()), "packing": C.PACKING, "transfer_target": C.TRANSFER_TARGETS,
             "lr_schedule": C.LR_SCHEDULES, "mu_schedule": C.MU_SCHEDULES, "precision": C.PRECISIONS,
-            "loss_on": C.LOSS_ON, "loss_average": C.LOSS_AVERAGES}
+            "loss_on": C.LOSS_ON, "loss_average": C.LOSS_AVERAGES, "shard": C.SHARDS}
 
 
 def _show_default(value) -> str:

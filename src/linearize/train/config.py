@@ -17,6 +17,7 @@ MU_SCHEDULES = ("constant", "ramp", "cyclic", "switch")
 PRECISIONS = ("auto", "bf16", "fp32")
 LOSS_ON = ("all", "assistant")
 LOSS_AVERAGES = ("token", "document")  # data.packing.WEIGHTINGS
+SHARDS = ("auto", "fsdp", "replicate")  # train.distributed.Parallel.mode
 
 
 @dataclass
@@ -77,6 +78,7 @@ class TrainConfig:
     max_nonfinite: int = 5               # consecutive non-finite losses before the run stops
     save_every: int = 50                 # optimizer steps between resume checkpoints
     progress: bool = True
+    shard: str = "auto"                  # several processes: fsdp (FSDP2, each rank 1/N of the weights) | replicate (each rank a whole copy, gradients all-reduced after the step; CUDA graphs and compile as on one GPU) | auto: replicate on CUDA where the model takes at most 1/8 of a GPU's memory, else fsdp (CPU ranks: fsdp)
     cuda_graph: bool = True              # on CUDA: each micro-batch's forward+backward replayed as one CUDA graph
     compile: bool = True                 # on CUDA: the feature maps and gates fused by torch.compile
 
@@ -92,6 +94,7 @@ class TrainConfig:
         _one_of(self, "precision", PRECISIONS)
         _one_of(self, "loss_on", LOSS_ON)
         _one_of(self, "loss_average", LOSS_AVERAGES)
+        _one_of(self, "shard", SHARDS)
         if str(self.method).startswith("lion-"):  # encoders read comma-joined sentence sources (train/encoder.py)
             if not isinstance(self.data, str):
                 raise ValueError(f"data of an encoder method must be a string (sources joined by commas), got {self.data!r}")

@@ -1,11 +1,20 @@
 """Training on several processes: ``torchrun --nproc-per-node N -m linearize.cli train ...``.
 
-Data parallel with FSDP2 (``torch.distributed.fsdp.fully_shard``): every decoder layer, every new
-attention module and the rest of the model are sharded across the ranks, frozen teacher weights
-included, so each rank holds 1/N of the weights, gradients and optimizer state between uses.
+Data parallel, in one of two modes (``config.shard``):
+
+- ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): every decoder layer, every new
+  attention module and the rest of the model are sharded across the ranks, frozen teacher weights
+  included, so each rank holds 1/N of the weights, gradients and optimizer state between uses.
+  For a model that does not fit one GPU.
+- ``replicate``: each rank holds the whole model and runs the one-device step (CUDA graphs,
+  compiled feature maps); after a step's micro-batches one all-reduce averages the trainable
+  parameters' gradients. For a model that fits: nothing is gathered per layer, nothing is
+  host-bound that one device is not. ``auto`` picks it on CUDA for a model that takes at most
+  1/8 of a GPU's memory.
+
 Each rank takes its own slice of every global micro-batch (``config.batch_size`` rows in all,
 ``batch_size / N`` per rank); the loss on each rank is weighed by its share of the micro-batch's
-tokens, so the reduced gradient is the one-process gradient of the whole micro-batch, and the
+tokens, so the averaged gradient is the one-process gradient of the whole micro-batch, and the
 losses recorded are the whole micro-batch's. Mixed precision is what one device does (autocast
 over fp32 weights).
 
@@ -98,6 +107,26 @@ class Parallel:
     owns_group: bool = False                    # run() started the process group, so it ends it
     roots: list = field(default_factory=list)   # the sharded models (for resets after a skipped step)
     mesh: object = None
+    mode: str = "fsdp"                          # "fsdp" or "replicate" (``choose_mode``)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole model (``mode == "replicate"``)."""
+        return self.mode == "replicate"
+
+    def choose_mode(self, config: TrainConfig, models: list[nn.Module]) -> str:
+        """``config.shard``, with ``auto`` resolved: replicate on CUDA where ``models`` (the
+        student, and a distillation teacher) take at most 1/8 of this rank's GPU memory, else fsdp.
+        Every rank decides alike (rank 0's GPU decides)."""
+        mode = config.shard
+        if mode == "auto" and self.device.type != "cuda":
+            mode = "fsdp"  # CPU ranks share one host's memory
+        elif mode == "auto":
+            size = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+            fits = size <= torch.cuda.get_device_properties(self.device).total_memory / 8
+            mode = self.all_objects("replicate" if fits else "fsdp")[0]
+        self.mode = mode
+        return mode
 
     @property
     def writer(self) -> bool:
@@ -172,7 +201,9 @@ class Parallel:
         """Keep each decoder layer's weights gathered from forward to backward (``keep``) or free
         them after forward. Stage 1 with ``transfer_target="output"`` needs them kept: its loss
         goes back through the frozen output projection, and not through the layer's output, which
-        is where FSDP would gather them again."""
+        is where FSDP would gather them again. (Replicated: nothing to keep.)"""
+        if self.replicated:
+            return
         for layer in adapter_for(model).layers(model):
             layer.set_reshard_after_forward(not keep)
 
@@ -194,6 +225,45 @@ class Parallel:
         total, bad = t.tolist()
         weight = self.world_size * tokens / total if total > 0 else 1.0
         return weight, bad == 0
+
+    def token_weights(self, tokens: list[float]) -> list[float]:
+        """Replicated: the weights of this rank's losses for a step's micro-batches (one
+        collective, before the step): ``N * tokens / all ranks' tokens`` each, as ``weigh``."""
+        t = torch.tensor(tokens, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return [self.world_size * n / total if total > 0 else 1.0 for n, total in zip(tokens, t.tolist())]
+
+    def average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
+        """Replicated: every rank's gradients of ``params`` averaged in place (one collective over
+        one flat buffer); returns whether every rank's step was finite, so that all skip together."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [grads[0].new_zeros(1, dtype=torch.float32)])
+        if not finite:
+            flat[-1] = 1.0
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                part = flat[offset:offset + g.numel()].view_as(g)
+                if p.grad is None:
+                    p.grad = part.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(part)
+                offset += g.numel()
+        return bool(flat[-1] == 0)
+
+    def sync_params(self, params: list[nn.Parameter]) -> None:
+        """Replicated: rank 0's values of ``params`` on every rank (one collective)."""
+        if not params:
+            return
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def reduce_metrics(self, total: float, extras: dict, tokens: int) -> tuple[float, dict, int]:
         """The whole micro-batches' mean loss and extras (each rank's already weighed) and the

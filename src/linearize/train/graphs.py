@@ -51,14 +51,16 @@ class GraphedStep:
 
     ``loss_fn(batch) -> (loss, extras)`` must read no device value on the host; ``extras`` maps
     names to tensors (or plain Python values that do not change between batches). ``__call__``
-    returns (loss, extras) as detached tensors after adding ``loss * scale``'s gradients into the
-    parameters' ``.grad``, or None where the batch must run eagerly (a new signature beyond
+    returns (loss, extras) as detached tensors after adding ``loss * scale * weight``'s gradients
+    into the parameters' ``.grad`` (``weight`` a per-call number, a device scalar the graphs read),
+    or None where the batch must run eagerly (a new signature beyond
     ``MAX_GRAPHS``, or after a failed capture)."""
 
     def __init__(self, loss_fn: Callable[[dict], tuple[torch.Tensor, dict]], params: list[nn.Parameter],
                  autocast_ctx: Callable[[], object], scale: float, device: torch.device):
         self.loss_fn, self.params, self.autocast_ctx = loss_fn, params, autocast_ctx
         self.scale, self.device = scale, device
+        self.weight: torch.Tensor | None = None  # made at the first call (on the device)
         self.graphs: dict[tuple, tuple] = {}
         self.failed: str | None = None
         self.pool = None  # the graphs' shared memory pool (made at the first capture)
@@ -71,10 +73,13 @@ class GraphedStep:
             return {k: v for k, v in batch.items() if k != "attention_mask"}
         return dict(batch)
 
-    def __call__(self, batch: dict):
+    def __call__(self, batch: dict, weight: float = 1.0):
         """``batch`` on the CPU, as the loop makes it."""
         if self.failed is not None:
             return None
+        if self.weight is None:
+            self.weight = torch.ones((), dtype=torch.float32, device=self.device)
+        self.weight.fill_(weight)
         inputs = self._graph_inputs(batch)
         key = _signature(inputs)
         if key not in self.graphs:
@@ -124,7 +129,7 @@ class GraphedStep:
     def _forward_backward(self, batch: dict):
         with self.autocast_ctx():
             loss, extras = self.loss_fn(batch)
-        grads = torch.autograd.grad(loss * self.scale, self.params, allow_unused=True)
+        grads = torch.autograd.grad(loss * self.scale * self.weight, self.params, allow_unused=True)
         with torch.no_grad():
             pairs = [(p.grad, g) for p, g in zip(self.params, grads) if g is not None]
             if pairs:

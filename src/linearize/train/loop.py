@@ -163,15 +163,19 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
     # with graphs the gradients stay the same tensors (the graphs write into them)
     optimizer.zero_grad(set_to_none=graphed is None)
     losses, extras_list, weights, finite, tokens = [], [], [], True, 0
-    for batch in batches:
+    replicated = parallel is not None and parallel.replicated
+    if replicated:  # each rank's share of every micro-batch weighed up front: one collective a step
+        batches = list(batches)
+        shares = parallel.token_weights([float(stage.loss_tokens(b)) if stage.loss_tokens else 1.0 for b in batches])
+    for j, batch in enumerate(batches):
         tokens += int(batch["attention_mask"].sum())  # (on the CPU, where the rows are)
-        out = graphed(batch) if graphed is not None else None
-        weight = 1.0
+        weight = shares[j] if replicated else 1.0
+        out = graphed(batch, weight) if graphed is not None else None
         if out is None:
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with autocast(device, config.precision):
                 loss, extra = stage.loss_fn(batch)
-            if parallel is not None:  # every rank skips together, each weighed by its share of the tokens
+            if parallel is not None and not replicated:  # FSDP: every rank skips together, each weighed by its share
                 weight, finite = parallel.weigh(loss, stage.loss_tokens(batch) if stage.loss_tokens else 1)
             elif not bool(torch.isfinite(loss)):  # (skips the backward of a loss that is already lost)
                 finite = False
@@ -185,6 +189,8 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
     # one read of the device for the whole step
     values = torch.stack([x.float() for x in losses]).tolist() if losses else []
     finite = finite and all(math.isfinite(x) for x in values)
+    if replicated:  # (every rank learns whether all were finite)
+        finite = parallel.average_gradients(params, finite)
     total, extras = 0.0, {}
     if finite:
         total = sum(x * w for x, w in zip(values, weights)) / config.grad_accum
@@ -255,8 +261,11 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
         torch.cuda.reset_peak_memory_stats(device)
     from tqdm.auto import tqdm
 
-    # (not yet with several processes: FSDP's collectives inside a capture are untested)
-    graphed = step_graphs(stage, params, config, device) if parallel is None else None
+    # (not with FSDP: its collectives inside a capture are untested; replicated ranks capture
+    # only their own forward and backward, the gradients are averaged outside the graphs)
+    graphed = step_graphs(stage, params, config, device) if parallel is None or parallel.replicated else None
+    if parallel is not None and parallel.replicated:
+        parallel.sync_params(params)
     bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not (config.progress and speaks),
                dynamic_ncols=True, leave=True)
     if loop.step == 0 and stage.eval_fn is not None:

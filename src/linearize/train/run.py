@@ -114,11 +114,12 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         # the whole model never has to fit one
         teacher = copy.deepcopy(model) if config.distill > 0 else None
         convert(model, config.method, softmax_layers=config.softmax_layers, **config.overrides)
+        parallel.choose_mode(config, [m for m in (model, teacher) if m is not None])
         spread = _blocks_spread(model, config)
         if spread:  # block-parallel stage 1 trains on the whole model on each rank
             model.to(device)
         else:
-            _shard(model, teacher, config, parallel)
+            _distribute(model, teacher, config, parallel, device)
         teacher_val = None
         if val_rows is not None:  # the converted model passing each softmax teacher's output on
             with teacher_attention(model):
@@ -135,7 +136,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         print(f"softmax_layers auto:{auto_k}: layers {choice['layers']} go back to softmax attention (the largest "
               f"stage-1 transfer error of the {len(choice['errors'])} measured)", flush=True)  # shown with progress off too
     if spread:
-        _shard(model, teacher, config, parallel)
+        _distribute(model, teacher, config, parallel, device)
     summary["stages"].append(_stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, resume,
                                      parallel))
     if parallel is not None:  # each rank's own peak memory and time beside the run's
@@ -300,10 +301,20 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 # --------------------------------------------------------------------------------------- stage 1
 
 
-def _shard(model, teacher, config: TrainConfig, parallel) -> None:
-    """FSDP2 over the student (and a distillation teacher) for the data-parallel stages. FSDP2 fixes
-    the module tree, so LoRA goes in first: before stage 1 it is left untouched (B = 0 adds nothing),
-    and its random draws are the ones stage 2 makes on one process, as stage 1 draws none."""
+def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.device) -> None:
+    """The student (and a distillation teacher) made ready for the data-parallel stages.
+
+    fsdp: FSDP2 over them. FSDP2 fixes the module tree, so LoRA goes in first: before stage 1 it is
+    left untouched (B = 0 adds nothing), and its random draws are the ones stage 2 makes on one
+    process, as stage 1 draws none. replicate: the whole model on this rank's device, compiled as
+    on one device; LoRA comes in stage 2, as on one device."""
+    if parallel.replicated:
+        model.to(device)
+        if teacher is not None:
+            teacher.to(device)
+        if config.compile and device.type == "cuda":
+            compile_attention_modules(model)
+        return
     _add_lora(model, config)
     parallel.shard(model)
     if teacher is not None:
