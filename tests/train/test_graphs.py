@@ -149,31 +149,33 @@ def test_the_compiled_maps_stay_compiled_through_both_stages(monkeypatch, caplog
     from linearize.train.transfer import make_blocks, trainable_attention_parameters
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager"))
-    model = llama(num_layers=2)
-    linearize.convert(model, "lizard")
-    compile_attention_modules(model)
-    ids = torch.randint(0, 100, (2, 128), generator=torch.Generator().manual_seed(0))
-    block = make_blocks(model, None)[0]
-    for p in trainable_attention_parameters(model):
-        p.requires_grad_(True)
-    caplog.set_level(logging.WARNING, logger="torch._dynamo")
-    for width in (128, 64):
-        loss, _ = transfer_loss(model, {"input_ids": ids[:, :width]}, "heads", block)
-        loss.backward()
-        with torch.no_grad():
-            transfer_loss(model, {"input_ids": ids[:, :width]}, "heads", block)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    add_lora(model, rank=4, alpha=8)
-    for width in (128, 64):
-        model(input_ids=ids[:, :width], labels=ids[:, :width]).loss.backward()
-        with torch.no_grad():
-            model(input_ids=ids[:, :width])
-    torch._dynamo.reset()
+    # (config.patch, not monkeypatch: undoing a setattr deletes a config entry, which broke later tests)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compile_ = torch.nn.Module.compile
+        monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager"))
+        model = llama(num_layers=2)
+        linearize.convert(model, "lizard")
+        compile_attention_modules(model)
+        ids = torch.randint(0, 100, (2, 128), generator=torch.Generator().manual_seed(0))
+        block = make_blocks(model, None)[0]
+        for p in trainable_attention_parameters(model):
+            p.requires_grad_(True)
+        caplog.set_level(logging.WARNING, logger="torch._dynamo")
+        for width in (128, 64):
+            loss, _ = transfer_loss(model, {"input_ids": ids[:, :width]}, "heads", block)
+            loss.backward()
+            with torch.no_grad():
+                transfer_loss(model, {"input_ids": ids[:, :width]}, "heads", block)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        add_lora(model, rank=4, alpha=8)
+        for width in (128, 64):
+            model(input_ids=ids[:, :width], labels=ids[:, :width]).loss.backward()
+            with torch.no_grad():
+                model(input_ids=ids[:, :width])
+        torch._dynamo.reset()
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert torch._dynamo.config.recompile_limit >= 8  # the setting outlives the test
 
 
 def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
