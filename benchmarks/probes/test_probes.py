@@ -151,3 +151,42 @@ def test_student_memory_reads_the_initial_decay_of_an_untrained_conversion():
     assert [r["layer"] for r in rows] == [0, 1]
     for r in rows:
         assert r["memory"] == pytest.approx(want, rel=1e-4) and "beta" not in r and len(r["alpha"]) == heads
+
+
+
+def test_retrieval_answers_nll_reads_the_answer_tokens():
+    """retrieval_answers.answer_nll scores exactly the answer's tokens after the prompt: ~0 for a
+    model whose logits at each position put the next token of the sequence first (it looks ahead:
+    teacher forcing), log(vocab) for a uniform one, and large for one that is always wrong there.
+    make_examples: each format's asked value is in its prompt (once; the classic pass key states it twice)."""
+    import math
+    from types import SimpleNamespace
+
+    from linearize.data.needle import prepare_haystack
+    from linearize.models.teacher import load_teacher
+
+    probe = _load_probe("retrieval_answers")
+    _, tok = load_teacher("smollm2-135m")
+    vocab = len(tok)
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, shift: int):
+            super().__init__()
+            self.shift = shift
+
+        def forward(self, input_ids):
+            nxt = torch.roll(input_ids, -1, dims=1) + self.shift
+            return SimpleNamespace(logits=30.0 * torch.nn.functional.one_hot(nxt % vocab, vocab).float())
+
+    prompt, answer = "The code of the blue door is", "48213"
+    assert probe.answer_nll(Oracle(0), tok, prompt, answer) < 1e-6
+    assert probe.answer_nll(Oracle(1), tok, prompt, answer) > 25
+    uniform = lambda input_ids: SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], vocab))  # noqa: E731
+    assert probe.answer_nll(uniform, tok, prompt, answer) == pytest.approx(math.log(vocab), rel=1e-5)
+
+    text = " ".join(f"Sentence number {w} goes here." for w in ("one", "two", "three", "four", "five") * 60)
+    hay = prepare_haystack([text], tok)
+    examples = probe.make_examples(tok, hay, 512, 2, probe.FORMATS)
+    assert [f for f, _ in examples] == list(probe.FORMATS) * 2
+    for fmt, ex in examples:
+        assert ex.prompt.count(ex.answer) == (2 if fmt == "classic" else 1), fmt
