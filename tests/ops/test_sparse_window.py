@@ -60,6 +60,24 @@ def test_every_form_equals_the_sorting_reference(w, M, ties):
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("C", [3, 64])
+def test_chunk_gradients_equal_the_sorting_reference(C):
+    """Training with the cache on (stage 2) backpropagates through the chunk form: its gradients
+    for q, k, v and the sink logits are the brute-force reference's (the selection has none)."""
+    w, M, T = 3, 2, 13
+    q, k, v, score, sinks = inputs(T, seed=3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    weight = torch.randn(v.shape, generator=torch.Generator().manual_seed(4), dtype=v.dtype)
+    o = sparse_window_attn_chunk(*leaves[:3], shifted(score, w), window=w, cache_size=M, sink_logits=leaves[3],
+                                 chunk_size=C)[0]
+    grads = torch.autograd.grad((o * weight).sum(), leaves)
+    ref = reference(*ref_leaves[:3], score, ref_leaves[3], w, M)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), ref_leaves)
+    for name, g, r in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("cut", [1, 6, 9])
 def test_pieces_with_carried_state_equal_one_piece(cut):
     T = 20
