@@ -223,47 +223,40 @@ class Parallel:
                          dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         total, bad = t.tolist()
-        weight = self.world_size * tokens / total if total > 0 else 1.0
-        return weight, bad == 0
+        return self._share(tokens, total), bad == 0
+
+    def _share(self, tokens: float, total: float) -> float:
+        """The weight of a rank's loss over ``tokens`` of a micro-batch's ``total``: N * tokens / total."""
+        return self.world_size * tokens / total if total > 0 else 1.0
 
     def token_weights(self, tokens: list[float]) -> list[float]:
         """Replicated: the weights of this rank's losses for a step's micro-batches (one
         collective, before the step): ``N * tokens / all ranks' tokens`` each, as ``weigh``."""
         t = torch.tensor(tokens, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return [self.world_size * n / total if total > 0 else 1.0 for n, total in zip(tokens, t.tolist())]
+        return [self._share(n, total) for n, total in zip(tokens, t.tolist())]
 
     def average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
         """Replicated: every rank's gradients of ``params`` averaged in place (one collective over
         one flat buffer); returns whether every rank's step was finite, so that all skip together."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [grads[0].new_zeros(1, dtype=torch.float32)])
+        flat = torch.cat([_flat(grads), grads[0].new_zeros(1, dtype=torch.float32)])
         if not finite:
             flat[-1] = 1.0
         dist.all_reduce(flat)
         flat /= self.world_size
-        offset = 0
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                part = flat[offset:offset + g.numel()].view_as(g)
-                if p.grad is None:
-                    p.grad = part.to(p.dtype).clone()
-                else:
-                    p.grad.copy_(part)
-                offset += g.numel()
+        _copy_back(flat[:-1], grads)  # in place: a graph's gradients stay the tensors it writes
+        for p, g in zip(params, grads):
+            p.grad = g
         return bool(flat[-1] == 0)
 
     def sync_params(self, params: list[nn.Parameter]) -> None:
         """Replicated: rank 0's values of ``params`` on every rank (one collective)."""
         if not params:
             return
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+        flat = _flat([p.detach() for p in params])
         dist.broadcast(flat, src=0)
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        _copy_back(flat, params)
 
     def reduce_metrics(self, total: float, extras: dict, tokens: int) -> tuple[float, dict, int]:
         """The whole micro-batches' mean loss and extras (each rank's already weighed) and the
@@ -326,6 +319,20 @@ class Parallel:
     def added_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The new modules' and LoRA's tensors (what a checkpoint holds), whole, on the CPU."""
         return {k: full_tensor(v) for k, v in model.state_dict().items() if any(m in k for m in ADDED_MARKERS)}
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one fp32 vector, one after the other (for one collective)."""
+    return torch.cat([t.reshape(-1).float() for t in tensors])
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """``_flat``'s inverse: each tensor's part of ``flat`` copied into it, in place."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

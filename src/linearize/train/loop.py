@@ -166,7 +166,7 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
     replicated = parallel is not None and parallel.replicated
     if replicated:  # each rank's share of every micro-batch weighed up front: one collective a step
         batches = list(batches)
-        shares = parallel.token_weights([float(stage.loss_tokens(b)) if stage.loss_tokens else 1.0 for b in batches])
+        shares = parallel.token_weights([float(_loss_tokens(stage, b)) for b in batches])
     for j, batch in enumerate(batches):
         tokens += int(batch["attention_mask"].sum())  # (on the CPU, where the rows are)
         weight = shares[j] if replicated else 1.0
@@ -176,7 +176,7 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
             with autocast(device, config.precision):
                 loss, extra = stage.loss_fn(batch)
             if parallel is not None and not replicated:  # FSDP: every rank skips together, each weighed by its share
-                weight, finite = parallel.weigh(loss, stage.loss_tokens(batch) if stage.loss_tokens else 1)
+                weight, finite = parallel.weigh(loss, _loss_tokens(stage, batch))
             elif not bool(torch.isfinite(loss)):  # (skips the backward of a loss that is already lost)
                 finite = False
             if not finite:
@@ -209,6 +209,11 @@ def optimizer_step(stage: Stage, params: list[nn.Parameter], optimizer: torch.op
     else:
         optimizer.zero_grad(set_to_none=graphed is None)
     return total, extras, finite, tokens
+
+
+def _loss_tokens(stage: Stage, batch: dict) -> float:
+    """What ``stage``'s loss on ``batch`` averages over (1 where the stage does not say): a rank's share."""
+    return stage.loss_tokens(batch) if stage.loss_tokens else 1
 
 
 def _host(value):
@@ -263,8 +268,9 @@ def fit(stage: Stage, rows, config: TrainConfig, device: torch.device, state_pat
 
     # (not with FSDP: its collectives inside a capture are untested; replicated ranks capture
     # only their own forward and backward, the gradients are averaged outside the graphs)
-    graphed = step_graphs(stage, params, config, device) if parallel is None or parallel.replicated else None
-    if parallel is not None and parallel.replicated:
+    replicated = parallel is not None and parallel.replicated
+    graphed = step_graphs(stage, params, config, device) if parallel is None or replicated else None
+    if replicated:
         parallel.sync_params(params)
     bar = tqdm(total=stage.steps, initial=loop.step, desc=stage.name, disable=not (config.progress and speaks),
                dynamic_ncols=True, leave=True)

@@ -107,8 +107,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         teacher_val = held_out_loss(model, val_rows, config, device) if val_rows is not None else None
         convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
         model.to(device)
-        if config.compile and device.type == "cuda":  # (not yet under FSDP: unmeasured there)
-            compile_attention_modules(model)
+        _compile(model, config, device)
     else:
         # converted on the CPU, so that only shards reach a GPU (FSDP2 moves each unit's own):
         # the whole model never has to fit one
@@ -312,13 +311,19 @@ def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.dev
         model.to(device)
         if teacher is not None:
             teacher.to(device)
-        if config.compile and device.type == "cuda":
-            compile_attention_modules(model)
+        _compile(model, config, device)
         return
     _add_lora(model, config)
     parallel.shard(model)
     if teacher is not None:
         parallel.shard(teacher)
+
+
+def _compile(model, config: TrainConfig, device: torch.device) -> None:
+    """The feature maps and gates compiled where the config asks and the device is CUDA (a model
+    on one device or a replicated rank; not yet under FSDP: unmeasured there)."""
+    if config.compile and device.type == "cuda":
+        compile_attention_modules(model)
 
 
 def _blocks_spread(model, config: TrainConfig) -> bool:
