@@ -60,22 +60,53 @@ def test_every_form_equals_the_sorting_reference(w, M, ties):
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("C", [3, 64])
-def test_chunk_gradients_equal_the_sorting_reference(C):
+def test_chunk_gradients_equal_the_sorting_reference(C, recompute):
     """Training with the cache on (stage 2) backpropagates through the chunk form: its gradients
-    for q, k, v and the sink logits are the brute-force reference's (the selection has none)."""
+    for q, k, v and the sink logits are the brute-force reference's (the selection has none),
+    with the spans recomputed in backward or kept."""
     w, M, T = 3, 2, 13
     q, k, v, score, sinks = inputs(T, seed=3)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
     ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
     weight = torch.randn(v.shape, generator=torch.Generator().manual_seed(4), dtype=v.dtype)
     o = sparse_window_attn_chunk(*leaves[:3], shifted(score, w), window=w, cache_size=M, sink_logits=leaves[3],
-                                 chunk_size=C)[0]
+                                 chunk_size=C, recompute=recompute)[0]
     grads = torch.autograd.grad((o * weight).sum(), leaves)
     ref = reference(*ref_leaves[:3], score, ref_leaves[3], w, M)
     ref_grads = torch.autograd.grad((ref * weight).sum(), ref_leaves)
     for name, g, r in zip(("q", "k", "v", "sinks"), grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes autograd keeps for backward while ``fn`` runs."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_recompute_keeps_only_the_inputs_for_backward():
+    """Kept, every span's gathered cache and softmax stay alive until backward (O(T (M + w) (D + C))
+    bytes); recomputed, autograd keeps no more than the inputs, whatever the length."""
+    w, M, T, D = 8, 16, 256, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, D, generator=g, requires_grad=True) for _ in range(3))
+    score, sinks = torch.rand(2, 3, T, generator=g), torch.zeros(3, 2, requires_grad=True)
+    run = lambda recompute: sparse_window_attn_chunk(  # noqa: E731
+        q, k, v, score, window=w, cache_size=M, sink_logits=sinks, chunk_size=16, recompute=recompute)
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, score, sinks))
+    kept, recomputed = saved_bytes(lambda: run(False)), saved_bytes(lambda: run(True))
+    assert recomputed <= inputs_bytes + 4096, (recomputed, inputs_bytes)
+    assert kept > 5 * inputs_bytes, (kept, inputs_bytes)
 
 
 @pytest.mark.parametrize("cut", [1, 6, 9])

@@ -1,24 +1,25 @@
-"""Chunked sparse window: ``chunk_size`` queries per span, the state carried between spans."""
+"""Chunked sparse window: ``chunk_size`` queries per span, the state carried between spans.
+
+Each span gathers its own copies of the cached keys and values and a (C, M + w + C) softmax, and
+autograd would keep all of them: O(T (M + w) (D + C)) bytes a layer, which outgrows a GPU at
+training shapes (a 30-layer model, 8 x 2K rows, M = 256). With gradients on, the spans therefore
+run under activation checkpointing: autograd keeps the inputs and recomputes the spans in the
+backward pass, one layer at a time (one more forward of this op; the selection is exact, so the
+recomputation is the same)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .. import common
 from ..window_attn.naive import check_softcap
 from .naive import SparseWindowState, check_inputs, span_step
 
 
-def sparse_window_attn_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: torch.Tensor, *, window: int, cache_size: int,
-    scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
-    sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
-    state: Optional[SparseWindowState] = None, softcap: Optional[float] = None, chunk_size: int = 64,
-) -> tuple[torch.Tensor, SparseWindowState]:
-    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state)
-    scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
+def _spans(q, k, v, score, state, sink_logits, sink_k, sink_v, *, window, scale, softcap, chunk_size, dt):
     outs = []
     for s0, s1 in common.chunk_spans(q.shape[2], chunk_size):
         o, state = span_step(q[:, :, s0:s1].to(dt), k[:, :, s0:s1].to(dt), v[:, :, s0:s1].to(dt),
@@ -26,4 +27,27 @@ def sparse_window_attn_chunk(
                              sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap)
         outs.append(o)
     o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape, dtype=dt)
-    return o.to(v.dtype), state
+    return (o, *state)
+
+
+def sparse_window_attn_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: torch.Tensor, *, window: int, cache_size: int,
+    scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
+    sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
+    state: Optional[SparseWindowState] = None, softcap: Optional[float] = None, chunk_size: int = 64,
+    recompute: bool = True,
+) -> tuple[torch.Tensor, SparseWindowState]:
+    """``recompute``: with gradients on, keep only the inputs and recompute the spans in backward
+    (see the module); False keeps every span's tensors (faster backward, far more memory)."""
+    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state)
+    scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
+    common.check_positive_int("chunk_size", chunk_size)
+    args = (q, k, v, score, state, sink_logits, sink_k, sink_v)
+    kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args[:4], *state, *args[5:]))
+    if recompute and grads:
+        # no randomness inside, so no RNG state to save (and none to query while a CUDA graph captures)
+        o, *new = checkpoint(_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+    else:
+        o, *new = _spans(*args, **kw)
+    return o.to(v.dtype), SparseWindowState(*new)
