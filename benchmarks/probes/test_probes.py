@@ -190,3 +190,25 @@ def test_retrieval_answers_nll_reads_the_answer_tokens():
     assert [f for f, _ in examples] == list(probe.FORMATS) * 2
     for fmt, ex in examples:
         assert ex.prompt.count(ex.answer) == (2 if fmt == "classic" else 1), fmt
+
+
+def test_sparse_cache_selection_reads_the_cached_positions():
+    """A cache as large as the input holds every pair that has left the window (positions up to
+    T - 1 - w): key_share is 1 for a key there and 0 for one still in the window, in every head."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures import llama
+
+    import linearize
+    from linearize.models.decode import prefill_model
+
+    probe = _load_probe("sparse_cache_selection")
+    T, w = 40, 8
+    model = llama(num_layers=2)
+    linearize.convert(model, "lizard", window=w, sparse_cache=T)
+    with torch.no_grad():
+        _, cache, _ = prefill_model(model.eval(), torch.randint(0, 100, (1, T)), None, None)
+    positions = probe.cached_positions(cache)
+    assert len(positions) == 2
+    assert probe.key_share(positions, [0, 5, T - 1 - w]).eq(1).all()
+    assert probe.key_share(positions, [T - w, T - 1]).eq(0).all()
+    assert probe.find([5, 1, 2, 3, 1, 2], [1, 2]) == [1, 2] and probe.find([1, 2], [3]) == []

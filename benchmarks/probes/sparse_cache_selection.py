@@ -1,0 +1,72 @@
+"""Does LoLA's sparse cache hold what the question needs? For a student with the cache, the classic
+pass key at one length: after the prompt's prefill, the share of the key's tokens each (layer, head)
+holds in its cache, and the tokens the caches hold most. Splits a miss into "not selected" (the
+score rule) and "selected but not read" (the student).
+
+    PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
+        [--length 2048] [--depths 0.1,0.5]
+
+STUDENT is a checkpoint folder or a bundled student's name; the cache is added without training
+(``checkpoint.load(overrides={"sparse_cache": M})``) unless the student already has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections import Counter
+
+import torch
+
+
+def cached_positions(cache) -> list[torch.Tensor]:
+    """Per layer: the cached positions (B, H, M) of a prefilled cache (-1: an empty slot)."""
+    return [layer.state["local"].cache_pos for layer in cache.layers]
+
+
+def key_share(positions: list[torch.Tensor], key: list[int]) -> torch.Tensor:
+    """(layers, H): the share of the ``key`` positions each head of row 0 holds."""
+    wanted = torch.tensor(key)
+    return torch.stack([(p[0][:, :, None] == wanted).any(1).float().mean(-1) for p in positions])
+
+
+def find(ids: list[int], pattern: list[int]) -> list[int]:
+    """The positions of the first occurrence of ``pattern`` in ``ids`` (empty if none)."""
+    for i in range(len(ids) - len(pattern) + 1):
+        if ids[i:i + len(pattern)] == pattern:
+            return list(range(i, i + len(pattern)))
+    return []
+
+
+def main() -> None:
+    from linearize.data.passkey import make_classic_passkey_example
+    from linearize.models.checkpoint import load
+    from linearize.models.decode import prefill_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("student")
+    p.add_argument("--cache", type=int, default=256)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--depths", default="0.1,0.5")
+    args = p.parse_args()
+    model, tok = load(args.student, overrides={"sparse_cache": args.cache})
+    model.eval()
+    rng = random.Random(5)
+    for depth in (float(d) for d in args.depths.split(",")):
+        ex = make_classic_passkey_example(rng, tok, args.length, depth=depth)
+        ids = tok(ex.prompt)["input_ids"]
+        key = find(ids, tok(" " + ex.answer, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            _, cache, _ = prefill_model(model, torch.tensor([ids]), None, None)
+        positions = cached_positions(cache)
+        share = key_share(positions, key)
+        held = Counter(tok.decode([ids[q]]) for p_ in positions for q in p_[p_ >= 0].tolist())
+        total = sum(held.values())
+        print(f"depth {depth}: {len(ids)} tokens, key {ex.answer} at {key[0]}..{key[-1]}; share of its tokens "
+              f"cached, mean over heads {share.mean():.2f}, heads with all {(share == 1).float().mean():.2f}")
+        print("  by layer (mean over heads): " + " ".join(f"{s:.2f}" for s in share.mean(1).tolist()))
+        print("  tokens held most: " + ", ".join(f"{t!r} {c / total:.3f}" for t, c in held.most_common(10)))
+
+
+if __name__ == "__main__":
+    main()
