@@ -178,6 +178,12 @@ def test_the_compiled_maps_stay_compiled_through_both_stages(monkeypatch, caplog
     assert torch._dynamo.config.recompile_limit >= 8  # the setting outlives the test
 
 
+# the methods the graph tests train; "+cache": LoLA's sparse cache on, with a window short enough
+# for the 64-token rows to fill it (its spans recompute in backward: checkpointing under capture)
+GRAPH_METHODS = {"lizard": {}, "lolcats": {}, "liza": {},
+                 "lizard-gdn+cache": {"window": 16, "sparse_cache": 8}}
+
+
 def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
     """Stage 1 then stage 2 (LoRA) of a tiny Llama on CUDA through ``fit``, 5 steps each, on rows of
     random tokens: the training losses and the trained weights."""
@@ -192,7 +198,7 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
     rows = pack([torch.randint(3, 120, (170,), generator=g).tolist() for _ in range(8)], 64, "split", min_tokens=8)
     device = torch.device("cuda")
     model = llama(num_layers=3).to(device)
-    linearize.convert(model, method)
+    linearize.convert(model, method.split("+")[0], **GRAPH_METHODS[method])
     if graphed:  # as linearize train runs on CUDA: graphs, and the small modules compiled
         compile_attention_modules(model)
     config = TrainConfig(method=method, batch_size=2, progress=False, val_fraction=0.0, warmup_steps=0,
@@ -222,7 +228,7 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["lizard", "lolcats", "liza"])
+@pytest.mark.parametrize("method", list(GRAPH_METHODS))
 def test_graphed_training_matches_eager(method, tmp_path):
     """Both stages on CUDA with and without graphs: the same losses and weights within bf16 noise,
     and every training micro-batch on a graph."""
