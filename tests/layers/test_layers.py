@@ -366,8 +366,10 @@ def test_sparse_cache_settings_are_checked():
 
 @torch.no_grad()
 def test_sparse_cache_keeps_the_pair_the_memory_recalls_worst_and_reads_it_exactly():
-    """One pair whose value the gated memory cannot give back (an outlier) is cached when it leaves
-    the window; a query for its key long after reads its value through the cache, and not without it."""
+    """One pair whose value the gated memory cannot give back (an outlier, far larger than the
+    rest) is cached when it leaves the window by LoLA's absolute error; a query for its key long
+    after reads its value through the cache, and not without it. (The relative score is the same
+    error over the value's norm, checked below; it ranks this outlier by the share it lost.)"""
     from linearize.layers.hybrid import HybridAttention
     from linearize.methods import method_config
 
@@ -380,10 +382,49 @@ def test_sparse_cache_keeps_the_pair_the_memory_recalls_worst_and_reads_it_exact
     q[0, 0, -1] = 10 * k[0, 0, at]  # the last query asks for it
     outs = {}
     for M in (0, 2):
-        layer = HybridAttention(method_config("lizard", window=4, sinks=0, sparse_cache=M), 1, D, HIDDEN)
+        layer = HybridAttention(method_config("lizard", window=4, sinks=0, sparse_cache=M, sparse_score="error"),
+                                1, D, HIDDEN)
         y, state = layer(q, k, v, q, k, x)
         outs[M] = y[0, 0, -1]
         if M:
             assert at in state["local"].cache_pos[0, 0].tolist()
     assert (outs[2] - 20.0).abs().max() < 1.5  # y = y_global (small) + alpha * (the cached value, read exactly)
     assert outs[0].abs().max() < 3  # without the cache, the window and the blurred memory have lost it
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["lizard", "lizard-gdn"])
+def test_the_relative_sparse_score_is_the_error_over_the_leaving_values_norm(method, monkeypatch):
+    """The score the layer hands the sparse-window op: with sparse_score "relative", LoLA's
+    self-recall error ("error") divided by the norm of the value leaving the window at that query
+    (v at t - w; before the start, where the op ignores it, zeros)."""
+    import linearize.layers.hybrid as hybrid
+    from linearize.methods import method_config
+
+    seen, real = {}, hybrid.sparse_window_attn_chunk
+
+    def spy(q, k, v, score, **kw):
+        seen["score"] = score.clone()
+        return real(q, k, v, score, **kw)
+
+    monkeypatch.setattr(hybrid, "sparse_window_attn_chunk", spy)
+    T_, w = 24, 4
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, T_, D, generator=g) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g)
+    scores = {}
+    for rule in ("error", "relative"):
+        torch.manual_seed(0)
+        layer = hybrid.HybridAttention(method_config(method, window=w, sparse_cache=3, sparse_score=rule), 2, D, HIDDEN)
+        layer(q, k, v, q, k, x)
+        scores[rule] = seen["score"]
+    leaving = v.norm(dim=-1)[:, :, :T_ - w]  # query t scores the pair at t - w
+    torch.testing.assert_close(scores["relative"][:, :, w:], scores["error"][:, :, w:] / leaving)
+    assert not torch.equal(scores["relative"], scores["error"])
+
+
+def test_a_bad_sparse_score_is_named():
+    from linearize.methods import method_config
+
+    with pytest.raises(ValueError, match=r"sparse_score must be one of \('relative', 'error'\), got 'norm'"):
+        method_config("lizard", sparse_cache=4, sparse_score="norm")

@@ -12,10 +12,13 @@ padding). Output ``(B, H, T, d)`` before the output projection, plus the new sta
           | mu: (1 - mu) * y_w + mu * y_g (TPTT's memory as gate)
 
 Sparse cache (LoLA, ``sparse_cache = M > 0``, beside a sliding window): when pair s leaves the
-window (at query t = s + w) it is scored by LoLA's self-recall error ||v_s - read(S_t, phi(k_s))||
-against the global state of that step (the global op run once more, with the key features of
-the pairs leaving as queries); the M highest-scoring pairs so far are attended exactly, in the
-window's softmax (``ops.sparse_window``). Training-free: it adds no parameters. LoLA also rescores
+window (at query t = s + w) it is scored by its self-recall error against the global state of
+that step (the global op run once more, with the key features of the pairs leaving as queries):
+``sparse_score`` "relative", ||v_s - read(S_t, phi(k_s))|| / ||v_s||, the share of the value the
+memory has lost, or "error", LoLA's ||v_s - read(S_t, phi(k_s))||, which also ranks a value by its
+norm (on repeated text, large-norm filler the memory half-forgets between repeats outranks a rare
+key); the M highest-scoring pairs so far are attended exactly, in the window's softmax
+(``ops.sparse_window``). Training-free: it adds no parameters. LoLA also rescores
 its cache at every step, a sequential, path-dependent rule no chunk form could reproduce; a score
 fixed when given makes the cache the top M of a growing set, the same for every split of the
 input, so prefill in any pieces and cached decode equal the full forward. The state carries the
@@ -59,6 +62,7 @@ COMBINES = ("sum", "shared_norm", "mu")
 GATES = ("sigmoid", "mamba2", "gla", "pool")
 SCALAR_GATES = ("sigmoid", "mamba2")  # one decay per head: what the delta rule's log_alpha takes
 BETAS = ("pool", "linear")
+SPARSE_SCORES = ("relative", "error")
 SINK_KINDS = ("logits", "kv")
 
 
@@ -87,6 +91,7 @@ class AttentionConfig:
     window_factor_init: float = 0.0     # LoLCATs' per-head mixing logit (sigmoid(0) = 0.5)
     chunk_size: int = 64
     sparse_cache: int = 0               # LoLA: M exact pairs the global memory recalls worst, beside the window (0: off)
+    sparse_score: str = "relative"      # the recall error that ranks them: ||v - read|| / ||v|| (relative) | ||v - read|| (error, LoLA's)
     keep_native_sliding: bool = False   # leave a model's own sliding-window layers as they are
     trainable: bool = True              # False: the new modules are fixed (liger), stage 1 has nothing to learn
 
@@ -103,6 +108,7 @@ class AttentionConfig:
         one_of("sink_kind", SINK_KINDS)
         one_of("gate", GATES + (None,))
         one_of("beta", BETAS)
+        one_of("sparse_score", SPARSE_SCORES)
         if self.global_rule == "gated" and self.gate is None:
             raise ValueError(f"global_rule 'gated' needs a gate, one of {GATES}")
         if self.global_rule == "linear" and self.gate is not None:
@@ -354,7 +360,8 @@ class HybridAttention(nn.Module):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
         "leaving": the last w key features and values) and returns y_w. The pair leaving the window
         at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t,
-        phi(k_{t-w}))|| (the raw read: before any output norm)."""
+        phi(k_{t-w}))|| (the raw read: before any output norm), divided by ||v_{t-w}|| when
+        ``sparse_score`` is "relative"."""
         c = self.config
         w, T = c.window, fk.shape[2]
         fk_hist, v_hist = state.get("leaving") or (fk.new_zeros(*fk.shape[:2], w, fk.shape[-1]),
@@ -364,7 +371,10 @@ class HybridAttention(nn.Module):
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
             recall, _ = read(fk_ext[:, :, :T])
             acc = torch.promote_types(v.dtype, torch.float32)
-            score = (v_ext[:, :, :T].to(acc) - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+            v_out = v_ext[:, :, :T].to(acc)
+            score = (v_out - recall.to(acc)).norm(dim=-1)  # (B, H, T)
+            if c.sparse_score == "relative":  # the share of the value lost, whatever its norm
+                score = score / v_out.norm(dim=-1).clamp_min(torch.finfo(acc).tiny)
         local = state.get("local")
         if local is None:  # rows start at minus their left padding, as the window's
             _, pos = self._fresh_window_state(lk, valid)

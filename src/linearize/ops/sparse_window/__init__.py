@@ -2,7 +2,8 @@
 
 Every pair gets a score when it leaves the window (query t no longer sees s = t - w), given by
 the caller with query t: how badly the layer's linear memory recalls it then (``HybridAttention``
-passes ||v_s - read(S_t, phi(k_s))||, LoLA's self-recall error against the state at that step).
+passes ||v_s - read(S_t, phi(k_s))||, LoLA's self-recall error against the state at that step,
+by default divided by ||v_s||).
 From then on it is a candidate for the cache. Query t attends, in one softmax with the window and
 the sinks,
 
