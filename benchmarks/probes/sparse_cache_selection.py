@@ -4,7 +4,7 @@ holds in its cache, and the tokens the caches hold most. Splits a miss into "not
 score rule) and "selected but not read" (the student).
 
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
-        [--length 2048] [--depths 0.1,0.5]
+        [--length 2048] [--depths 0.1,0.5] [--score relative|error]
 
 STUDENT is a checkpoint folder or a bundled student's name; the cache is added without training
 (``checkpoint.load(overrides={"sparse_cache": M})``) unless the student already has one.
@@ -48,8 +48,9 @@ def main() -> None:
     p.add_argument("--cache", type=int, default=256)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--depths", default="0.1,0.5")
+    p.add_argument("--score", default="relative", help="the cache's sparse_score: relative | error (LoLA's)")
     args = p.parse_args()
-    model, tok = load(args.student, overrides={"sparse_cache": args.cache})
+    model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score})
     model.eval()
     rng = random.Random(5)
     for depth in (float(d) for d in args.depths.split(",")):
