@@ -4,7 +4,7 @@ training formats (key-value lists, one fact in natural text) and of the classic 
 context length.
 
     PYTHONPATH=src python3 benchmarks/probes/retrieval_answers.py MODEL... --haystack FILE
-        [--length 1024] [--examples 3] [--cache 0,64] [--formats kv,facts,classic]
+        [--length 1024] [--examples 3] [--cache 0,64] [--score relative|error] [--formats kv,facts,classic]
 
 MODEL is ``smollm2-135m`` (the bundled teacher), a checkpoint folder or a bundled student's name;
 ``--cache`` sizes other than 0 load a student with LoLA's sparse cache added, without training
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--examples", type=int, default=3, help="examples of each format")
     parser.add_argument("--cache", default="0", help="sparse-cache sizes for students, e.g. 0,64,256")
+    parser.add_argument("--score", default="relative", help="the cache's sparse_score: relative | error (LoLA's)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
     formats = args.formats.split(",")
@@ -93,14 +94,14 @@ def main() -> None:
             if name == "smollm2-135m":
                 model, tok = load_teacher(name)
             elif size:
-                model, tok = load(name, overrides={"sparse_cache": size})
+                model, tok = load(name, overrides={"sparse_cache": size, "sparse_score": args.score})
             else:
                 model, tok = linearize.load(name)
             if examples is None:
                 hay = load_haystack(args.haystack, tok, max_tokens=200_000)
                 examples = make_examples(tok, hay, args.length, args.examples, formats)
             result = score(model, tok, examples)
-            label = name + (f" + cache {size}" if size else "")
+            label = name + (f" + cache {size} ({args.score})" if size else "")
             print(label + ": " + "; ".join(f"{f} NLL {r['nll']:.2f}, {r['hits']}/{len(r['answers'])}"
                                            for f, r in result.items()), flush=True)
             for f, r in result.items():
