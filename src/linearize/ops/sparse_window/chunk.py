@@ -27,7 +27,7 @@ def _spans(q, k, v, score, state, sink_logits, sink_k, sink_v, *, window, scale,
                              sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap)
         outs.append(o)
     o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape, dtype=dt)
-    return (o, *state)
+    return o, state
 
 
 def sparse_window_attn_chunk(
@@ -41,13 +41,11 @@ def sparse_window_attn_chunk(
     (see the module); False keeps every span's tensors (faster backward, far more memory)."""
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
-    common.check_positive_int("chunk_size", chunk_size)
     args = (q, k, v, score, state, sink_logits, sink_k, sink_v)
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args[:4], *state, *args[5:]))
-    if recompute and grads:
+    if recompute and torch.is_grad_enabled():
         # no randomness inside, so no RNG state to save (and none to query while a CUDA graph captures)
-        o, *new = checkpoint(_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+        o, state = checkpoint(_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
     else:
-        o, *new = _spans(*args, **kw)
-    return o.to(v.dtype), SparseWindowState(*new)
+        o, state = _spans(*args, **kw)
+    return o.to(v.dtype), state
