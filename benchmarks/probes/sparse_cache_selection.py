@@ -6,8 +6,8 @@ score rule) and "selected but not read" (the student).
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
         [--length 2048] [--depths 0.1,0.5] [--score relative|error]
 
-STUDENT is a checkpoint folder or a bundled student's name; the cache is added without training
-(``checkpoint.load(overrides={"sparse_cache": M})``) unless the student already has one.
+STUDENT is a checkpoint folder or a bundled student's name; the cache is set to ``--cache`` pairs
+scored by ``--score`` (``checkpoint.load(overrides=...)``, no training), replacing any it has.
 """
 
 from __future__ import annotations

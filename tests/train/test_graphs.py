@@ -178,15 +178,16 @@ def test_the_compiled_maps_stay_compiled_through_both_stages(monkeypatch, caplog
     assert torch._dynamo.config.recompile_limit >= 8  # the setting outlives the test
 
 
-# the methods the graph tests train; "+cache": LoLA's sparse cache on, with a window short enough
-# for the 64-token rows to fill it (its spans recompute in backward: checkpointing under capture)
-GRAPH_METHODS = {"lizard": {}, "lolcats": {}, "liza": {},
-                 "lizard-gdn+cache": {"window": 16, "sparse_cache": 8}}
+# the cases the graph tests train: name -> (method, settings); "+cache": LoLA's sparse cache on,
+# with a window short enough for the 64-token rows to fill it (its spans recompute in backward:
+# checkpointing under capture)
+GRAPH_METHODS = {"lizard": ("lizard", {}), "lolcats": ("lolcats", {}), "liza": ("liza", {}),
+                 "lizard-gdn+cache": ("lizard-gdn", {"window": 16, "sparse_cache": 8})}
 
 
-def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
+def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
     """Stage 1 then stage 2 (LoRA) of a tiny Llama on CUDA through ``fit``, 5 steps each, on rows of
-    random tokens: the training losses and the trained weights."""
+    random tokens (``case``: a key of GRAPH_METHODS): the training losses and the trained weights."""
     from linearize.data import pack
     from linearize.models.lora import add_lora, lora_parameters
     from linearize.train.loop import MetricsLog, fit
@@ -198,7 +199,8 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
     rows = pack([torch.randint(3, 120, (170,), generator=g).tolist() for _ in range(8)], 64, "split", min_tokens=8)
     device = torch.device("cuda")
     model = llama(num_layers=3).to(device)
-    linearize.convert(model, method.split("+")[0], **GRAPH_METHODS[method])
+    method, settings = GRAPH_METHODS[case]
+    linearize.convert(model, method, **settings)
     if graphed:  # as linearize train runs on CUDA: graphs, and the small modules compiled
         compile_attention_modules(model)
     config = TrainConfig(method=method, batch_size=2, progress=False, val_fraction=0.0, warmup_steps=0,
@@ -228,8 +230,8 @@ def _train_both_stages(method: str, graphed: bool, tmp_path) -> tuple[list[float
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", list(GRAPH_METHODS))
-def test_graphed_training_matches_eager(method, tmp_path):
+@pytest.mark.parametrize("case", list(GRAPH_METHODS))
+def test_graphed_training_matches_eager(case, tmp_path):
     """Both stages on CUDA with and without graphs: the same losses and weights within bf16 noise,
     and every training micro-batch on a graph."""
     replays = []
@@ -243,11 +245,11 @@ def test_graphed_training_matches_eager(method, tmp_path):
 
     signatures = set()
 
-    eager = _train_both_stages(method, False, tmp_path)
+    eager = _train_both_stages(case, False, tmp_path)
     with mock.patch.object(graphs_module.GraphedStep, "__call__", counting), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns: fail here instead
-        graph = _train_both_stages(method, True, tmp_path)
-    steps = 5 if method == "liza" else 10
+        graph = _train_both_stages(case, True, tmp_path)
+    steps = 5 if case == "liza" else 10
     assert len(replays) == steps and all(replays)
     assert signatures == {("input_ids", "labels"), ("attention_mask", "input_ids", "labels")}
     assert len(eager[0]) == len(graph[0]) == steps
