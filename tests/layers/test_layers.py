@@ -271,8 +271,8 @@ def _run_pieces(layer, inputs, cuts):
 
 LAYER_CASES = [("lizard", {}), ("liza", {}), ("lizard-gdn", {}), ("lizard-gdn", {"feature_map": "hedgehog"}),
                ("lizard-gdn", {"delta_order": 2, "gate": "sigmoid"}), ("lizard", {"sparse_cache": 3}),
-               ("lizard-gdn", {"sparse_cache": 2}), ("liza", {"sparse_cache": 3}), ("t2r", {"local_rule": "window",
-                                                                                         "sparse_cache": 3})]
+               ("lizard-gdn", {"sparse_cache": 2}), ("lizard-gdn", {"sparse_cache": 2, "sparse_distance": 0}),
+               ("liza", {"sparse_cache": 3}), ("t2r", {"local_rule": "window", "sparse_cache": 3})]
 
 
 @pytest.mark.parametrize("method,kw", LAYER_CASES, ids=lambda x: x if isinstance(x, str) else
@@ -423,8 +423,48 @@ def test_the_relative_sparse_score_is_the_error_over_the_leaving_values_norm(met
     assert not torch.equal(scores["relative"], scores["error"])
 
 
+def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding of x (..., T, d) at positions pos (T,)."""
+    d = x.shape[-1]
+    angle = pos.to(x.dtype)[:, None] / 10000 ** (torch.arange(0, d, 2, dtype=x.dtype) / d)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+@torch.no_grad()
+def test_a_cache_at_a_fixed_distance_reads_the_same_however_far_back_its_pairs_are():
+    """Moving the first tokens 5,000 positions further back changes nothing a query sees in its
+    window (relative RoPE), only the cached pairs' distances: with sparse_distance set (every
+    cached pair read as that far back) the outputs stay the same; without it (LoLA's own distances)
+    they change."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+
+    T_, w, cut, dist = 40, 4, 20, 7
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, T_, D, generator=g, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(1, T_, HIDDEN, generator=g, dtype=torch.float64)
+    near_pos = torch.arange(T_)
+    far_pos = torch.where(near_pos < cut, near_pos - 5000, near_pos)
+    seen = slice(cut + w - 1, None)  # queries whose window starts at or after the cut
+    q_far = _rope(q, torch.full((T_,), dist))
+    for distance, same in ((dist, True), (0, True), (None, False)):
+        torch.manual_seed(0)
+        layer = HybridAttention(method_config("lizard-gdn", window=w, sparse_cache=3, sparse_distance=distance,
+                                              chunk_size=8), 2, D, HIDDEN).double()
+        extra = {"q_far": q_far} if distance else {}
+        near, _ = layer(q, k, v, _rope(q, near_pos), _rope(k, near_pos), x, **extra)
+        far, _ = layer(q, k, v, _rope(q, far_pos), _rope(k, far_pos), x, **extra)
+        assert torch.allclose(near[:, :, seen], far[:, :, seen], rtol=1e-10, atol=1e-10) == same, distance
+    with pytest.raises(ValueError, match="sparse_distance=7 needs q_far"):
+        layer = HybridAttention(method_config("lizard-gdn", window=w, sparse_cache=3, sparse_distance=dist), 2, D, HIDDEN)
+        layer(q.float(), k.float(), v.float(), q.float(), k.float(), x.float())
+
+
 def test_a_bad_sparse_score_is_named():
     from linearize.methods import method_config
 
     with pytest.raises(ValueError, match=r"sparse_score must be one of \('relative', 'error'\), got 'norm'"):
         method_config("lizard", sparse_cache=4, sparse_score="norm")
+    with pytest.raises(ValueError, match="sparse_distance must be a non-negative int or None, got -1"):
+        method_config("lizard", sparse_cache=4, sparse_distance=-1)

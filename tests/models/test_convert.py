@@ -212,7 +212,9 @@ def test_left_padded_batch_equals_each_sequence_alone(arch, method):
     ("llama", {"local_rule": "softmax", "method": "liza"}),
     ("llama", {"sparse_cache": 3}),
     ("llama", {"sparse_cache": 3, "method": "lizard-gdn"}),
-], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax", "sparse-cache", "gdn-sparse-cache"])
+    ("llama", {"sparse_cache": 3, "sparse_distance": 5, "method": "lizard-gdn"}),
+], ids=["llama-hybrid", "gemma2-native", "mistral-hybrid", "liza-full-softmax", "sparse-cache", "gdn-sparse-cache",
+        "gdn-sparse-cache-distance"])
 def test_left_padded_batch_hybrid(arch, kw):
     kw = dict(kw)
     model = converted(arch, kw.pop("method", "lizard"), **kw)
@@ -660,3 +662,48 @@ def test_converted_teacher_decodes_consistently_with_constant_memory(teacher, me
         short = cache_bytes(model(ids, use_cache=True).past_key_values)
         long = cache_bytes(model(long_ids, use_cache=True).past_key_values)
     assert short == long and short["softmax"] == 0 and short["linear"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["gemma3_5to1"])
+def test_rope_at_a_position_is_the_models_own_table(arch):
+    """``sparse_distance`` reads cached pairs with the query rotated to a fixed position: the tables
+    ``ArchAdapter.rope_at`` gives are the ones the model hands each layer at that position (its
+    RoPE scaling and, for Gemma 3, its sliding and full layers' own tables)."""
+    from linearize.models.adapters import adapter_for
+
+    model = getattr(fixtures, arch)()
+    adapter = adapter_for(model)
+    seen = {}
+
+    def grab(i):
+        def hook(module, args, kwargs):
+            seen[i] = kwargs["position_embeddings"]
+        return hook
+
+    layers = adapter.layers(model)
+    for i, layer in enumerate(layers):
+        getattr(layer, adapter.attention_attr).register_forward_pre_hook(grab(i), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.arange(10)[None] % model.config.vocab_size)
+    tables = set()
+    for i in range(len(layers)):
+        cos, sin = adapter.rope_at(model, i, 7)
+        torch.testing.assert_close(cos, seen[i][0][:, 7:8], rtol=0, atol=0)
+        torch.testing.assert_close(sin, seen[i][1][:, 7:8], rtol=0, atol=0)
+        tables.add(cos.sum().item())
+    if arch == "gemma3_5to1":
+        assert len(tables) == 2  # sliding and full layers differ
+
+
+def test_a_sparse_distance_reads_cached_pairs_with_the_query_at_that_position():
+    """Converted with sparse_distance D, each layer hands its hybrid q rotated by the model's RoPE
+    at position D: at D = 0 that is the plain q (a cos of 1, a sin of 0 for Llama)."""
+    for distance in (0, 5):
+        model = linearize.convert(fixtures.llama(), "lizard-gdn", sparse_cache=3, sparse_distance=distance, **SMALL)
+        attn = linearize.models.convert.linearized_layers(model)[0]
+        x = torch.randn(1, 6, model.config.hidden_size)
+        cos, sin = linearize.models.adapters.adapter_for(model).rope_at(model, 0, distance)
+        q, _, _, _, _, q_far = attn.heads(x, (cos.expand(1, 6, -1), sin.expand(1, 6, -1)))
+        torch.testing.assert_close(q_far, attn.heads(x, (cos.expand(1, 6, -1), sin.expand(1, 6, -1)))[3])
+        if distance == 0:
+            torch.testing.assert_close(q_far, q)

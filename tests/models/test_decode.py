@@ -71,7 +71,7 @@ CASES = ([("lizard", arch, {}) for arch in fixtures.ARCHS]
             ("lizard", "llama", {"rope_global": True}), ("lolcats", "llama", {"local_rule": "terraced"}),
             ("liza", "llama", {"delta_order": 2}), ("lizard", "gemma2", {"keep_native_sliding": True}),
             ("lizard", "llama", {"softmax_layers": [0]}), ("lizard", "llama", {"sparse_cache": 3}),
-            ("lizard-gdn", "llama", {"sparse_cache": 3})])
+            ("lizard-gdn", "llama", {"sparse_cache": 3}), ("lizard-gdn", "llama", {"sparse_cache": 3, "sparse_distance": 5})])
 
 
 @pytest.mark.parametrize("method,arch,kw", CASES,

@@ -19,6 +19,11 @@ def shifted(pair_score, w):
     return torch.cat([torch.full_like(pair_score[..., :w], -7.0), pair_score], -1)[..., : pair_score.shape[-1]]
 
 
+def shifted_keys(pair_k, w):
+    """``shifted`` for keys (B, H, T, D): at query t, the key of the pair leaving then."""
+    return torch.cat([torch.zeros_like(pair_k[:, :, :w]), pair_k], 2)[:, :, : pair_k.shape[2]]
+
+
 def inputs(T, seed=0, ties=False, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
@@ -27,17 +32,22 @@ def inputs(T, seed=0, ties=False, dtype=torch.float64):
     return q, k, v, score, sinks
 
 
-def reference(q, k, v, score, sinks, w, M):
+def reference(q, k, v, score, sinks, w, M, cache_q=None, cache_k=None):
     """Query t: softmax over the sink logits, keys t-w < s <= t, and the M pairs s <= t - w with the
-    largest (score, s), found by sorting; score[s] is pair s's own."""
+    largest (score, s), found by sorting; score[s] is pair s's own. A cached pair s scores
+    cache_q[t] . cache_k[s] when those are given (cache_k[s]: pair s's own), else q[t] . k[s]."""
     Bq, Hq, T, d = q.shape
+    cache_q = q if cache_q is None else cache_q
+    cache_k = k if cache_k is None else cache_k
     out = torch.zeros_like(v)
     for b in range(Bq):
         for h in range(Hq):
             for t in range(T):
                 old = sorted(range(0, max(t - w + 1, 0)), key=lambda s: (score[b, h, s].item(), s), reverse=True)
-                keys = list(range(max(t - w + 1, 0), t + 1)) + old[:M]
-                logits = torch.stack([q[b, h, t] @ k[b, h, s] / math.sqrt(d) for s in keys])
+                near = list(range(max(t - w + 1, 0), t + 1))
+                keys = near + old[:M]
+                logits = torch.stack([q[b, h, t] @ k[b, h, s] / math.sqrt(d) for s in near]
+                                     + [cache_q[b, h, t] @ cache_k[b, h, s] / math.sqrt(d) for s in old[:M]])
                 allz = torch.cat([logits, sinks[h]])
                 p = torch.softmax(allz, 0)[: len(keys)]
                 out[b, h, t] = p @ v[b, h, keys]
@@ -58,6 +68,31 @@ def test_every_form_equals_the_sorting_reference(w, M, ties):
         outs[f"chunk {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, **kw)[0]
     for name, o in outs.items():
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("w,M", [(3, 2), (4, 5)])
+def test_the_cache_read_with_its_own_queries_and_keys(w, M):
+    """``cache_q`` reads the cache and ``leave_k`` (shifted like the score) is what a leaving pair
+    is cached with (the layer's RoPE-free cache): every form equals the reference, and passing q
+    and the shifted k themselves changes nothing."""
+    T = 17
+    q, k, v, score, sinks = inputs(T, seed=5)
+    g = torch.Generator().manual_seed(6)
+    cq, ck = torch.randn(q.shape, generator=g, dtype=q.dtype), torch.randn(k.shape, generator=g, dtype=k.dtype)
+    ref = reference(q, k, v, score, sinks, w, M, cache_q=cq, cache_k=ck)
+    kw = {"window": w, "cache_size": M, "sink_logits": sinks, "cache_q": cq, "leave_k": shifted_keys(ck, w)}
+    given = shifted(score, w)
+    outs = {"parallel": sparse_window_attn_parallel(q, k, v, given, **kw),
+            "recurrent": sparse_window_attn_recurrent(q, k, v, given, **kw)}
+    for C in (1, 3, 64):
+        outs[f"chunk {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, **kw)
+    for name, (o, st) in outs.items():
+        torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
+        kept = st.cache_pos[0, 0].clamp_min(0)
+        torch.testing.assert_close(st.cache_k[0, 0], ck[0, 0, kept] * (st.cache_pos[0, 0, :, None] >= 0), msg=name)
+    same = sparse_window_attn_chunk(q, k, v, given, window=w, cache_size=M, sink_logits=sinks, chunk_size=3,
+                                    cache_q=q, leave_k=shifted_keys(k, w))[0]
+    torch.testing.assert_close(same, reference(q, k, v, score, sinks, w, M), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -161,6 +196,8 @@ def test_bad_inputs_are_named():
     q, k, v, score, _ = inputs(5)
     with pytest.raises(ValueError, match=r"score must have shape \(B, H, T\) = \(2, 3, 5\), got \(2, 3, 4\)"):
         sparse_window_attn_chunk(q, k, v, score[..., :4], window=2, cache_size=2)
+    with pytest.raises(ValueError, match=r"leave_k must have q's shape \(B, H, T, Dk\) = \(2, 3, 5, 8\), got \(2, 3, 4, 8\)"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=2, leave_k=k[:, :, :4])
     with pytest.raises(ValueError, match="cache_size must be a positive int, got 0"):
         sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=0)
     st = fresh_state(B, H, D, D, 2, 3, dtype=torch.float64)

@@ -22,7 +22,9 @@ key); the M highest-scoring pairs so far are attended exactly, in the window's s
 its cache at every step, a sequential, path-dependent rule no chunk form could reproduce; a score
 fixed when given makes the cache the top M of a growing set, the same for every split of the
 input, so prefill in any pieces and cached decode equal the full forward. The state carries the
-last w key features and values for the scoring.
+last w key features and values for the scoring. ``sparse_distance = D`` reads every cached pair as
+if D tokens back ((R_D q) . k, k without RoPE; the caller passes R_D q as ``q_far``): LoLA's own
+distances soon pass any the teacher was trained on.
 
 Padding: keys and values at padding are zeroed for the linear branches (and their gates set to
 1), and left padding is put at negative window positions, so a padded row gets exactly the
@@ -63,6 +65,7 @@ GATES = ("sigmoid", "mamba2", "gla", "pool")
 SCALAR_GATES = ("sigmoid", "mamba2")  # one decay per head: what the delta rule's log_alpha takes
 BETAS = ("pool", "linear")
 SPARSE_SCORES = ("relative", "error")
+SPARSE_SPAN = 256  # queries per span of the sparse window's chunk form, at the least
 SINK_KINDS = ("logits", "kv")
 
 
@@ -92,6 +95,7 @@ class AttentionConfig:
     chunk_size: int = 64
     sparse_cache: int = 0               # LoLA: M exact pairs the global memory recalls worst, beside the window (0: off)
     sparse_score: str = "relative"      # the recall error that ranks them: ||v - read|| / ||v|| (relative) | ||v - read|| (error, LoLA's)
+    sparse_distance: int | None = None  # RoPE distance cached pairs are read at (ReRoPE-like, the same at any length); None: their own (LoLA's)
     keep_native_sliding: bool = False   # leave a model's own sliding-window layers as they are
     trainable: bool = True              # False: the new modules are fixed (liger), stage 1 has nothing to learn
 
@@ -133,6 +137,9 @@ class AttentionConfig:
             raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
         if isinstance(self.sparse_cache, bool) or not isinstance(self.sparse_cache, int) or self.sparse_cache < 0:
             raise ValueError(f"sparse_cache must be a non-negative int, got {self.sparse_cache!r}")
+        d = self.sparse_distance
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"sparse_distance must be a non-negative int or None, got {d!r}")
         if self.sparse_cache and (self.local_rule != "window" or self.combine == "shared_norm"):
             raise ValueError("sparse_cache extends a sliding window's softmax: it needs local_rule 'window' and "
                              f"combine 'sum' or 'mu', got {self.local_rule!r} and {self.combine!r}")
@@ -259,10 +266,12 @@ class HybridAttention(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, q, k, v, q_rope, k_rope, x, state: dict | None = None,
-                valid: torch.Tensor | None = None, need_state: bool = True) -> tuple[torch.Tensor, dict]:
+                valid: torch.Tensor | None = None, need_state: bool = True,
+                q_far: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """y (B, H, T, d) and the state to continue from. ``need_state`` False: the caller keeps no state
         (a training step, attention transfer), so the kernels may skip writing it and the returned
-        dict may lack entries; y is the same."""
+        dict may lack entries; y is the same. ``q_far`` (B, H, T, d): q with RoPE at position
+        ``sparse_distance`` (the caller has the rotary tables; at distance 0, q will do)."""
         c = self.config
         step = state is not None and q.shape[2] == 1  # decoding: the recurrent forms
         state = dict(state or {})
@@ -330,7 +339,7 @@ class HybridAttention(nn.Module):
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
         elif c.sparse_cache:
-            y_w = self._sparse_window(lq, lk, v, v_lin, fk, read, state, valid, step)
+            y_w = self._sparse_window(q, k, lq, lk, v, v_lin, fk, read, state, valid, step, q_far)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -356,18 +365,26 @@ class HybridAttention(nn.Module):
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
 
-    def _sparse_window(self, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool):
+    def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
-        "leaving": the last w key features and values) and returns y_w. The pair leaving the window
-        at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t,
-        phi(k_{t-w}))|| (the raw read: before any output norm), divided by ||v_{t-w}|| when
-        ``sparse_score`` is "relative"."""
+        "leaving": the last w key features and values, and keys without RoPE when ``sparse_distance``
+        is set) and returns y_w. The pair leaving the window at query t is scored by the global
+        memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))|| (the raw read: before any
+        output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
         c = self.config
         w, T = c.window, fk.shape[2]
-        fk_hist, v_hist = state.get("leaving") or (fk.new_zeros(*fk.shape[:2], w, fk.shape[-1]),
-                                                    v_lin.new_zeros(*v_lin.shape[:2], w, v_lin.shape[-1]))
-        fk_ext, v_ext = torch.cat([fk_hist, fk], 2), torch.cat([v_hist, v_lin], 2)
-        state["leaving"] = (fk_ext[:, :, T:], v_ext[:, :, T:])
+        far_rope = c.sparse_distance is not None and c.rope_window
+        parts = (fk, v_lin) + ((k,) if far_rope else ())
+        hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
+        fk_ext, v_ext, *k_ext = (torch.cat([h, x], 2) for h, x in zip(hist, parts))
+        state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, v_ext, *k_ext))
+        # A cached pair is read as if sparse_distance back: (R_D q) . k without RoPE, the same at any
+        # context length, where its own distance would soon pass any the teacher was trained on.
+        far = {}
+        if far_rope:
+            if q_far is None and c.sparse_distance:
+                raise ValueError(f"sparse_distance={c.sparse_distance} needs q_far, q with RoPE at that position")
+            far = {"cache_q": q if q_far is None else q_far, "leave_k": k_ext[0][:, :, :T]}
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
             recall, _ = read(fk_ext[:, :, :T])
             acc = torch.promote_types(v.dtype, torch.float32)
@@ -384,10 +401,12 @@ class HybridAttention(nn.Module):
                                        device=lk.device, pos=pos)
         kw = {k: val for k, val in self._window_kwargs().items() if k != "terraced"}
         if step:
-            y_w, local = sparse_window_attn_recurrent(lq, lk, v, score, cache_size=c.sparse_cache, state=local, **kw)
+            y_w, local = sparse_window_attn_recurrent(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
+                                                      **far, **kw)
         else:
+            # its forms are equal at any span length, and a span is a few dozen small kernels: long spans
             y_w, local = sparse_window_attn_chunk(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
-                                                  chunk_size=c.chunk_size, **kw)
+                                                  chunk_size=max(c.chunk_size, SPARSE_SPAN), **far, **kw)
         state["local"] = local
         if valid is not None:  # padding queries see no keys; give them zeros, not NaN
             y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)

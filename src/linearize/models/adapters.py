@@ -50,6 +50,22 @@ class ArchAdapter:
                              "register an adapter with rotary=...")
         return fn
 
+    def rope_at(self, model: nn.Module, layer_idx: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables, (1, 1, rotary dim), that the model's rotary embedding gives layer
+        ``layer_idx`` at ``position`` (its scaling included; per layer type where it has several)."""
+        owner = model  # the decoder that holds the layers holds the rotary embedding
+        for part in self.layers_path.split(".")[:-1]:
+            owner = getattr(owner, part)
+        rotary = getattr(owner, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{type(owner).__name__} has no rotary_emb; sparse_distance needs the model's RoPE")
+        ref = next(iter(rotary.buffers()), None)
+        x = torch.zeros(1, 1, 1, device=None if ref is None else ref.device)
+        pos = torch.tensor([[position]], device=x.device)
+        if getattr(rotary, "layer_types", None):  # Gemma 3: one table per layer type (sliding, full)
+            return rotary(x, pos, owner.config.layer_types[layer_idx])
+        return rotary(x, pos)
+
     def project(self, attn: nn.Module, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
         """x (B, T, hidden) -> q (B, H, T, d), k and v (B, Hkv, T, d), QK-norm applied if the model has it."""
         B, T, _ = x.shape

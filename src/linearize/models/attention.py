@@ -49,7 +49,9 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class LinearizedAttention(nn.Module):
-    def __init__(self, attn: nn.Module, adapter: ArchAdapter, config: AttentionConfig, model_config):
+    def __init__(self, attn: nn.Module, adapter: ArchAdapter, config: AttentionConfig, model_config,
+                 rope_far: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``rope_far``: the (cos, sin) tables at position ``config.sparse_distance``, where it is set."""
         super().__init__()
         for name, child in attn.named_children():  # q_proj, k_proj, v_proj, o_proj, qkv_proj, q_norm, k_norm
             self.add_module(name, child)
@@ -66,9 +68,13 @@ class LinearizedAttention(nn.Module):
                                       scale=float(attn.scaling), softcap=self.softcap)
         ref = next(attn.parameters())
         self.hybrid.to(device=ref.device, dtype=ref.dtype)
+        if rope_far is not None:  # rebuilt with the layer, never saved
+            self.register_buffer("far_cos", rope_far[0].to(ref.device), persistent=False)
+            self.register_buffer("far_sin", rope_far[1].to(ref.device), persistent=False)
 
     def heads(self, hidden_states: torch.Tensor, position_embeddings):
-        """q, k, v without RoPE and q, k with RoPE, all (B, H, T, d) with KV heads expanded."""
+        """q, k, v without RoPE and q, k with RoPE, all (B, H, T, d) with KV heads expanded, and q
+        with RoPE at position ``sparse_distance`` (for the sparse cache; None where not set)."""
         q, k, v = self.adapter.project(self, hidden_states, self.num_heads, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
         q_rope, k_rope = self.rotary(q, k, cos, sin)
@@ -76,23 +82,26 @@ class LinearizedAttention(nn.Module):
         # to fp32 while v stays in the autocast dtype; the kernels take one dtype (without this the
         # window branch fell back to torch's chunk loop), and SDPA casts them down anyway.
         q_rope, k_rope = q_rope.to(v.dtype), k_rope.to(v.dtype)
+        q_far = None
+        if hasattr(self, "far_cos"):
+            q_far = self.rotary(q, q, self.far_cos, self.far_sin)[0].to(v.dtype)
         g = self.num_heads // self.num_kv_heads
-        return q, _repeat_kv(k, g), _repeat_kv(v, g), q_rope, _repeat_kv(k_rope, g)
+        return q, _repeat_kv(k, g), _repeat_kv(v, g), q_rope, _repeat_kv(k_rope, g), q_far
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         B, T, _ = hidden_states.shape
-        q, k, v, q_rope, k_rope = self.heads(hidden_states, position_embeddings)
+        q, k, v, q_rope, k_rope, q_far = self.heads(hidden_states, position_embeddings)
         valid = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"a linearized model takes a 2-D padding mask (B, S), got shape {tuple(attention_mask.shape)}")
             valid = attention_mask[:, -T:].bool()
         if self.transfer is not None:
-            return self._transfer_forward(q, k, v, q_rope, k_rope, hidden_states, valid), None
+            return self._transfer_forward(q, k, v, q_rope, k_rope, hidden_states, valid, q_far), None
         layer = state_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
         # (no cache, as in training: the kernels need not write the state)
         y, state = self.hybrid(q, k, v, q_rope, k_rope, hidden_states, layer.state if layer else None, valid,
-                               need_state=layer is not None)
+                               need_state=layer is not None, q_far=q_far)
         if layer is not None:
             layer.set_state(state, T)
         return self._output(y, hidden_states.dtype), None
@@ -111,13 +120,13 @@ class LinearizedAttention(nn.Module):
                               sliding_window=self.sliding_window, softcap=self.softcap)[0]
         return y.transpose(1, 2)
 
-    def _transfer_forward(self, q, k, v, q_rope, k_rope, x, valid) -> torch.Tensor:
+    def _transfer_forward(self, q, k, v, q_rope, k_rope, x, valid, q_far=None) -> torch.Tensor:
         """Stage 1: record MSE(student, teacher) for this layer and pass the teacher's output on
         (teacher forcing), so each layer learns from the teacher's hidden states."""
         with torch.no_grad():
             y_teacher = self.teacher_heads(q_rope, k_rope, v, valid)
             out_teacher = self._output(y_teacher, x.dtype)
-        y_student, _ = self.hybrid(q, k, v, q_rope, k_rope, x, None, valid, need_state=False)
+        y_student, _ = self.hybrid(q, k, v, q_rope, k_rope, x, None, valid, need_state=False, q_far=q_far)
         if self.transfer.target == "output":
             self.transfer.record(self.layer_idx, self._output(y_student, x.dtype), out_teacher, valid)
         else:

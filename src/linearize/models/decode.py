@@ -325,8 +325,8 @@ class _GenericStudentAttention(StaticLayer):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         attn = self.attn
-        q, k, v, q_rope, k_rope = attn.heads(hidden_states, position_embeddings)
-        y, new = attn.hybrid(q, k, v, q_rope, k_rope, hidden_states, self.state, None)
+        q, k, v, q_rope, k_rope, q_far = attn.heads(hidden_states, position_embeddings)
+        y, new = attn.hybrid(q, k, v, q_rope, k_rope, hidden_states, self.state, None, q_far=q_far)
         old_flat, new_flat = list(iter_tensors(self.state)), list(iter_tensors(new))
         if len(old_flat) != len(new_flat):
             raise RuntimeError("the layer's state changed structure during decoding")

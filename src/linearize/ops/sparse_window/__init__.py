@@ -19,6 +19,11 @@ window plus the pair leaving it) and the M cached pairs with their scores and po
     o_t = [sum_{s in win(t) + cache(t)} e^{q_t.k_s*scale} v_s + sum_j e^{q_t.sk_j*scale} sv_j]
           / [the same without values + sum_j e^{t_j}]
 
+A pair may be read from the cache with other vectors than in the window: ``cache_q`` (B, H, T, Dk)
+reads the cache instead of q, and ``leave_k`` (B, H, T, Dk), aligned like the score, is the key the
+pair leaving at query t is cached with (the layer passes q rotated to a fixed RoPE distance and
+the key without RoPE, so a cached pair reads the same however far back it is).
+
 Layout as ``window_attn``: q, k (B, H, T, Dk), v (B, H, T, Dv), score (B, H, T) with score[t] that
 of the pair leaving at query t (position t - w; ignored where that is before the start); sinks, scale
 and soft-cap as there (``window_attn.sink_softmax_attend`` does the softmax). Cache selection is

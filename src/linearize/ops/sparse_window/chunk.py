@@ -19,12 +19,14 @@ from ..window_attn.naive import check_softcap
 from .naive import SparseWindowState, check_inputs, span_step
 
 
-def _spans(q, k, v, score, state, sink_logits, sink_k, sink_v, *, window, scale, softcap, chunk_size, dt):
+def _spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, *, window, scale, softcap,
+           chunk_size, dt):
     outs = []
     for s0, s1 in common.chunk_spans(q.shape[2], chunk_size):
-        o, state = span_step(q[:, :, s0:s1].to(dt), k[:, :, s0:s1].to(dt), v[:, :, s0:s1].to(dt),
-                             score[:, :, s0:s1].to(dt), state, window=window, scale=scale,
-                             sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap)
+        part = lambda x: None if x is None else x[:, :, s0:s1].to(dt)  # noqa: E731
+        o, state = span_step(part(q), part(k), part(v), part(score), state, window=window, scale=scale,
+                             sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap,
+                             cache_q=part(cache_q), leave_k=part(leave_k))
         outs.append(o)
     o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape, dtype=dt)
     return o, state
@@ -35,13 +37,13 @@ def sparse_window_attn_chunk(
     scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
     sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
     state: Optional[SparseWindowState] = None, softcap: Optional[float] = None, chunk_size: int = 64,
-    recompute: bool = True,
+    recompute: bool = True, cache_q: Optional[torch.Tensor] = None, leave_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, SparseWindowState]:
     """``recompute``: with gradients on, keep only the inputs and recompute the spans in backward
     (see the module); False keeps every span's tensors (faster backward, far more memory)."""
-    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state)
+    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
-    args = (q, k, v, score, state, sink_logits, sink_k, sink_v)
+    args = (q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k)
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
     if recompute and torch.is_grad_enabled():
         # no randomness inside, so no RNG state to save (and none to query while a CUDA graph captures)

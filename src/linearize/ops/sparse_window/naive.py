@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import common
 from ..window_attn.naive import check_sinks, check_softcap, sink_softmax_attend, visible
@@ -41,9 +42,14 @@ def fresh_state(B: int, H: int, Dk: int, Dv: int, window: int, cache_size: int, 
                              torch.full((B, H, cache_size), -1, dtype=torch.int64, device=device), pos)
 
 
-def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state):
+def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q=None, leave_k=None):
     """Validate everything; returns (compute dtype, state in the compute dtype)."""
     B, H, T, Dk, Dv = common.check_qkv(q, k, v)
+    for name, x in (("cache_q", cache_q), ("leave_k", leave_k)):
+        if x is not None:
+            common.check_float(name, x)
+            if tuple(x.shape) != tuple(q.shape):
+                raise ValueError(f"{name} must have q's shape (B, H, T, Dk) = {tuple(q.shape)}, got {tuple(x.shape)}")
     common.check_positive_int("window", window)
     common.check_positive_int("cache_size", cache_size)
     common.check_float("score", score)
@@ -69,22 +75,25 @@ def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v
                                  fl(state.cache_score), state.cache_pos, state.pos)
 
 
-def beats(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``(..., N, N)`` bool: pair i ranks above pair j, by score and then by position (newer first).
-    score, pos: (..., N). A strict total order on distinct positions."""
-    si, sj = score[..., :, None], score[..., None, :]
-    return (si > sj) | ((si == sj) & (pos[..., :, None] > pos[..., None, :]))
+def ranks(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``(..., N)`` permutation listing the pairs best first: by score, then newer first (a strict
+    total order on distinct positions). score, pos: (..., N)."""
+    newer = torch.argsort(pos, dim=-1, descending=True, stable=True)
+    by_score = torch.argsort(score.gather(-1, newer), dim=-1, descending=True, stable=True)
+    return newer.gather(-1, by_score)
 
 
 def span_step(q, k, v, score, state: SparseWindowState, *, window: int, scale: float, sink_logits, sink_k,
-              sink_v, softcap) -> tuple[torch.Tensor, SparseWindowState]:
+              sink_v, softcap, cache_q=None, leave_k=None) -> tuple[torch.Tensor, SparseWindowState]:
     """Queries of one span (B, H, C, D), all in the compute dtype, against sinks + window + cache.
 
     The candidates a query of this span can see are the cached pairs and the C pairs that leave
     the window during the span (positions pos - w .. pos + C - 1 - w, the first C of the held
     pairs followed by the span's), ``score[c]`` being that of the pair leaving at query c; query t
     ranks those with position <= t - w and keeps the top M.
-    Work O(C (M + C)^2 + C (M + w + C) D)."""
+    ``cache_q`` (B, H, C, Dk) reads the cache instead of q, and ``leave_k[c]`` is the key the pair
+    leaving at query c enters the cache with instead of its window key (both None: q and k).
+    Work O(C (M + C) log(M + C) + C (M + w + C) D)."""
     B, H, C, _ = q.shape
     w, M = window, state.cache_k.shape[2]
     keys = torch.cat([state.k, k], 2)                       # (B, H, w + C, Dk), positions pos - w ..
@@ -97,20 +106,37 @@ def span_step(q, k, v, score, state: SparseWindowState, *, window: int, scale: f
     cand_pos = torch.cat([state.cache_pos, new_pos], 2)                    # (B, H, M + C)
     cand_score = torch.cat([state.cache_score, score], 2)
     left = (cand_pos[:, :, None, :] >= 0) & (cand_pos[:, :, None, :] <= q_pos[:, None, :, None] - w)
-    above = left.to(q.dtype) @ beats(cand_score, cand_pos).to(q.dtype)     # (B, H, C, M + C): how many rank above
-    member = left & (above < M)
+    # a candidate is a member where fewer than M visible ones rank above it: counted best first, O(C (M + C))
+    order = ranks(cand_score, cand_pos)[:, :, None, :].expand_as(left)   # (B, H, C, M + C)
+    seen = left.gather(-1, order)
+    above = torch.cumsum(seen.to(torch.int32), -1) - seen.to(torch.int32)
+    member = torch.zeros_like(left).scatter(-1, order, seen & (above < M))
 
-    mask = torch.cat([member[..., :M], near.expand(B, H, C, w + C)
-                      | torch.nn.functional.pad(member[..., M:], (0, w))], -1)
-    o = sink_softmax_attend(q, torch.cat([state.cache_k, keys], 2), torch.cat([state.cache_v, values], 2), mask,
-                            scale, sink_logits, sink_k, sink_v, softcap)
+    near = near.expand(B, H, C, w + C)
+    if cache_q is None and leave_k is None:  # a pair leaving the window is attended with its window key
+        mask = torch.cat([member[..., :M], near | F.pad(member[..., M:], (0, w))], -1)
+        o = sink_softmax_attend(q, torch.cat([state.cache_k, keys], 2), torch.cat([state.cache_v, values], 2), mask,
+                                scale, sink_logits, sink_k, sink_v, softcap)
+        leaving = keys[:, :, :C]
+    else:
+        # two queries in one softmax: [q, cache_q] against [window key, 0] and [0, cache key] gives
+        # each part its own dot product (sink keys, padded like window keys, see q)
+        leaving = keys[:, :, :C] if leave_k is None else leave_k
+        cache_q = q if cache_q is None else cache_q
+        d = q.shape[-1]
+        far = F.pad(torch.cat([state.cache_k, leaving], 2), (d, 0))
+        keys2 = torch.cat([far, F.pad(keys, (0, d))], 2)
+        values2 = torch.cat([state.cache_v, values[:, :, :C], values], 2)
+        sk = None if sink_k is None else F.pad(sink_k.to(q.dtype), (0, d))
+        o = sink_softmax_attend(torch.cat([q, cache_q], -1), keys2, values2, torch.cat([member, near], -1), scale,
+                                sink_logits, sk, sink_v, softcap)
 
     # the cache after the span = the last query's members, gathered into the M slots
     last = member[:, :, -1]                                                # (B, H, M + C)
     idx = torch.argsort((~last).to(torch.int8), dim=-1, stable=True)[..., :M]
     kept = last.gather(-1, idx)
     gather = lambda x: x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
-    cand_k, cand_v = torch.cat([state.cache_k, keys[:, :, :C]], 2), torch.cat([state.cache_v, values[:, :, :C]], 2)
+    cand_k, cand_v = torch.cat([state.cache_k, leaving], 2), torch.cat([state.cache_v, values[:, :, :C]], 2)
     new = SparseWindowState(
         keys[:, :, C:], values[:, :, C:],
         gather(cand_k) * kept[..., None], gather(cand_v) * kept[..., None],
@@ -123,10 +149,13 @@ def sparse_window_attn_parallel(
     scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
     sink_k: Optional[torch.Tensor] = None, sink_v: Optional[torch.Tensor] = None,
     state: Optional[SparseWindowState] = None, softcap: Optional[float] = None,
+    cache_q: Optional[torch.Tensor] = None, leave_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, SparseWindowState]:
     """The whole input as one span: O(T (M + T)^2) work, the reference for short inputs."""
-    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state)
+    dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
+    cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
     o, state = span_step(q.to(dt), k.to(dt), v.to(dt), score.to(dt), state, window=window, scale=scale,
-                         sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap)
+                         sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap,
+                         cache_q=cast(cache_q), leave_k=cast(leave_k))
     return o.to(v.dtype), state
