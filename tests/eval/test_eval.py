@@ -269,7 +269,7 @@ def test_layer_mse_is_zero_for_the_teachers_own_attention(teacher_dir):
     model, _ = load_teacher(str(teacher_dir))
     linearize.convert(model, "lizard")
     for m in linearized_layers(model):
-        m.hybrid.forward = (lambda m: lambda q, k, v, q_rope, k_rope, x, state, valid, need_state=True:
+        m.hybrid.forward = (lambda m: lambda q, k, v, q_rope, k_rope, x, state, valid, need_state=True, q_far=None:
                             (m.teacher_heads(q_rope, k_rope, v, valid), {}))(m)
     batch = {"input_ids": torch.randint(0, 1000, (2, 20)), "attention_mask": torch.ones(2, 20, dtype=torch.long)}
     assert all(v < 1e-12 for v in layer_mse(model, [batch]).values())
