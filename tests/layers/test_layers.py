@@ -332,16 +332,19 @@ def test_gated_delta_settings_are_checked():
 
 @pytest.mark.slow  # ~5 s on a quiet CPU
 @torch.no_grad()
-def test_sparse_cache_state_bytes_identical_at_1k_and_32k_tokens():
+@pytest.mark.parametrize("distance", [None, 0])
+def test_sparse_cache_state_bytes_identical_at_1k_and_32k_tokens(distance):
     """Window + sparse cache + global state: the same tensors, shapes and bytes after 1K and 32K tokens,
-    and the cache is full (M pairs) with positions that have left the window."""
+    and the cache is full (M pairs) with positions that have left the window; also with the cache
+    read at a fixed distance (its state also holds the last w keys without RoPE)."""
     from linearize.layers.hybrid import HybridAttention
     from linearize.methods import method_config
     from linearize.models.cache import iter_tensors
 
     torch.manual_seed(0)
     M, w = 4, 16
-    layer = HybridAttention(method_config("lizard", window=w, sparse_cache=M, chunk_size=64), 1, D, HIDDEN)
+    layer = HybridAttention(method_config("lizard", window=w, sparse_cache=M, chunk_size=64, sparse_distance=distance),
+                            1, D, HIDDEN)
     sizes = []
     for T_ in (1024, 32768):
         g = torch.Generator().manual_seed(T_)
