@@ -75,7 +75,7 @@ def attention_maps(model, input_ids: torch.Tensor, pairs: Sequence[tuple[int, in
             m = by_idx[layer]
             m.transfer = recorder
             hooks.append(m.hybrid.register_forward_pre_hook(
-                lambda mod, args, i=layer: captured.__setitem__(i, args)))
+                lambda mod, args, kwargs, i=layer: captured.__setitem__(i, (args, kwargs)), with_kwargs=True))
         for m in by_idx.values():
             m.transfer = recorder
         model(input_ids=input_ids)
@@ -87,12 +87,13 @@ def attention_maps(model, input_ids: torch.Tensor, pairs: Sequence[tuple[int, in
     out = {}
     for layer, head in pairs:
         m = by_idx[layer]
-        q, k, v, q_rope, k_rope, x = captured[layer][:6]
+        args, kwargs = captured[layer]
+        q, k, v, q_rope, k_rope, x = args[:6]
         T = q.shape[2]
         # identity values: output row t = the weight of every key for query t
         eye = torch.eye(T, dtype=v.dtype, device=v.device).expand(v.shape[0], v.shape[1], T, T)
         teacher = m.teacher_heads(q_rope, k_rope, eye, None)
-        student, _ = m.hybrid(q, k, eye, q_rope, k_rope, x, None, None)
+        student, _ = m.hybrid(q, k, eye, q_rope, k_rope, x, None, None, q_far=kwargs.get("q_far"))
         out[(layer, head)] = (teacher[0, head].float().cpu(), student[0, head].float().cpu())
     return out
 
