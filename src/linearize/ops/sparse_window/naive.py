@@ -151,7 +151,7 @@ def sparse_window_attn_parallel(
     state: Optional[SparseWindowState] = None, softcap: Optional[float] = None,
     cache_q: Optional[torch.Tensor] = None, leave_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, SparseWindowState]:
-    """The whole input as one span: O(T (M + T)^2) work, the reference for short inputs."""
+    """The whole input as one span: O(T (M + w + T)) memory, the reference for short inputs."""
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
     cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
