@@ -64,6 +64,10 @@ def test_load_with_a_parameter_free_override_adds_lolas_cache_to_a_trained_stude
     assert json.loads((tmp / "ck-sparse" / META_FILE).read_text())["overrides"] == {"window": 8, "sparse_cache": 3}
     again, _ = linearize.load(tmp / "ck-sparse")
     assert torch.equal(again(IDS).logits, out)
+    far, _ = linearize.load(tmp / "ck", overrides={"sparse_cache": 3, "sparse_distance": 5})  # RoPE tables rebuilt
+    linearize.save(far, tmp / "ck-far")
+    assert torch.equal(linearize.load(tmp / "ck-far")[0](IDS).logits, far(IDS).logits)
+    assert not torch.equal(far(IDS).logits, out)
     with pytest.raises(ValueError, match=r"the overrides \{'feature_dim': 4\} change the checkpoint's parameters"):
         linearize.load(tmp / "ck", overrides={"feature_dim": 4})
 
