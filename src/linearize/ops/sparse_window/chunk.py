@@ -19,7 +19,7 @@ from ..window_attn.naive import check_softcap
 from .naive import SparseWindowState, check_inputs, span_step
 
 
-def _spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, *, window, scale, softcap,
+def run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, *, window, scale, softcap,
            chunk_size, dt):
     outs = []
     for s0, s1 in common.chunk_spans(q.shape[2], chunk_size):
@@ -47,7 +47,7 @@ def sparse_window_attn_chunk(
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
     if recompute and torch.is_grad_enabled():
         # no randomness inside, so no RNG state to save (and none to query while a CUDA graph captures)
-        o, state = checkpoint(_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+        o, state = checkpoint(run_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
     else:
-        o, state = _spans(*args, **kw)
+        o, state = run_spans(*args, **kw)
     return o.to(v.dtype), state

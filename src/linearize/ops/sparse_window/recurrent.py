@@ -8,7 +8,8 @@ import torch
 
 from .. import common
 from ..window_attn.naive import check_softcap
-from .naive import SparseWindowState, check_inputs, span_step
+from .chunk import run_spans
+from .naive import SparseWindowState, check_inputs
 
 
 def sparse_window_attn_recurrent(
@@ -20,12 +21,6 @@ def sparse_window_attn_recurrent(
 ) -> tuple[torch.Tensor, SparseWindowState]:
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
-    outs = []
-    for t in range(q.shape[2]):
-        part = lambda x: None if x is None else x[:, :, t:t + 1].to(dt)  # noqa: E731
-        o, state = span_step(part(q), part(k), part(v), part(score), state, window=window, scale=scale,
-                             sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap,
-                             cache_q=part(cache_q), leave_k=part(leave_k))
-        outs.append(o)
-    o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape, dtype=dt)
+    o, state = run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, window=window,
+                      scale=scale, softcap=softcap, chunk_size=1, dt=dt)
     return o.to(v.dtype), state
