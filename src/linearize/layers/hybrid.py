@@ -156,6 +156,11 @@ class AttentionConfig:
             raise ValueError(f"mu must be in [0, 1], got {self.mu!r}")
         return self
 
+    @property
+    def sparse_far_rope(self) -> bool:
+        """The cache reads its pairs with q rotated to position ``sparse_distance`` (RoPE'd windows only)."""
+        return bool(self.sparse_cache) and self.sparse_distance is not None and self.rope_window
+
     def with_overrides(self, **overrides) -> "AttentionConfig":
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - names)
@@ -373,15 +378,14 @@ class HybridAttention(nn.Module):
         output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
         c = self.config
         w, T = c.window, fk.shape[2]
-        far_rope = c.sparse_distance is not None and c.rope_window
-        parts = (fk, v_lin) + ((k,) if far_rope else ())
+        parts = (fk, v_lin) + ((k,) if c.sparse_far_rope else ())
         hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
         fk_ext, v_ext, *k_ext = (torch.cat([h, x], 2) for h, x in zip(hist, parts))
         state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, v_ext, *k_ext))
         # A cached pair is read as if sparse_distance back: (R_D q) . k without RoPE, the same at any
         # context length, where its own distance would soon pass any the teacher was trained on.
         far = {}
-        if far_rope:
+        if c.sparse_far_rope:
             if q_far is None and c.sparse_distance:
                 raise ValueError(f"sparse_distance={c.sparse_distance} needs q_far, q with RoPE at that position")
             far = {"cache_q": q if q_far is None else q_far, "leave_k": k_ext[0][:, :, :T]}

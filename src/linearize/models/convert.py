@@ -102,9 +102,7 @@ def convert(model: nn.Module, method: str, *, softmax_layers=None, **overrides) 
         if i in kept:
             continue
         attn = getattr(layer, adapter.attention_attr)
-        far = None
-        if config.sparse_cache and config.sparse_distance is not None and config.rope_window:
-            far = adapter.rope_at(model, i, config.sparse_distance)
+        far = adapter.rope_at(model, i, config.sparse_distance) if config.sparse_far_rope else None
         setattr(layer, adapter.attention_attr, LinearizedAttention(attn, adapter, config, model.config, far))
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     model.linearize_spec = {
