@@ -180,9 +180,10 @@ def test_the_compiled_maps_stay_compiled_through_both_stages(monkeypatch, caplog
 
 # the cases the graph tests train: name -> (method, settings); "+cache": LoLA's sparse cache on,
 # with a window short enough for the 64-token rows to fill it (its spans recompute in backward:
-# checkpointing under capture)
+# checkpointing under capture); "-far": the cache read at a fixed RoPE distance
 GRAPH_METHODS = {"lizard": ("lizard", {}), "lolcats": ("lolcats", {}), "liza": ("liza", {}),
-                 "lizard-gdn+cache": ("lizard-gdn", {"window": 16, "sparse_cache": 8})}
+                 "lizard-gdn+cache": ("lizard-gdn", {"window": 16, "sparse_cache": 8}),
+                 "lizard-gdn+cache-far": ("lizard-gdn", {"window": 16, "sparse_cache": 8, "sparse_distance": 24})}
 
 
 def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
