@@ -590,6 +590,25 @@ def test_train_config_file_yaml_then_flags(tmp_path):
     assert c.overrides == {"window": 16, "sinks": 2}
 
 
+def test_a_methods_recipe_fills_only_the_settings_not_given(tmp_path):
+    """lizard-recall trains with its memory open in stage 1 and its attention trained in stage 2
+    unless told otherwise, by a flag or a config file; other methods keep the plain defaults."""
+    c = parse_train("--method", "lizard-recall")
+    assert (c.stage1_memory, c.stage2_attention) == (False, True)
+    assert (TrainConfig.stage1_memory, TrainConfig.stage2_attention) == (True, False)
+    c = parse_train("--method", "lizard-recall", "--stage1-memory")
+    assert (c.stage1_memory, c.stage2_attention) == (True, True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text("method: lizard-recall\nstage2_attention: false\n")
+    c = parse_train("--config", path)
+    assert (c.stage1_memory, c.stage2_attention) == (False, False)
+    c = parse_train("--method", "lizard-gdn")
+    assert (c.stage1_memory, c.stage2_attention) == (True, False)
+    assert TrainConfig.from_dict({"method": "lizard-recall"}).stage1_memory is False
+    with pytest.raises(ValueError, match="lizard-recal'"):
+        TrainConfig.from_dict({"method": "lizard-recal"})
+
+
 def test_train_config_file_json(tmp_path):
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps({"method": "hedgehog", "seq_len": 128, "stage1_lr": 0.001, "block_size": None,

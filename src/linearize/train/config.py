@@ -158,6 +158,11 @@ class TrainConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown training setting(s) {unknown}; allowed: {sorted(names)}")
+        from ..methods import method_training, methods
+
+        method = values.get("method", cls.method)
+        if method in methods():  # the method's own recipe under what is given (an unknown one is named in validate)
+            values = {**method_training(method), **values}
         return cls(**values).validate()
 
 
