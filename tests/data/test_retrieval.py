@@ -8,7 +8,8 @@ import pytest
 
 from linearize.data import load_documents, load_mixture, make_classic_passkey_example, parse_data_spec
 from linearize.data.needle import prepare_haystack
-from linearize.data.retrieval import classic_phrase, make_fact_example, make_kv_example, retrieval_documents
+from linearize.data.retrieval import (classic_phrase, make_fact_example, make_kv_example, make_quiz_example,
+                                      retrieval_documents)
 from linearize.data.sources import loss_mask_of, shakespeare_plays
 
 
@@ -33,22 +34,23 @@ def _split(doc, tok):
     return tok.decode(doc[:first]), tok.decode(doc[first:])
 
 
-@pytest.mark.parametrize("fmt", ["kv", "facts", "multi", "mixed"])
+@pytest.mark.parametrize("fmt", ["kv", "facts", "multi", "mixed", "quiz"])
 def test_sources_parse_and_are_fixed_by_their_spec(tok, prose, fmt):
     spec = f"retrieval:{fmt}:400:4" + ("" if fmt == "kv" else f":{prose}")
     docs = load_documents(spec, tok)
     assert len(docs) == 4 and load_documents(spec, tok) == docs
     for d in docs:
         assert len(d) <= 400 and d[-1] == tok.eos_token_id
-        prompt, answer = _split(d, tok)
-        assert answer.endswith(tok.eos_token) and answer.strip()
+        if fmt != "quiz":  # (a quiz trains several answers: test_quiz_...)
+            prompt, answer = _split(d, tok)
+            assert answer.endswith(tok.eos_token) and answer.strip()
     assert len(load_documents(spec, tok, max_documents=2)) == 2
     if fmt != "kv":  # the bundled Shakespeare is the default haystack
         assert len(load_documents(f"retrieval:{fmt}:300:1", tok)) == 1
 
 
 @pytest.mark.parametrize("spec,match", [("retrieval:poems", r"bad retrieval source 'retrieval:poems'"),
-                                        ("retrieval:kv:long", r"FORMAT one of kv, facts, multi, mixed"),
+                                        ("retrieval:kv:long", r"FORMAT one of kv, facts, multi, quiz, mixed"),
                                         ("retrieval:kv:0:3", "LENGTH and COUNT must be at least 1"),
                                         ("retrieval:kv:9:3:books.txt", "format .kv. takes no HAYSTACK")])
 def test_bad_source_specs_are_named(tok, spec, match):
@@ -105,6 +107,40 @@ def test_loss_mask_covers_exactly_the_answer(tok, haystack, fmt):
             assert prompt.count(value) == 1, value
 
 
+def test_quiz_asks_every_fact_once_in_its_own_order_and_trains_each_answer(tok, haystack):
+    """Each fact's value is stated once in the text and answered once; the loss mask covers exactly
+    the answers (with their line breaks) and the EOS; the questions do not follow the facts' order."""
+    in_fact_order = 0
+    for seed in range(6):
+        ex = make_quiz_example(random.Random(seed), tok, haystack, 1200)
+        assert 4 <= len(ex.answers) <= 10 and len(set(ex.answers)) == len(ex.answers)
+        assert all(ex.text.count(a) == 1 and ex.prompt.count(a) == 2 for a in ex.answers)
+        for a, at in zip(ex.answers, ex.positions):  # each answer inside the fact its question asks
+            assert 0 < ex.text.index(a) - at < 120, (a, at)
+        in_fact_order += ex.positions == sorted(ex.positions)
+    assert in_fact_order <= 1  # shuffled: the questions do not walk through the text
+    docs = retrieval_documents(tok, "quiz", length=1200, count=4, seed=3, haystack=haystack)
+    for doc in docs:
+        mask = loss_mask_of(doc)
+        assert len(doc) <= 1200 and doc[-1] == tok.eos_token_id and mask[-1]
+        runs, cur = [], []
+        for t, m in zip(doc, mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs.append(cur)
+        answers = [tok.decode(r).removesuffix(tok.eos_token).strip() for r in runs]
+        text = tok.decode([t for t, m in zip(doc, mask) if not m])
+        assert len(answers) >= 4 and all(text.count(a) == 1 for a in answers), answers
+        assert not any(tok.decode(r).strip() == "" for r in runs)
+    with pytest.raises(ValueError, match="facts must be an integer in"):
+        make_quiz_example(random.Random(0), tok, haystack, 1200, facts=1)
+    with pytest.raises(ValueError, match="too short for a quiz"):
+        make_quiz_example(random.Random(0), tok, haystack, 200)
+
+
 def test_no_training_example_uses_the_classic_passkey_phrasing(tok, tmp_path):
     # the detector finds the classic test (so the check below can fail) ...
     classic = make_classic_passkey_example(random.Random(0), tok, 300, 0.5).prompt
@@ -116,6 +152,7 @@ def test_no_training_example_uses_the_classic_passkey_phrasing(tok, tmp_path):
     path = tmp_path / "tainted.txt"
     path.write_text("\n\n".join(paragraphs))
     docs = load_documents(f"retrieval:mixed:400:30:{path}", tok) + load_documents("retrieval:mixed:400:15", tok)
+    docs += load_documents(f"retrieval:quiz:600:10:{path}", tok)
     for doc in docs:
         text = tok.decode(doc)
         assert classic_phrase(text) is None, text

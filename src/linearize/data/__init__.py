@@ -14,10 +14,10 @@ retrieval examples in other formats (``retrieval:FORMAT...`` sources).
 from .mixture import Mixture, format_data_spec, load_mixture, mix_documents, parse_data_spec
 from .packing import PACKING_POLICIES, Rows, pack, split_documents, trim_bucket
 from .passkey import PasskeyExample, make_classic_passkey_example, make_passkey_example, passkey_documents
-from .retrieval import RetrievalExample, make_fact_example, make_kv_example, retrieval_documents
+from .retrieval import QuizExample, RetrievalExample, make_fact_example, make_kv_example, make_quiz_example, retrieval_documents
 from .sources import Document, load_documents
 
 __all__ = ["Document", "Mixture", "PACKING_POLICIES", "PasskeyExample", "Rows", "format_data_spec", "load_documents",
            "load_mixture", "make_classic_passkey_example", "make_passkey_example", "mix_documents", "pack",
            "parse_data_spec", "passkey_documents", "retrieval_documents", "split_documents", "trim_bucket",
-           "RetrievalExample", "make_fact_example", "make_kv_example"]
+           "QuizExample", "RetrievalExample", "make_fact_example", "make_kv_example", "make_quiz_example"]

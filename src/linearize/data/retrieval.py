@@ -12,10 +12,14 @@ Formats (``FORMATS``):
   elsewhere; one fact is asked.
 - ``multi``: as ``facts`` with 2-4 facts asked together ("Give the locker numbers of A, B and C,
   in that order, separated by commas") plus distractors.
+- ``quiz``: as ``facts`` with 4-16 facts of one kind, then a question on each, in shuffled order,
+  each followed by its answer; every answer is trained. Each fact is a distractor for every other
+  question, so the answer must be bound to its key (the latest fact of the form is right once),
+  and a document carries one answer per fact instead of one in all.
 
 The prompt ends with a question in one of several framings; the training document is
-``prompt + " " + answer + EOS`` with a ``loss_mask`` over the answer and the EOS, so
-``--loss-on assistant`` trains on the answers alone. Every asked value occurs exactly once in the
+``prompt + " " + answer + EOS`` with a ``loss_mask`` over the answer and the EOS (a quiz: over each
+answer, its line break and the EOS), so ``--loss-on assistant`` trains on the answers alone. Every asked value occurs exactly once in the
 prompt (values are redrawn until they do), and the templates, the question framings and the
 document frame are our own: neither the classic pass-key filler or phrasing (an evaluation,
 ``passkey.make_classic_passkey_example``) nor the needle evaluation's sentences
@@ -23,8 +27,8 @@ document frame are our own: neither the classic pass-key filler or phrasing (an 
 holds one (haystack text could) is drawn again.
 
 As a data source (``sources.load_documents``, so also in mixtures):
-``retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]`` with FORMAT ``kv``, ``facts``, ``multi`` or
-``mixed`` (the three in turn), LENGTH the tokens per document (default 2048), COUNT the number
+``retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]`` with FORMAT ``kv``, ``facts``, ``multi``, ``quiz`` or
+``mixed`` (kv, facts and multi in turn), LENGTH the tokens per document (default 2048), COUNT the number
 of documents (default 1000) and HAYSTACK the natural text for ``facts`` and ``multi`` (a file or
 folder, default ``shakespeare``), e.g. ``retrieval:mixed:2048:2000:../shared/data/mix/gutenberg_books.jsonl.xz``.
 Everything random is drawn from one ``random.Random(seed)``: a seed fixes the documents (a
@@ -42,7 +46,8 @@ from itertools import accumulate
 
 from .passkey import CLASSIC_FILLER
 
-FORMATS = ("kv", "facts", "multi")
+FORMATS = ("kv", "facts", "multi", "quiz")
+MIXED = ("kv", "facts", "multi")  # what ``mixed`` cycles through (kept as recorded recipes used it)
 SOURCE_FORMATS = FORMATS + ("mixed",)
 DEFAULT_LENGTH = 2048
 DEFAULT_COUNT = 1000
@@ -73,6 +78,10 @@ _FACTS = (
 )
 _FRAMES = ("\n\nQuestion: {q}\nAnswer:", "\n\nQ: {q}\nA:", "\n\n{q}\n", "\n\n### Query\n{q}\n### Result\n",
            "\n\nRead the text above and reply briefly. {q}")
+_QUIZ_HEADERS = ("\n\nQuestions on the text above, each answered briefly.\n", "\n\nQuiz\n",
+                 "\n\n### Questions and answers\n", "\n\nSome details from the passage:\n")
+_QUIZ_TURNS = ("Q: {q}\nA:", "Question: {q}\nAnswer:", "{n}. {q}\n", "- {q}")
+QUIZ_FACTS = (4, 16)  # facts (and questions) per quiz document, at most one per ~120 tokens
 _KV_QUESTIONS = ("What value is stored under {key}?", "Look up the entry {key}. What is its value?",
                  "Which value belongs to {key}?", "In the records above, {key} corresponds to which value?",
                  "Find {key} in the list and give its value.")
@@ -243,6 +252,81 @@ def make_fact_example(rng: random.Random, tokenizer, haystack, length: int, *, a
     raise ValueError("could not draw a fact example whose values occur once in the text; give a larger haystack")
 
 
+@dataclass
+class QuizExample:
+    """Natural text holding facts of one kind, then ``header`` and one turn per fact: ``questions[i]``
+    (ending where the answer starts) followed by `` answers[i]`` and a line break.
+    ``positions[i]`` is where the fact asked in turn i starts in ``text``."""
+
+    text: str
+    header: str
+    questions: list[str]
+    answers: list[str]
+    positions: list[int]
+
+    @property
+    def prompt(self) -> str:
+        return self.text + self.header + "".join(f"{q} {a}\n" for q, a in zip(self.questions, self.answers))
+
+
+def make_quiz_example(rng: random.Random, tokenizer, haystack, length: int, *, facts: int | None = None) -> QuizExample:
+    """Natural text from ``haystack`` with ``facts`` facts of one kind at random depths (4-16 when
+    None, as the length allows), then a question on each in shuffled order with its answer, all in
+    at most ``length`` tokens."""
+    from .needle import Haystack
+
+    _check(length)
+    if not isinstance(haystack, Haystack):
+        raise ValueError(f"haystack must be a linearize.data.needle.Haystack, got {type(haystack).__name__}")
+    statement, question, _, pool, kind = rng.choice(_FACTS)
+    cap = min(len(pool), QUIZ_FACTS[1], length // 120)
+    if facts is None:
+        if cap < 2:
+            raise ValueError(f"length {length} is too short for a quiz: use at least 240 tokens")
+        facts = rng.randint(min(QUIZ_FACTS[0], cap), cap)
+    if isinstance(facts, bool) or not isinstance(facts, int) or not 2 <= facts <= len(pool):
+        raise ValueError(f"facts must be an integer in [2, {len(pool)}], got {facts!r}")
+    keys = rng.sample(list(pool), facts)
+    header, turn = rng.choice(_QUIZ_HEADERS), rng.choice(_QUIZ_TURNS)
+    order = rng.sample(range(facts), facts)  # the questions' order, independent of the facts'
+    questions = [turn.format(q=question.format(key=keys[j]), n=n + 1) for n, j in enumerate(order)]
+    for _ in range(16):  # draw values until each occurs once in the text
+        values: list[str] = []
+        while len(values) < facts:
+            v = _value(rng, kind)
+            if v not in values:
+                values.append(v)
+        answers = [values[j] for j in order]
+        quiz = header + "".join(f"{q} {a}\n" for q, a in zip(questions, answers))
+        lines = [statement.format(key=k, value=v) for k, v in zip(keys, values)]
+        fixed = len(_ids(tokenizer, " ".join(lines) + quiz)) + 2 * facts  # (+ joins between the pieces)
+        budget = length - fixed
+        if budget < 8 * (facts + 1):
+            raise ValueError(f"length {length} is too short for {facts} facts and their questions: use at least "
+                             f"{fixed + 8 * (facts + 1)} tokens")
+        text, positions, _ = _compose(rng, tokenizer, haystack, lines, [rng.random() for _ in keys], quiz,
+                                      budget, length)
+        if text is not None:
+            text = text[: len(text) - len(quiz)]
+            if all(_once(text, v) for v in values) and classic_phrase(text + quiz) is None:
+                return QuizExample(text, header, questions, answers, [positions[j] for j in order])
+    raise ValueError("could not draw a quiz whose values occur once in the text; give a larger haystack")
+
+
+def quiz_document(tokenizer, example: QuizExample, eos: list[int], length: int) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of a quiz: each answer with its line break, and the EOS, are trained."""
+    ids, mask = [], []
+    pieces = [(example.text + example.header, False)]
+    for q, a in zip(example.questions, example.answers):
+        pieces += [(q, False), (f" {a}\n", True)]
+    for text, trained in pieces:
+        part = _ids(tokenizer, text)
+        ids += part
+        mask += [trained] * len(part)
+    ids, mask = ids + eos, mask + [True] * len(eos)
+    return ids[:length], mask[:length]
+
+
 def _compose(rng, tokenizer, haystack, facts, depths, tail, budget, length):
     """Haystack units from a random sentence start, about ``budget`` tokens, with ``facts`` at the
     sentence starts nearest their ``depths``; shortened until the prompt fits ``length``. Units
@@ -307,8 +391,12 @@ def retrieval_documents(tokenizer, fmt: str, *, length: int = DEFAULT_LENGTH, co
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     documents = []
     for i in range(count):
-        kind = FORMATS[i % len(FORMATS)] if fmt == "mixed" else fmt
+        kind = MIXED[i % len(MIXED)] if fmt == "mixed" else fmt
         target = length - ANSWER_RESERVE
+        if kind == "quiz":
+            ids, mask = quiz_document(tokenizer, make_quiz_example(rng, tokenizer, haystack, target), eos, length)
+            documents.append(Document(ids, mask))
+            continue
         if kind == "kv":
             example = make_kv_example(rng, tokenizer, target)
         else:  # facts take at most about a third of a short document (~25 tokens each)
@@ -323,7 +411,7 @@ def retrieval_documents(tokenizer, fmt: str, *, length: int = DEFAULT_LENGTH, co
 
 
 _SOURCE = re.compile(r"^retrieval:([a-z]+)(?::(\d+)(?::(\d+)(?::(.+))?)?)?$")
-SOURCE_FORM = "'retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]' (FORMAT one of kv, facts, multi, mixed)"
+SOURCE_FORM = "'retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]' (FORMAT one of kv, facts, multi, quiz, mixed)"
 
 
 def retrieval_source(source: str, tokenizer, *, max_documents: int | None = None, max_tokens: int | None = None):

@@ -33,8 +33,9 @@ below). Accepted ``source`` forms, tried in this order:
 4. ``"passkey"``, ``"passkey:LENGTH"`` or ``"passkey:LENGTH:COUNT"``: synthetic five-passkey
    retrieval examples (``linearize.data.passkey``), default LENGTH 2048 tokens, COUNT 1000.
 5. ``"retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]"``: synthetic retrieval examples in varied
-   formats (key-value lists, facts in natural text, several facts asked at once; FORMAT ``kv``,
-   ``facts``, ``multi`` or ``mixed``), answers under a ``loss_mask`` (``linearize.data.retrieval``).
+   formats (key-value lists, facts in natural text, several facts asked at once, a quiz on many
+   facts; FORMAT ``kv``, ``facts``, ``multi``, ``quiz`` or ``mixed``), answers under a ``loss_mask``
+   (``linearize.data.retrieval``).
 6. a Hugging Face dataset id (``name``, ``org/name``, optionally ``:config``): the train split via
    ``datasets.load_dataset`` where that package and a network exist.
 
@@ -74,7 +75,7 @@ ACCEPTED_FORMS = (
     "a .json/.jsonl file (chat 'messages' records, Alpaca records or records with a text field), "
     "a .txt/.md file, each optionally compressed (.gz, .xz, .bz2: e.g. data.jsonl.xz), "
     "a folder of such files, 'shakespeare', 'passkey[:LENGTH[:COUNT]]', "
-    "'retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]' (FORMAT kv, facts, multi or mixed), "
+    "'retrieval:FORMAT[:LENGTH[:COUNT[:HAYSTACK]]]' (FORMAT kv, facts, multi, quiz or mixed), "
     "or a Hugging Face dataset id ('name', 'org/name', optionally ':config')"
 )
 
