@@ -5,7 +5,8 @@
 # also scored with LoLA's sparse cache added (training-free, `overrides={"sparse_cache": M}`).
 #   benchmarks/gpu/gpu_recall_study.sh MIX RUNS VARIANT [VARIANT ...]
 # MIX is the folder benchmarks/gpu/prepare_mix.py writes. A VARIANT is NAME=METHOD:RETRIEVAL[:EXTRA]
-# with RETRIEVAL the retrieval data's token share (0 = none) and EXTRA more `linearize train` flags
+# with RETRIEVAL the retrieval data's token share (0 = none; `retrieval:mixed`, or M+Q for M of
+# `retrieval:mixed` and Q of `retrieval:quiz`, e.g. 0.15+0.15) and EXTRA more `linearize train` flags
 # with ';' for spaces, e.g.  lizard-r=lizard:0.2  gdn-r=lizard-gdn:0.2  lizard-kl=lizard:0.2:--distill;1.0
 # Scale with S1 / S2 (stage tokens), SEQ, BATCH, LENGTHS (passkey), NEEDLE_LENGTHS, SAMPLES, CACHE
 # (0: no sparse-cache copies), RETRIEVAL_COUNT (retrieval documents drawn); EVAL=0 trains only;
@@ -46,9 +47,13 @@ models=(); students=()
 for spec in "$@"; do
     name=${spec%%=*}; rest=${spec#*=}
     IFS=: read -r method share extra <<<"$rest"
-    data=$(general "$share")
+    quiz=0; [[ $share == *+* ]] && { quiz=${share#*+}; share=${share%%+*}; }
+    data=$(general "$(python3 -c "print($share + $quiz)")")
     if python3 -c "import sys; sys.exit(float('$share') <= 0)"; then
         data="$data,retrieval:mixed:$RETRIEVAL_LEN:$RETRIEVAL_COUNT:$MIX/books_train.jsonl.xz:$share"
+    fi
+    if python3 -c "import sys; sys.exit(float('$quiz') <= 0)"; then
+        data="$data,retrieval:quiz:$RETRIEVAL_LEN:$RETRIEVAL_COUNT:$MIX/books_train.jsonl.xz:$quiz"
     fi
     if [ ! -f "$RUNS/$name/summary.json" ]; then
         echo "=== train $name: $method, data $data, extra ${extra//;/ }"
