@@ -123,6 +123,15 @@ def _value(rng: random.Random, kind: str) -> str:
     return "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(2)) + "-" + str(rng.randint(1000, 99999))
 
 
+def _distinct_values(rng: random.Random, kind: str, count: int) -> list[str]:
+    values: list[str] = []
+    while len(values) < count:
+        v = _value(rng, kind)
+        if v not in values:
+            values.append(v)
+    return values
+
+
 def _once(text: str, value: str) -> bool:
     """``value`` occurs exactly once in ``text``, and not inside a longer number or word."""
     return len(re.findall(rf"(?<![\w-]){re.escape(value)}(?![\w-])", text)) == 1 and text.count(value) == 1
@@ -232,11 +241,7 @@ def make_fact_example(rng: random.Random, tokenizer, haystack, length: int, *, a
     depths = [rng.random() if (depth is None or i > 0 or asked > 1) else float(depth) for i in range(count)]
 
     for _ in range(16):  # draw windows and values until every asked value occurs once
-        values: list[str] = []
-        while len(values) < count:
-            v = _value(rng, kind)
-            if v not in values:
-                values.append(v)
+        values = _distinct_values(rng, kind, count)
         facts = [statement.format(key=k, value=v) for k, v in zip(keys, values)]
         fixed = len(_ids(tokenizer, " ".join(facts) + tail)) + count
         budget = length - fixed
@@ -264,9 +269,18 @@ class QuizExample:
     answers: list[str]
     positions: list[int]
 
+    def pieces(self) -> list[tuple[str, bool]]:
+        """(text, trained) in order: the text with the header and the questions untrained, each answer trained."""
+        return [(self.text + self.header, False)] + _quiz_turns(self.questions, self.answers)
+
     @property
     def prompt(self) -> str:
-        return self.text + self.header + "".join(f"{q} {a}\n" for q, a in zip(self.questions, self.answers))
+        return "".join(text for text, _ in self.pieces())
+
+
+def _quiz_turns(questions: list[str], answers: list[str]) -> list[tuple[str, bool]]:
+    """Each question untrained, then its answer after a space with a line break, trained."""
+    return [piece for q, a in zip(questions, answers) for piece in ((q, False), (f" {a}\n", True))]
 
 
 def make_quiz_example(rng: random.Random, tokenizer, haystack, length: int, *, facts: int | None = None) -> QuizExample:
@@ -291,13 +305,9 @@ def make_quiz_example(rng: random.Random, tokenizer, haystack, length: int, *, f
     order = rng.sample(range(facts), facts)  # the questions' order, independent of the facts'
     questions = [turn.format(q=question.format(key=keys[j]), n=n + 1) for n, j in enumerate(order)]
     for _ in range(16):  # draw values until each occurs once in the text
-        values: list[str] = []
-        while len(values) < facts:
-            v = _value(rng, kind)
-            if v not in values:
-                values.append(v)
+        values = _distinct_values(rng, kind, facts)
         answers = [values[j] for j in order]
-        quiz = header + "".join(f"{q} {a}\n" for q, a in zip(questions, answers))
+        quiz = header + "".join(text for text, _ in _quiz_turns(questions, answers))
         lines = [statement.format(key=k, value=v) for k, v in zip(keys, values)]
         fixed = len(_ids(tokenizer, " ".join(lines) + quiz)) + 2 * facts  # (+ joins between the pieces)
         budget = length - fixed
@@ -313,18 +323,17 @@ def make_quiz_example(rng: random.Random, tokenizer, haystack, length: int, *, f
     raise ValueError("could not draw a quiz whose values occur once in the text; give a larger haystack")
 
 
-def quiz_document(tokenizer, example: QuizExample, eos: list[int], length: int) -> tuple[list[int], list[bool]]:
-    """Token ids and loss mask of a quiz: each answer with its line break, and the EOS, are trained."""
+def _document(tokenizer, pieces: list[tuple[str, bool]], eos: list[int], length: int):
+    """A ``sources.Document`` of (text, trained) ``pieces`` and the EOS (trained), at most ``length``
+    tokens (a rare long answer is cut, never over a row)."""
+    from .sources import Document
+
     ids, mask = [], []
-    pieces = [(example.text + example.header, False)]
-    for q, a in zip(example.questions, example.answers):
-        pieces += [(q, False), (f" {a}\n", True)]
     for text, trained in pieces:
         part = _ids(tokenizer, text)
         ids += part
         mask += [trained] * len(part)
-    ids, mask = ids + eos, mask + [True] * len(eos)
-    return ids[:length], mask[:length]
+    return Document((ids + eos)[:length], (mask + [True] * len(eos))[:length])
 
 
 def _compose(rng, tokenizer, haystack, facts, depths, tail, budget, length):
@@ -379,8 +388,6 @@ def retrieval_documents(tokenizer, fmt: str, *, length: int = DEFAULT_LENGTH, co
     """``count`` documents ``prompt + " " + answer + EOS`` of at most ``length`` tokens, each a
     ``sources.Document`` whose ``loss_mask`` covers the answer and the EOS. ``fmt``: one of
     ``SOURCE_FORMATS``; ``haystack`` (a ``needle.Haystack``) is needed for facts, multi and mixed."""
-    from .sources import Document
-
     if fmt not in SOURCE_FORMATS:
         raise ValueError(f"retrieval format must be one of {SOURCE_FORMATS}, got {fmt!r}")
     _check(length)
@@ -394,19 +401,17 @@ def retrieval_documents(tokenizer, fmt: str, *, length: int = DEFAULT_LENGTH, co
         kind = MIXED[i % len(MIXED)] if fmt == "mixed" else fmt
         target = length - ANSWER_RESERVE
         if kind == "quiz":
-            ids, mask = quiz_document(tokenizer, make_quiz_example(rng, tokenizer, haystack, target), eos, length)
-            documents.append(Document(ids, mask))
-            continue
-        if kind == "kv":
-            example = make_kv_example(rng, tokenizer, target)
-        else:  # facts take at most about a third of a short document (~25 tokens each)
-            room = max(2, target // 75)
-            asked = 1 if kind == "facts" else rng.randint(2, min(4, room))
-            example = make_fact_example(rng, tokenizer, haystack, target, asked=asked,
-                                        distractors=rng.randint(0, max(0, min(4, room - asked))))
-        prompt, answer = _ids(tokenizer, example.prompt), _ids(tokenizer, " " + example.answer) + eos
-        ids = (prompt + answer)[:length]  # a rare long answer: cut, never over a row
-        documents.append(Document(ids, [False] * len(prompt) + [True] * (len(ids) - len(prompt))))
+            pieces = make_quiz_example(rng, tokenizer, haystack, target).pieces()
+        else:
+            if kind == "kv":
+                example = make_kv_example(rng, tokenizer, target)
+            else:  # facts take at most about a third of a short document (~25 tokens each)
+                room = max(2, target // 75)
+                asked = 1 if kind == "facts" else rng.randint(2, min(4, room))
+                example = make_fact_example(rng, tokenizer, haystack, target, asked=asked,
+                                            distractors=rng.randint(0, max(0, min(4, room - asked))))
+            pieces = [(example.prompt, False), (" " + example.answer, True)]
+        documents.append(_document(tokenizer, pieces, eos, length))
     return documents
 
 
