@@ -1,10 +1,11 @@
 """Does LoLA's sparse cache hold what the question needs? For a student with the cache, the classic
-pass key at one length: after the prompt's prefill, the share of the key's tokens each (layer, head)
-holds in its cache, and the tokens the caches hold most. Splits a miss into "not selected" (the
-score rule) and "selected but not read" (the student).
+pass key (or, with --haystack, a needle in natural text among distractors) at one length: after the
+prompt's prefill, the share of the answer's tokens each (layer, head) holds in its cache, and the
+tokens the caches hold most. Splits a miss into "not selected" (the score rule) and "selected but
+not read" (the student).
 
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
-        [--length 2048] [--depths 0.1,0.5] [--score relative|error]
+        [--length 2048] [--depths 0.1,0.5] [--score relative|error] [--haystack BOOKS --kind number]
 
 STUDENT is a checkpoint folder or a bundled student's name; the cache is set to ``--cache`` pairs
 scored by ``--score`` (``checkpoint.load(overrides=...)``, no training), replacing any it has.
@@ -30,9 +31,9 @@ def key_share(positions: list[torch.Tensor], key: list[int]) -> torch.Tensor:
     return torch.stack([(p[0][:, :, None] == wanted).any(1).float().mean(-1) for p in positions])
 
 
-def find(ids: list[int], pattern: list[int]) -> list[int]:
-    """The positions of the first occurrence of ``pattern`` in ``ids`` (empty if none)."""
-    for i in range(len(ids) - len(pattern) + 1):
+def find(ids: list[int], pattern: list[int], start: int = 0) -> list[int]:
+    """The positions of the first occurrence of ``pattern`` in ``ids`` at or after ``start`` (empty if none)."""
+    for i in range(start, len(ids) - len(pattern) + 1):
         if ids[i:i + len(pattern)] == pattern:
             return list(range(i, i + len(pattern)))
     return []
@@ -49,14 +50,28 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--depths", default="0.1,0.5")
     p.add_argument("--score", default="relative", help="the cache's sparse_score: relative | error (LoLA's)")
+    p.add_argument("--haystack", help="natural text: score a needle among 3 distractors instead of the pass key")
+    p.add_argument("--kind", default="number", help="the needle's kind: number, word or sentence")
     args = p.parse_args()
     model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score})
     model.eval()
     rng = random.Random(5)
+    if args.haystack:
+        from linearize.data.needle import load_haystack, make_needle_example
+        hay = load_haystack(args.haystack, tok, max_tokens=max(4 * args.length, 65536))
     for depth in (float(d) for d in args.depths.split(",")):
-        ex = make_classic_passkey_example(rng, tok, args.length, depth=depth)
-        ids = tok(ex.prompt)["input_ids"]
-        key = find(ids, tok(" " + ex.answer, add_special_tokens=False)["input_ids"])
+        if args.haystack:
+            ex = make_needle_example(hay, tok, args.length, depth, rng, kind=args.kind)
+            ids = tok(ex.prompt)["input_ids"]
+            start = max(0, ex.positions[ex.asked] - 2)  # the prompt may gain a BOS token here
+        else:
+            ex = make_classic_passkey_example(rng, tok, args.length, depth=depth)
+            ids, start = tok(ex.prompt)["input_ids"], 0
+        key = find(ids, tok(" " + ex.answer, add_special_tokens=False)["input_ids"], start) or \
+            find(ids, tok(ex.answer, add_special_tokens=False)["input_ids"], start)
+        if not key:
+            print(f"depth {depth}: the answer {ex.answer!r} is not a token run of the prompt; skipped")
+            continue
         with torch.no_grad():
             _, cache, _ = prefill_model(model, torch.tensor([ids]), None, None)
         positions = cached_positions(cache)

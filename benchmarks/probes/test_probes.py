@@ -212,3 +212,4 @@ def test_sparse_cache_selection_reads_the_cached_positions():
     assert probe.key_share(positions, [0, 5, T - 1 - w]).eq(1).all()
     assert probe.key_share(positions, [T - w, T - 1]).eq(0).all()
     assert probe.find([5, 1, 2, 3, 1, 2], [1, 2]) == [1, 2] and probe.find([1, 2], [3]) == []
+    assert probe.find([5, 1, 2, 3, 1, 2], [1, 2], start=2) == [4, 5] and probe.find([1, 2], [1, 2], start=1) == []
