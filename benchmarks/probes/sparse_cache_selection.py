@@ -6,6 +6,11 @@ not read" (the student).
 
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
         [--length 2048] [--depths 0.1,0.5] [--score relative|error] [--haystack BOOKS --kind number]
+        [--teacher-far W]
+
+--teacher-far W: STUDENT names a teacher instead; each head "keeps" the --cache keys that the
+teacher's queries more than W tokens later attend to most (the question's last 40 tokens left out):
+how well a rule trained on the teacher's attention beyond the window could do.
 
 STUDENT is a checkpoint folder or a bundled student's name; the cache is set to ``--cache`` pairs
 scored by ``--score`` (``checkpoint.load(overrides=...)``, no training), replacing any it has.
@@ -31,6 +36,17 @@ def key_share(positions: list[torch.Tensor], key: list[int]) -> torch.Tensor:
     return torch.stack([(p[0][:, :, None] == wanted).any(1).float().mean(-1) for p in positions])
 
 
+def far_attention_positions(model, ids: list[int], size: int, window: int, queries_end: int) -> list[torch.Tensor]:
+    """Per layer: (1, H, size) the keys with the most attention from queries more than ``window``
+    tokens after them and before ``queries_end`` (eager attention, row 0)."""
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    t = torch.arange(len(ids))
+    far = (t[:, None] > t[None, :] + window) & (t[:, None] < queries_end)  # (query, key)
+    return [(a[0] * far).sum(1).topk(size, dim=-1).indices[None] for a in attentions]
+
+
 def find(ids: list[int], pattern: list[int], start: int = 0) -> list[int]:
     """The positions of the first occurrence of ``pattern`` in ``ids`` at or after ``start`` (empty if none)."""
     for i in range(start, len(ids) - len(pattern) + 1):
@@ -52,8 +68,13 @@ def main() -> None:
     p.add_argument("--score", default="relative", help="the cache's sparse_score: relative | error (LoLA's)")
     p.add_argument("--haystack", help="natural text: score a needle among 3 distractors instead of the pass key")
     p.add_argument("--kind", default="number", help="the needle's kind: number, word or sentence")
+    p.add_argument("--teacher-far", type=int, metavar="W", help="rank by a teacher's attention from W+ tokens later")
     args = p.parse_args()
-    model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score})
+    if args.teacher_far:
+        from linearize.models.teacher import load_teacher
+        model, tok = load_teacher(args.student)
+    else:
+        model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score})
     model.eval()
     rng = random.Random(5)
     if args.haystack:
@@ -72,9 +93,12 @@ def main() -> None:
         if not key:
             print(f"depth {depth}: the answer {ex.answer!r} is not a token run of the prompt; skipped")
             continue
-        with torch.no_grad():
-            _, cache, _ = prefill_model(model, torch.tensor([ids]), None, None)
-        positions = cached_positions(cache)
+        if args.teacher_far:
+            positions = far_attention_positions(model, ids, args.cache, args.teacher_far, len(ids) - 40)
+        else:
+            with torch.no_grad():
+                _, cache, _ = prefill_model(model, torch.tensor([ids]), None, None)
+            positions = cached_positions(cache)
         share = key_share(positions, key)
         held = Counter(tok.decode([ids[q]]) for p_ in positions for q in p_[p_ >= 0].tolist())
         total = sum(held.values())

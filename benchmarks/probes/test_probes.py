@@ -213,3 +213,17 @@ def test_sparse_cache_selection_reads_the_cached_positions():
     assert probe.key_share(positions, [T - w, T - 1]).eq(0).all()
     assert probe.find([5, 1, 2, 3, 1, 2], [1, 2]) == [1, 2] and probe.find([1, 2], [3]) == []
     assert probe.find([5, 1, 2, 3, 1, 2], [1, 2], start=2) == [4, 5] and probe.find([1, 2], [1, 2], start=1) == []
+    # the teacher's far attention: the keys it returns carry the largest mass of attention from
+    # queries more than `window` after them and before `queries_end`, summed here by loops
+    teacher, n, window, end, size = llama(num_layers=2), 12, 3, 10, 4
+    ids = list(range(1, n + 1))
+    top = probe.far_attention_positions(teacher, ids, size, window, end)
+    with torch.no_grad():
+        att = teacher(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    for layer, idx in zip(att, top):
+        mass = torch.zeros(layer.shape[1], n)
+        for q in range(end):
+            for k in range(q - window):
+                mass[:, k] += layer[0, :, q, k]
+        assert idx.shape == (1, layer.shape[1], size)
+        torch.testing.assert_close(mass.gather(1, idx[0]), mass.topk(size, dim=-1).values)
