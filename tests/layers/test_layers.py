@@ -297,6 +297,45 @@ def test_layer_prefill_in_pieces_and_token_steps_equal_one_forward(method, kw):
     torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("method,kw", [c for c in LAYER_CASES if "sparse_cache" in c[1]],
+                         ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+def test_sparse_layer_on_the_live_form_equals_the_span_loop(method, kw, monkeypatch):
+    """A GPU runs a fresh sparse window's spans all at once (``ops.sparse_window`` live form), a CPU
+    loops over them: the layer's outputs, its state and every parameter gradient agree, with a
+    left-padded row (the inputs' gradients too: liza learns nothing in its attention)."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.ops.sparse_window import chunk
+
+    torch.manual_seed(0)
+    layer = HybridAttention(method_config(method, window=4, chunk_size=4, **kw), H, D, HIDDEN).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    inputs = _layer_inputs(23, dtype=torch.float64)
+    valid = torch.ones(B, 23, dtype=torch.bool)
+    valid[1, :5] = False
+
+    def run(gpu):
+        monkeypatch.setattr(chunk, "on_gpu", lambda x: gpu)
+        layer.zero_grad()
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        y, state = layer(*xs, valid=valid)
+        (y * torch.linspace(-1, 1, D, dtype=y.dtype)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        grads.update({f"input {i}": t.grad for i, t in enumerate(xs)})
+        return y.detach(), state["local"], grads
+
+    y_live, st_live, g_live = run(True)
+    y_loop, st_loop, g_loop = run(False)
+    torch.testing.assert_close(y_live, y_loop, rtol=1e-9, atol=1e-9)
+    for field, a, b in zip(st_live._fields, st_live, st_loop):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=field)
+    assert g_live.keys() == g_loop.keys()
+    for name in g_live:
+        torch.testing.assert_close(g_live[name], g_loop[name], rtol=1e-8, atol=1e-8, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("log_alpha_bias", [-20.0, 20.0])
 def test_gated_delta_layer_bf16_long_input_extreme_gates_finite(log_alpha_bias):

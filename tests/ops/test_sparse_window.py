@@ -6,10 +6,13 @@ import math
 import pytest
 import torch
 
+from helpers import count_chunk_steps
+from kernel_checks import needs_cuda
 from linearize.ops.sparse_window import (
-    SparseWindowState, fresh_state, sparse_window_attn_chunk, sparse_window_attn_parallel,
+    SparseWindowState, chunk, fresh_state, sparse_window_attn_chunk, sparse_window_attn_parallel,
     sparse_window_attn_recurrent,
 )
+from linearize.ops.sparse_window.live import cache_until
 
 B, H, D = 2, 3, 8
 
@@ -66,6 +69,7 @@ def test_every_form_equals_the_sorting_reference(w, M, ties):
             "recurrent": sparse_window_attn_recurrent(q, k, v, given, **kw)[0]}
     for C in (1, 3, 5, 64):
         outs[f"chunk {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, **kw)[0]
+        outs[f"live {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, form="live", **kw)[0]
     for name, o in outs.items():
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -86,6 +90,7 @@ def test_the_cache_read_with_its_own_queries_and_keys(w, M):
             "recurrent": sparse_window_attn_recurrent(q, k, v, given, **kw)}
     for C in (1, 3, 64):
         outs[f"chunk {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, **kw)
+        outs[f"live {C}"] = sparse_window_attn_chunk(q, k, v, given, chunk_size=C, form="live", **kw)
     for name, (o, st) in outs.items():
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12, msg=name)
         kept = st.cache_pos[0, 0].clamp_min(0)
@@ -131,7 +136,8 @@ def saved_bytes(fn) -> int:
 
 def test_recompute_keeps_only_the_inputs_for_backward():
     """Kept, every span's gathered cache and softmax stay alive until backward (O(T (M + w) (D + C))
-    bytes); recomputed, autograd keeps no more than the inputs, whatever the length."""
+    bytes); recomputed, autograd keeps no more than the inputs and, from a fresh state (the live
+    form), each pair's last query in the cache (4 bytes a pair and head), whatever the length."""
     w, M, T, D = 8, 16, 256, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, T, D, generator=g, requires_grad=True) for _ in range(3))
@@ -140,7 +146,7 @@ def test_recompute_keeps_only_the_inputs_for_backward():
         q, k, v, score, window=w, cache_size=M, sink_logits=sinks, chunk_size=16, recompute=recompute)
     inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, score, sinks))
     kept, recomputed = saved_bytes(lambda: run(False)), saved_bytes(lambda: run(True))
-    assert recomputed <= inputs_bytes + 4096, (recomputed, inputs_bytes)
+    assert recomputed <= inputs_bytes + 2 * 3 * T * 4 + 4096, (recomputed, inputs_bytes)
     assert kept > 5 * inputs_bytes, (kept, inputs_bytes)
 
 
@@ -192,12 +198,135 @@ def test_left_padding_is_never_cached_or_seen():
     torch.testing.assert_close(padded[:, :, pad:], alone, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("w,M,T", [(3, 2, 30), (5, 4, 7), (8, 3, 6), (2, 40, 25)])
+def test_each_pairs_stay_in_the_cache_is_the_interval_the_sorting_rule_gives(w, M, T, ties):
+    """``cache_until``: pair s is a member at query t (the top M of the pairs s' <= t - w by
+    (score, s), found by sorting) exactly when s <= t - w < j_s; left padding is never a member."""
+    _, _, _, score, _ = inputs(T, seed=7, ties=ties)
+    P, pad = max(T - w, 0), 2
+    candidate = (torch.arange(P) >= torch.tensor([0, pad])[:, None])             # row 1: two pads
+    until = cache_until(score[:, :, :P], candidate, M)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                old = [s for s in range(P) if s <= t - w and candidate[b, s]]
+                top = set(sorted(old, key=lambda s: (score[b, h, s].item(), s), reverse=True)[:M])
+                live = {s for s in range(P) if s <= t - w < until[b, h, s]}
+                assert live == top, (b, h, t)
+
+
+def grads_of(run, leaves, seed=9):
+    o, st = run(*leaves)
+    weight = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=o.dtype)
+    return o, st, torch.autograd.grad((o * weight).sum(), leaves, allow_unused=True)
+
+
+@pytest.mark.parametrize("case", ["logits", "kv sinks", "softcap", "cache q and k", "left padding", "short"])
+@pytest.mark.parametrize("C", [1, 4, 16])
+def test_the_live_form_equals_the_span_loop(case, C):
+    """From a fresh state the chunk form runs all spans at once (the live form): outputs, every
+    field of the final state and every gradient are the span loop's (the same state, not said
+    to be fresh), with sinks of both kinds, soft-capping, a cache read with its own q and k, left
+    padding, and inputs shorter than the window or the cache; decoding on from either state agrees."""
+    w, M, T = (6, 9, 5) if case == "short" else (4, 3, 23)
+    q, k, v, score, sinks = inputs(T, seed=11)
+    g = torch.Generator().manual_seed(12)
+    extra = lambda *shape: torch.randn(*shape, generator=g, dtype=q.dtype)  # noqa: E731
+    leaves = {"q": q, "k": k, "v": v}
+    if case == "kv sinks":
+        leaves.update(sink_k=extra(H, 2, D), sink_v=extra(H, 2, D))
+    else:
+        leaves["sink_logits"] = sinks
+    if case == "cache q and k":
+        leaves.update(cache_q=extra(B, H, T, D), leave_k=extra(B, H, T, D))
+    pos = torch.tensor([0, -3]) if case == "left padding" else torch.zeros(B, dtype=torch.int64)
+    kw = {"window": w, "cache_size": M, "chunk_size": C, "softcap": 2.0 if case == "softcap" else None}
+    names = list(leaves)
+
+    def run(form, *xs):
+        st = fresh_state(B, H, D, D, w, M, dtype=torch.float64, pos=pos)
+        x = dict(zip(names, xs))
+        return sparse_window_attn_chunk(x.pop("q"), x.pop("k"), x.pop("v"), score, state=st, fresh_state=True,
+                                        form=form, **x, **kw)
+
+    with count_chunk_steps() as steps:
+        live = grads_of(lambda *xs: run("live", *xs), [t.clone().requires_grad_(True) for t in leaves.values()])
+    assert steps["spans"] == 0
+    loop = grads_of(lambda *xs: run("spans", *xs), [t.clone().requires_grad_(True) for t in leaves.values()])
+    torch.testing.assert_close(live[0], loop[0], rtol=1e-12, atol=1e-12)
+    for field in SparseWindowState._fields:
+        torch.testing.assert_close(getattr(live[1], field), getattr(loop[1], field), rtol=1e-12, atol=1e-12,
+                                   msg=field)
+    for name, a, b in zip(names, live[2], loop[2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    nxt = inputs(3, seed=13)
+    rest = {n: x[:, :, :3] for n, x in leaves.items() if n in ("cache_q", "leave_k")}
+    step = lambda st: sparse_window_attn_recurrent(  # noqa: E731
+        *nxt[:3], nxt[3], state=st, window=w, cache_size=M, softcap=kw["softcap"], **rest,
+        **{n: leaves[n] for n in ("sink_logits", "sink_k", "sink_v") if n in leaves})[0]
+    torch.testing.assert_close(step(live[1]), step(loop[1]), rtol=1e-12, atol=1e-12)
+
+
+def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
+    """None picks the live form on a GPU from a fresh state up to ``LIVE_MAX`` tokens (its
+    comparisons grow as T^2), else the span loop; both give the sorting reference's outputs."""
+    T, C, w, M = 20, 4, 3, 2
+    q, k, v, score, sinks = inputs(T, seed=14)
+    kw = {"window": w, "cache_size": M, "sink_logits": sinks, "chunk_size": C}
+    ref = reference(q, k, v, score, sinks, w, M)
+    given = shifted(score, w)
+    for device_type, limit, state, spans in (("cpu", T, None, T // C), ("cuda", T, None, 0),
+                                             ("cuda", T - 1, None, T // C), ("cuda", T, "carried", T // C)):
+        monkeypatch.setattr(chunk, "LIVE_MAX", limit)
+        monkeypatch.setattr(chunk, "on_gpu", lambda x, d=device_type: d == "cuda")
+        st = fresh_state(B, H, D, D, w, M, dtype=torch.float64) if state else None
+        with count_chunk_steps() as steps:
+            o = sparse_window_attn_chunk(q, k, v, given, state=st, **kw)[0]
+        assert steps["spans"] == spans, (device_type, limit, state)
+        torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_live_form_equals_the_span_loop(dtype):
+    """On CUDA at a training shape (T = 1024, window 64, 128 cached pairs read with their own q and
+    k, tied scores): the form the chunk op picks there (live) gives the span loop's outputs and
+    gradients, both computing in fp32."""
+    Bg, Hg, T, Dg, w, M = 2, 3, 1024, 64, 64, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(dtype)  # noqa: E731
+    leaves = [x(Bg, Hg, T, Dg) for _ in range(5)] + [torch.randn(Hg, 2, device="cuda")]
+    score = torch.randint(0, 50, (Bg, Hg, T), device="cuda", generator=g).float()
+    weight = x(Bg, Hg, T, Dg).float()
+
+    def run(form):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+        q, k, v, cq, lk, sinks = xs
+        o, st = sparse_window_attn_chunk(q, k, v, score, window=w, cache_size=M, sink_logits=sinks, cache_q=cq,
+                                         leave_k=lk, chunk_size=64 if form else 256, form=form)
+        grads = torch.autograd.grad((o.float() * weight).sum(), xs)
+        return o.float(), st, grads
+
+    live, loop = run(None), run("spans")
+    torch.testing.assert_close(live[0], loop[0], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    assert torch.equal(torch.sort(live[1].cache_pos, -1).values, torch.sort(loop[1].cache_pos, -1).values)
+    for name, a, b in zip(("q", "k", "v", "cache_q", "leave_k", "sinks"), live[2], loop[2]):
+        scale = b.float().abs().max().clamp_min(1e-6)
+        assert ((a.float() - b.float()).abs().max() / scale) < (2e-2 if dtype == torch.bfloat16 else 1e-5), name
+
+
 def test_bad_inputs_are_named():
     q, k, v, score, _ = inputs(5)
     with pytest.raises(ValueError, match=r"score must have shape \(B, H, T\) = \(2, 3, 5\), got \(2, 3, 4\)"):
         sparse_window_attn_chunk(q, k, v, score[..., :4], window=2, cache_size=2)
     with pytest.raises(ValueError, match=r"leave_k must have q's shape \(B, H, T, Dk\) = \(2, 3, 5, 8\), got \(2, 3, 4, 8\)"):
         sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=2, leave_k=k[:, :, :4])
+    with pytest.raises(ValueError, match=r"form must be one of \('spans', 'live'\) or None, got 'fast'"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=2, form="fast")
+    carried = fresh_state(B, H, D, D, 2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="form='live' needs a fresh state"):
+        sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=2, state=carried, form="live")
     with pytest.raises(ValueError, match="cache_size must be a positive int, got 0"):
         sparse_window_attn_chunk(q, k, v, score, window=2, cache_size=0)
     st = fresh_state(B, H, D, D, 2, 3, dtype=torch.float64)

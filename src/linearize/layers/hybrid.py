@@ -397,7 +397,8 @@ class HybridAttention(nn.Module):
             if c.sparse_score == "relative":  # the share of the value lost, whatever its norm
                 score = score / v_out.norm(dim=-1).clamp_min(torch.finfo(acc).tiny)
         local = state.get("local")
-        if local is None:  # rows start at minus their left padding, as the window's
+        fresh = local is None
+        if fresh:  # rows start at minus their left padding, as the window's
             _, pos = self._fresh_window_state(lk, valid)
             B, H, _, d = lk.shape
             local = fresh_sparse_state(B, H, d, v.shape[-1], c.window, c.sparse_cache,
@@ -408,9 +409,12 @@ class HybridAttention(nn.Module):
             y_w, local = sparse_window_attn_recurrent(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
                                                       **far, **kw)
         else:
-            # its forms are equal at any span length, and a span is a few dozen small kernels: long spans
+            # its forms are equal at any span length; a fresh state runs every span at once (the live
+            # form, blocks of chunk_size queries), a carried one loops, and there a span is a few dozen
+            # small kernels: long spans
+            span = c.chunk_size if fresh else max(c.chunk_size, SPARSE_SPAN)
             y_w, local = sparse_window_attn_chunk(lq, lk, v, score, cache_size=c.sparse_cache, state=local,
-                                                  chunk_size=max(c.chunk_size, SPARSE_SPAN), **far, **kw)
+                                                  chunk_size=span, fresh_state=fresh, **far, **kw)
         state["local"] = local
         if valid is not None:  # padding queries see no keys; give them zeros, not NaN
             y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)

@@ -169,26 +169,39 @@ def sink_softmax_attend(
     the compute dtype. A query that sees nothing (a padding position, without sinks) gets 0.
     ``softcap`` (already validated) caps the window and sink-key scores, not the sink logits.
     """
+    scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~mask, -math.inf)
+    return sink_softmax(scores, values, q, scale, sink_logits, sink_k, sink_v, softcap)
+
+
+def sink_softmax(
+    scores: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
+    sink_logits: Optional[torch.Tensor], sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """``sink_softmax_attend`` from the scores: ``scores (B, H, ..., Tq, Tk)`` already scaled, capped
+    and masked (-inf), ``values (B, H, ..., Tk, Dv)``, ``q (B, H, ..., Tq, Dk)`` for the sink keys;
+    any number of batch dimensions after the heads."""
     dt = q.dtype
+    H, extra = q.shape[1], q.dim() - 4  # dims between the heads and the queries
     kv_sinks = sink_k is not None and sink_k.shape[1] > 0
     logit_sinks = sink_logits is not None and sink_logits.shape[1] > 0
-    scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap).masked_fill(~mask, -math.inf)
     # The stabiliser cancels out of the softmax, so no gradient needs to flow through it; it
     # includes the sinks so that a large sink logit cannot overflow the denominator.
     c = scores.detach().amax(-1, keepdim=True)
     if kv_sinks:
-        # (B, H, Tq, m), no positions; query-key logits, so capped like the window's
-        sink_scores = soft_cap(q @ sink_k.to(dt).transpose(-1, -2) * scale, softcap)
+        # (B, H, ..., Tq, m), no positions; query-key logits, so capped like the window's
+        per_head = lambda x: x.to(dt).view(H, *([1] * extra), *x.shape[1:])  # noqa: E731
+        sink_scores = soft_cap(q @ per_head(sink_k).transpose(-1, -2) * scale, softcap)
         c = torch.maximum(c, sink_scores.detach().amax(-1, keepdim=True))
     if logit_sinks:
-        logits = sink_logits.to(dt)[None, :, None, :]  # (1, H, 1, m)
+        logits = sink_logits.to(dt).view(1, H, *([1] * extra), 1, -1)  # (1, H, ..., 1, m)
         c = torch.maximum(c, logits.detach().amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # rows that see nothing
     p = torch.exp(scores - c)
     num, den = p @ values, p.sum(-1, keepdim=True)
     if kv_sinks:
         ps = torch.exp(sink_scores - c)
-        num = num + ps @ sink_v.to(dt)
+        num = num + ps @ per_head(sink_v)
         den = den + ps.sum(-1, keepdim=True)
     if logit_sinks:
         den = den + torch.exp(logits - c).sum(-1, keepdim=True)  # zero values: denominator only

@@ -1,0 +1,102 @@
+"""The sparse window's live form (every span at once) against its span loop, on one GPU, in one process.
+
+1. The op, forward + backward, at lizard-recall's settings (window 64, 256 cached pairs read with
+   their own q and k, 2 sink logits, 9 heads of 64): medians of CUDA-event times, and the largest
+   difference between the two forms' outputs.
+2. lizard-recall's training step as ``linearize train`` runs it (``bench train``'s cells: CUDA graph,
+   compiled feature maps), stage 1 and stage 2, with the live form and with the span loop, beside
+   lizard-gdn (no cache) and the teacher + LoRA.
+
+    python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from linearize.ops.sparse_window import chunk, sparse_window_attn_chunk
+
+H, D, W, M = 9, 64, 64, 256
+
+
+def op_times(B: int, T: int, rounds: int = 10) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = lambda: torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()  # noqa: E731
+    leaves = [x() for _ in range(5)] + [torch.zeros(H, 2, device="cuda")]
+    score = torch.rand(B, H, T, device="cuda", generator=g)
+    out = {"B": B, "T": T}
+    outputs = {}
+    for name, form, C in (("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128)):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+
+        def run():
+            q, k, v, cq, lk, sinks = xs
+            o, _ = sparse_window_attn_chunk(q, k, v, score, window=W, cache_size=M, sink_logits=sinks,
+                                            cache_q=cq, leave_k=lk, chunk_size=C, form=form)
+            o.float().sum().backward()
+            return o
+
+        outputs[name] = run().float()
+        times = []
+        for _ in range(rounds):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        out[name] = {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+    ref = outputs["spans C256"]
+    out["max_abs_diff_vs_spans"] = {n: float((o - ref).abs().max()) for n, o in outputs.items()}
+    return out
+
+
+def model_cells(cells: list[tuple[int, int]]) -> list[dict]:
+    from linearize.bench.train import our_kernel_names, run_cell
+
+    ours, dev, rows = our_kernel_names(), torch.device("cuda"), []
+    kw = dict(steps=5, warmup=2, device=dev, layers=None, ours=ours)
+    real = chunk.on_gpu
+    for B, T in cells:
+        rows.append(run_cell("smollm2-135m-random", T, "lizard", "teacher", "kernels", batch_size=B, **kw))
+        for method in ("lizard-gdn", "lizard-recall"):
+            for stage in ("stage1", "stage2"):
+                forms = ("live", "spans") if method == "lizard-recall" else ("-",)
+                for form in forms:
+                    chunk.on_gpu = real if form != "spans" else (lambda x: False)
+                    try:
+                        cell = run_cell("smollm2-135m-random", T, method, stage, "kernels", batch_size=B,
+                                        graph=True, **kw)
+                    finally:
+                        chunk.on_gpu = real
+                    cell["sparse_form"] = form
+                    rows.append(cell)
+                    print({k: cell.get(k) for k in ("seq_len", "method", "stage", "sparse_form", "step_ms_median",
+                                                    "tokens_per_s", "peak_allocated_bytes", "status")}, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", nargs="+", default=["8x2048", "4x4096"])
+    p.add_argument("--skip-model", action="store_true")
+    a = p.parse_args()
+    cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
+    for B, T in cells:
+        result["op"].append(op_times(B, T))
+        print(json.dumps(result["op"][-1])[:600], flush=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    if not a.skip_model:
+        result["model"] = model_cells(cells)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
