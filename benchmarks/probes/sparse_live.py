@@ -24,7 +24,7 @@ from linearize.ops.sparse_window import chunk, sparse_window_attn_chunk
 H, D, W, M = 9, 64, 64, 256
 
 
-def op_times(B: int, T: int, rounds: int = 10) -> dict:
+def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = lambda: torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()  # noqa: E731
     leaves = [x() for _ in range(5)] + [torch.zeros(H, 2, device="cuda")]
@@ -51,8 +51,16 @@ def op_times(B: int, T: int, rounds: int = 10) -> dict:
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
         out[name] = {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+        if name == "live C64" and profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as prof
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                run()
+                torch.cuda.synchronize()
+            out["profile_live"] = p.key_averages().table(sort_by="self_cuda_time_total", row_limit=22)
+            print(out["profile_live"], flush=True)
     ref = outputs["spans C256"]
-    out["max_abs_diff_vs_spans"] = {n: float((o - ref).abs().max()) for n, o in outputs.items()}
+    out["max_abs_diff_vs_spans"] = {n: float((o.detach() - ref.detach()).abs().max()) for n, o in outputs.items()}
     return out
 
 
@@ -86,12 +94,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cells", nargs="+", default=["8x2048", "4x4096"])
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--profile", action="store_true", help="the live form's CUDA kernels, one forward + backward")
     a = p.parse_args()
     cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
     for B, T in cells:
-        result["op"].append(op_times(B, T))
-        print(json.dumps(result["op"][-1])[:600], flush=True)
+        result["op"].append(op_times(B, T, profile=a.profile))
+        print({k: v for k, v in result["op"][-1].items() if k != "profile_live"}, flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
     if not a.skip_model:
         result["model"] = model_cells(cells)

@@ -8,11 +8,11 @@ rank above it. That count only grows with t, so membership is one interval per p
     member(t, s)  <=>  s <= t - w < j_s,   j_s = min{ j >= s : #{s' <= j ranking above s} >= M }
 
 (j_s = s: never cached; j_s = T - w: still cached at the end). With the j_s known, query block
-[t0, t0 + C) sees at most M + C - 1 live pairs (the members at t0 and those entering during the
-block), so every block batches into one (B, H, T/C, C, (M + C) + (w + C)) softmax with autograd
-through plain gathers and matmuls: no sequential loop and no per-span ranking. Work: the j_s are
-O(T^2) comparisons (without gradients, in blocks of rows: the selection is a ranking), the blocks'
-lists O(T^2 / C), the attention O(T (M + w + C) D).
+[t0, t0 + C) sees at most M + C live pairs (at most M cached before t0, and the C that leave the
+window during the block), so every block batches into one (B, H, T/C, C, (M + C) + (w + C)) softmax
+with autograd through plain gathers and matmuls: no sequential loop and no per-span ranking. Work:
+the j_s are O(T^2) comparisons of ranks (without gradients, in blocks of rows: the selection is a
+ranking), the blocks' lists O(T^2 / C), the attention O(T (M + w + C) D).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..window_attn.naive import sink_softmax, soft_cap
 from .naive import SparseWindowState
 
 COMPARE_ELEMENTS = 1 << 27  # (rows x pairs x B x H) compared at once while finding the j_s
+NEVER = -(1 << 30)  # the j_s of a pair that is not there (padding of a band): t - w < NEVER for no t
 
 
 @torch.no_grad()
@@ -34,16 +35,20 @@ def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: i
     never cached (left padding). A pair ranks above s by a larger score, ties by a larger index."""
     B, H, P = pair_score.shape
     idx = torch.arange(P, device=pair_score.device, dtype=torch.int32)
+    # one rank a pair, 0 the best (ties: the newer pair); a pair that is no candidate ranks last, so
+    # that "s' ranks above s" is one comparison of ranks
+    newer = idx.flip(0).long().expand(B, H, P)
+    order = newer.gather(-1, torch.argsort(pair_score.gather(-1, newer), dim=-1, descending=True, stable=True))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=idx.device).expand(B, H, P))
+    rank = torch.where(candidate[:, None, :], rank, P)
+    count_dtype = torch.int16 if P < (1 << 15) else torch.int32
     rows = max(1, COMPARE_ELEMENTS // max(1, B * H * P))
     out = []
     for r0 in range(0, P, rows):
         r = slice(r0, min(P, r0 + rows))
-        mine = pair_score[:, :, r, None]                                        # (B, H, R, 1)
-        other = pair_score[:, :, None, :]                                       # (B, H, 1, P)
-        above = (other > mine) | ((other == mine) & (idx > idx[r, None]))       # (B, H, R, P)
-        above &= candidate[:, None, None, :]
+        above = rank[:, :, None, :] < rank[:, :, r, None]                               # (B, H, R, P)
         # the count is non-decreasing along j: the first j where it reaches M is how many stay below M
-        first = (above.cumsum(-1, dtype=torch.int32) < cache_size).sum(-1, dtype=torch.int32)
+        first = (above.cumsum(-1, dtype=count_dtype) < cache_size).sum(-1, dtype=torch.int32)
         out.append(torch.maximum(first, idx[r]))
     until = torch.cat(out, -1) if out else idx.expand(B, H, 0)
     return torch.where(candidate[:, None, :], until, idx)
@@ -60,45 +65,59 @@ def live_attend(q, k, v, cache_q, leave_k, until, pos0, sink_logits, sink_k, sin
                 cache_size: int, scale: float, softcap, block: int) -> torch.Tensor:
     """Every query block at once (see the module). q, k (B, H, T, Dk), v (B, H, T, Dv), cache_q and
     leave_k as the op takes them (None: q, k), until (B, H, P) the j_s, pos0 (B,) the first
-    position; all floats in the compute dtype. Returns o (B, H, T, Dv)."""
+    position; all floats in the compute dtype. Returns o (B, H, T, Dv).
+
+    Block b (queries t0 = b C .. t0 + C - 1) attends, in one softmax with the sinks:
+      old     the pairs s < t0 - w still cached at t0 (at most M: compacted into M slots)
+      new     the pairs t0 - w .. t0 - w + C - 1, which leave the window during the block (a band)
+      window  the keys t0 - w .. t0 + C - 1 (a band)"""
     B, H, T, Dk = q.shape
     cache_q, cache_k = q if cache_q is None else cache_q, pair_keys(k, leave_k, window)
-    Dv, w, C, P = v.shape[-1], window, block, cache_k.shape[2]
+    Dv, w, C, P, M = v.shape[-1], window, block, cache_k.shape[2], cache_size
     nb = -(-T // C)
     Tq = nb * C
     dev = q.device
     blocks = lambda x: F.pad(x, (0, 0, 0, Tq - T)).view(B, H, nb, C, x.shape[-1])  # noqa: E731
     t = torch.arange(Tq, device=dev).view(nb, C)                                      # query indices
     first = t[:, 0]                                                                  # (nb,)
+    tw = t[None, None, :, :, None] - w                                               # (1, 1, nb, C, 1)
 
-    # window: block b's queries see indices b C - w + 1 .. b C + C - 1 (w + C keys from b C - w)
+    def band(x: torch.Tensor, front: int, size: int, fill=0) -> torch.Tensor:
+        """(B, H, nb, size, ...): x's rows b C - front .. b C - front + size - 1 (``fill`` outside)."""
+        lead = x.new_full((*x.shape[:2], front, *x.shape[3:]), fill)
+        tail = x.new_full((*x.shape[:2], max(0, Tq + size - C - front - x.shape[2]), *x.shape[3:]), fill)
+        rows = torch.cat([lead, x, tail], 2).unfold(2, size, C)[:, :, :nb]         # (B, H, nb, ..., size)
+        return rows.movedim(-1, 3)
+
+    # window: query t sees t - w < s <= t, at positions >= 0
     s_win = first[:, None] - w + torch.arange(w + C, device=dev)                    # (nb, w + C)
-    band = lambda x: F.pad(x, (0, 0, w, Tq - T)).unfold(2, w + C, C).transpose(-1, -2)  # noqa: E731
     ok_pos = (pos0[:, None, None] + s_win >= 0) & (s_win >= 0) & (s_win < T)        # (B, nb, w + C)
     near = ((s_win[:, None, :] <= t[:, :, None]) & (s_win[:, None, :] > t[:, :, None] - w))[None] & ok_pos[:, :, None]
-    win_scores = blocks(q) @ band(k).transpose(-1, -2) * scale                       # (B, H, nb, C, w + C)
+    win_scores = blocks(q) @ band(k, w, w + C).transpose(-1, -2) * scale             # (B, H, nb, C, w + C)
     win_scores = soft_cap(win_scores, softcap).masked_fill(~near[:, None], float("-inf"))
-    win_values = band(v)
 
-    # cache: the pairs live somewhere in the block, at most M + C - 1, gathered block by block
-    K = min(cache_size + C - 1, P)
+    # new: pair s is cached at t while s <= t - w < j_s
+    s_new = (first[:, None] - w + torch.arange(C, device=dev))[None, None, :, None, :]  # (1, 1, nb, 1, C)
+    new_until = band(until, w, C, NEVER)[..., None, :]                               # (B, H, nb, 1, C)
+    new_member = (s_new <= tw) & (tw < new_until)
+    new_scores = blocks(cache_q) @ band(cache_k, w, C).transpose(-1, -2) * scale    # (B, H, nb, C, C)
+
+    # old: compacted by counting (slot = how many old pairs come before), the rest into a spare slot M
     s = torch.arange(P, device=dev)
-    alive = ((s <= first[:, None] + C - 1 - w)[None, None] & (until[:, :, None, :] > first[:, None] - w)
-             & (s < until)[:, :, None, :])                                          # (B, H, nb, P)
-    pick = torch.argsort((~alive).to(torch.int8), dim=-1, stable=True)[..., :K]     # live ones first
-    live = alive.gather(-1, pick)
-    # by indexing: its backward adds into (B, H, P, D), where a gather from an expanded view would
-    # fill (B, H, nb, P, D) and sum it
-    rows = torch.arange(B, device=dev)[:, None, None, None], torch.arange(H, device=dev)[None, :, None, None]
-    gather = lambda x: x[rows[0], rows[1], pick]  # noqa: E731
-    pair_until = gather(until)                                                       # (B, H, nb, K)
-    tw = t[None, None, :, :, None] - w                                              # (1, 1, nb, C, 1)
-    member = live[..., None, :] & (pick[..., None, :] <= tw) & (tw < pair_until[..., None, :])
-    cache_scores = blocks(cache_q) @ gather(cache_k).transpose(-1, -2) * scale      # (B, H, nb, C, K)
-    cache_scores = soft_cap(cache_scores, softcap).masked_fill(~member, float("-inf"))
+    old = (s < first[:, None] - w)[None, None] & (until[:, :, None, :] > first[:, None] - w)  # (B, H, nb, P)
+    slot = torch.where(old, old.cumsum(-1, dtype=torch.int32) - 1, M).long()
+    pick = torch.full((B, H, nb, M + 1), P, dtype=torch.long, device=dev)
+    pick = pick.scatter_(-1, slot, s.expand(B, H, nb, P))[..., :M].reshape(B, H, nb * M)
+    gather = lambda x, fill=0: F.pad(x, (0, 0, 0, 1), value=fill).gather(  # noqa: E731
+        2, pick[..., None].expand(-1, -1, -1, x.shape[-1])).view(B, H, nb, M, x.shape[-1])
+    old_until = gather(until[..., None], NEVER)[..., 0][..., None, :]              # (B, H, nb, 1, M)
+    old_scores = blocks(cache_q) @ gather(cache_k).transpose(-1, -2) * scale        # (B, H, nb, C, M)
 
+    cache_scores = soft_cap(torch.cat([old_scores, new_scores], -1), softcap)
+    cache_scores = cache_scores.masked_fill(~torch.cat([(tw < old_until).expand(-1, -1, -1, C, -1), new_member.expand(
+        B, H, -1, C, -1)], -1), float("-inf"))
     scores = torch.cat([cache_scores, win_scores], -1)
-    values = torch.cat([gather(v[:, :, :P]), win_values], -2)
+    values = torch.cat([gather(v[:, :, :P]), band(v[:, :, :P], w, C), band(v, w, w + C)], -2)
     o = sink_softmax(scores, values, blocks(q), scale, sink_logits, sink_k, sink_v, softcap)
     return o.reshape(B, H, Tq, Dv)[:, :, :T]
 
