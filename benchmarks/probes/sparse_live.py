@@ -1,13 +1,13 @@
 """The sparse window's live form (every span at once) against its span loop, on one GPU, in one process.
 
-1. The op, forward + backward, at lizard-recall's settings (window 128, 256 cached pairs read with
+1. The op, forward + backward (with --compiled, the live form under torch.compile too), at lizard-recall's settings (window 128, 256 cached pairs read with
    their own q and k, 4 sink logits, 9 heads of 64): medians of CUDA-event times, and the largest
    difference between the two forms' outputs.
 2. lizard-recall's training step as ``linearize train`` runs it (``bench train``'s cells: CUDA graph,
    compiled feature maps), stage 1 and stage 2, with the live form and with the span loop, beside
    lizard-gdn (no cache) and the teacher + LoRA.
 
-    python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model]
+    python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model] [--profile] [--compiled]
 """
 
 from __future__ import annotations
@@ -19,20 +19,23 @@ from pathlib import Path
 
 import torch
 
-from linearize.ops.sparse_window import chunk, sparse_window_attn_chunk
+from linearize.ops.sparse_window import chunk, live, sparse_window_attn_chunk
 
 H, D, W, M, SINKS = 9, 64, 128, 256, 4
 
 
-def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
+def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = lambda: torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()  # noqa: E731
     leaves = [x() for _ in range(5)] + [torch.zeros(H, SINKS, device="cuda")]
     score = torch.rand(B, H, T, device="cuda", generator=g)
     out = {"B": B, "T": T}
     outputs = {}
-    for name, form, C in (("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128)):
+    eager, compiled = live.live_attend, torch.compile(live.live_attend, dynamic=False)
+    forms = [("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128)]
+    for name, form, C in forms + ([("live C64 compiled", "live", 64)] if compiled else []):
         xs = [t.clone().requires_grad_(True) for t in leaves]
+        chunk.live_attend = compiled if name.endswith("compiled") else eager
 
         def run():
             q, k, v, cq, lk, sinks = xs
@@ -59,6 +62,7 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
                 torch.cuda.synchronize()
             out["profile_live"] = p.key_averages().table(sort_by="self_cuda_time_total", row_limit=22)
             print(out["profile_live"], flush=True)
+    chunk.live_attend = eager
     ref = outputs["spans C256"]
     out["max_abs_diff_vs_spans"] = {n: float((o.detach() - ref.detach()).abs().max()) for n, o in outputs.items()}
     return out
@@ -96,11 +100,13 @@ def main() -> None:
     p.add_argument("--cells", nargs="+", default=["8x2048", "4x4096"])
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--profile", action="store_true", help="the live form's CUDA kernels, one forward + backward")
+    p.add_argument("--compiled", action="store_true",
+                   help="also the live form under torch.compile (its backward crashed inductor's CPU code once)")
     a = p.parse_args()
     cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
     for B, T in cells:
-        result["op"].append(op_times(B, T, profile=a.profile))
+        result["op"].append(op_times(B, T, profile=a.profile, compiled=a.compiled))
         print({k: v for k, v in result["op"][-1].items() if k != "profile_live"}, flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
     def save(rows):
