@@ -812,6 +812,59 @@ def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int
 # name -> (case function, kwargs, dtype); small shapes for the CPU interpreter (T not a multiple
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16
+def sparse_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, M: int, C: int, nsink: int,
+                cache_qk: bool = True, pad: int = 0, ties: bool = False, B: int = 2, H: int = 2,
+                seed: int = 0) -> dict[str, float]:
+    """The sparse window's chunk op from a fresh state, its live form on the Triton kernels (asserted
+    to run once), vs the span loop in fp64 on the same rounded inputs: o, every field of the final
+    state, d{q, k, v, cache_q, leave_k, sink_logits}. Row 1 starts with ``pad`` tokens of padding."""
+    from linearize.ops.sparse_window import fresh_state, sparse_window_attn_chunk
+    from linearize.ops.sparse_window import triton as ksparse
+
+    g = _gen(seed)
+    x = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = [x(B, H, T, D), x(B, H, T, D), x(B, H, T, DV)] + ([x(B, H, T, D), x(B, H, T, D)] if cache_qk else [])
+    ins = [t.to(dtype) for t in ins]
+    sinks = x(H, nsink) if nsink else None
+    score = (torch.randint(0, 3, (B, H, T), generator=g).double() if ties
+             else torch.rand(B, H, T, generator=g, dtype=torch.float64))
+    pos = torch.tensor([0, -pad] + [0] * (B - 2))[:B]
+    do = x(B, H, T, DV).to(dtype).double()
+
+    def run(xs, s, dev, form):
+        st = fresh_state(B, H, D, DV, W, M, dtype=torch.float64 if form == "spans" else torch.float32,
+                         device=dev, pos=pos.to(dev))
+        cq, lk = (xs[3], xs[4]) if cache_qk else (None, None)
+        return sparse_window_attn_chunk(xs[0], xs[1], xs[2], score.to(dev), window=W, cache_size=M,
+                                        sink_logits=s, state=st, fresh_state=True, form=form, cache_q=cq,
+                                        leave_k=lk, chunk_size=C)
+
+    ref_in = [t.double().requires_grad_() for t in ins]
+    ref_s = sinks.clone().requires_grad_() if nsink else None
+    o, st = run(ref_in, ref_s, torch.device("cpu"), "spans")
+    (o * do).sum().backward()
+    dev = torch.device(device)
+    k_in = [t.to(dev).requires_grad_() for t in ins]
+    k_s = sinks.float().to(dev).requires_grad_() if nsink else None
+    apply, calls = ksparse._SparseLive.apply, []
+    ksparse._SparseLive.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        o2, st2 = run(k_in, k_s, dev, "live")
+        assert o2.dtype == dtype
+        (o2.double() * do.to(dev)).sum().backward()
+    finally:
+        ksparse._SparseLive.apply = apply
+    err = {"o": rel_rms(o2.cpu(), o), "one kernel call": 0.0 if calls == [1] else float("inf")}
+    for field in ("k", "v", "cache_k", "cache_v", "cache_score"):
+        err[f"state.{field}"] = rel_rms(getattr(st2, field).cpu().double(), getattr(st, field))
+    err["state.cache_pos"] = 0.0 if torch.equal(st2.cache_pos.cpu(), st.cache_pos) else float("inf")
+    for name, a, b in zip(("dq", "dk", "dv", "dcache_q", "dleave_k"), k_in, ref_in):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
+    if nsink:
+        err["dsink_logits"] = rel_rms(k_s.grad.cpu(), ref_s.grad)
+    return err
+
+
 INTERPRETER_CASES = {
     "gla f32 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24, dstate_bv=16), F32),
     "gla f32 norm plain": (gla_case, dict(normalize=True, log_space=False, T=45, DK=16, DV=24), F32),
@@ -912,6 +965,13 @@ INTERPRETER_CASES = {
     # liza's layer takes the Triton scan and means the same with the kernels off
     "delta liza layer f32": (delta_layer_case, dict(), F32),
     "delta liza layer f32 product2": (delta_layer_case, dict(order=2), F32),
+    # the sparse window's live form: cached pairs read with their own q and k, a padded row, tied scores,
+    # more slots than pairs, no sinks, blocks wider than a key tile
+    "sparse f32 cache q and k padded": (sparse_case, dict(T=70, D=16, DV=8, W=8, M=5, C=16, nsink=2, pad=3), F32),
+    "sparse f32 ties no sinks": (sparse_case, dict(T=37, D=16, DV=16, W=4, M=3, C=8, nsink=0, ties=True,
+                                                   cache_qk=False), F32),
+    "sparse f32 many slots wide blocks": (sparse_case, dict(T=150, D=8, DV=16, W=16, M=200, C=128, nsink=4), F32),
+    "sparse bf16 cache q and k": (sparse_case, dict(T=70, D=16, DV=16, W=8, M=6, C=16, nsink=2, pad=2), BF16),
 }
 
 
@@ -921,8 +981,9 @@ CASE_TOL = {"model bf16 autocast lizard": 3e-2}  # bf16 autocast against fp32, n
 
 # op -> the first words of its cases' names: each op's test file (tests/ops/test_gla.py,
 # test_window_attn.py, test_lizard_attn.py: the hybrid layer and the model are Lizard's;
-# test_delta_fast.py) runs its own cases in one subprocess, ``python kernel_cases.py <op>``
-CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model"), "delta": ("delta",)}
+# test_delta_fast.py; test_sparse_window.py) runs its own cases in one subprocess, ``python kernel_cases.py <op>``
+CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model"), "delta": ("delta",),
+            "sparse": ("sparse",)}
 
 
 def cases_of(op: str) -> list[str]:

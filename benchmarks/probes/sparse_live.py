@@ -1,11 +1,12 @@
 """The sparse window's live form (every span at once) against its span loop, on one GPU, in one process.
 
-1. The op, forward + backward (with --compiled, the live form under torch.compile too), at lizard-recall's settings (window 128, 256 cached pairs read with
+1. The op, forward + backward: the span loop, the live form on its Triton kernels and on batched torch
+   (with --compiled, under torch.compile too), at lizard-recall's settings (window 128, 256 cached pairs read with
    their own q and k, 4 sink logits, 9 heads of 64): medians of CUDA-event times, and the largest
    difference between the two forms' outputs.
 2. lizard-recall's training step as ``linearize train`` runs it (``bench train``'s cells: CUDA graph,
-   compiled feature maps), stage 1 and stage 2, with the live form and with the span loop, beside
-   lizard-gdn (no cache) and the teacher + LoRA.
+   compiled feature maps), stage 1 and stage 2, with the live form on its Triton kernels, on batched
+   torch, and with the span loop, beside lizard-gdn (no cache) and the teacher + LoRA.
 
     python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model] [--profile] [--compiled]
 """
@@ -32,10 +33,14 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
     out = {"B": B, "T": T}
     outputs = {}
     eager, compiled = live.live_attend, torch.compile(live.live_attend, dynamic=False)
-    forms = [("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128)]
+    forms = [("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128),
+             ("live C64 torch", "live", 64), ("live C128 torch", "live", 128)]
+    kernel_switch = chunk.live_kernel_applies
     for name, form, C in forms + ([("live C64 compiled", "live", 64)] if compiled else []):
         xs = [t.clone().requires_grad_(True) for t in leaves]
         chunk.live_attend = compiled if name.endswith("compiled") else eager
+        torch_only = name.endswith("torch") or name.endswith("compiled")
+        chunk.live_kernel_applies = (lambda *a: False) if torch_only else kernel_switch
 
         def run():
             q, k, v, cq, lk, sinks = xs
@@ -62,30 +67,33 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
                 torch.cuda.synchronize()
             out["profile_live"] = p.key_averages().table(sort_by="self_cuda_time_total", row_limit=22)
             print(out["profile_live"], flush=True)
-    chunk.live_attend = eager
+    chunk.live_attend, chunk.live_kernel_applies = eager, kernel_switch
     ref = outputs["spans C256"]
     out["max_abs_diff_vs_spans"] = {n: float((o.detach() - ref.detach()).abs().max()) for n, o in outputs.items()}
     return out
 
 
-def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
+def model_cells(cells: list[tuple[int, int]], save, forms: tuple[str, ...]) -> list[dict]:
     from linearize.bench.train import our_kernel_names, run_cell
 
     ours, dev, rows = our_kernel_names(), torch.device("cuda"), []
+    forms_of = lambda method: forms if method == "lizard-recall" else ("-",)  # noqa: E731
     kw = dict(steps=5, warmup=2, device=dev, layers=None, ours=ours)
-    real = chunk.on_gpu
+    real, kernel_switch = chunk.on_gpu, chunk.live_kernel_applies
     for B, T in cells:
         rows.append(run_cell("smollm2-135m-random", T, "lizard", "teacher", "kernels", batch_size=B, **kw))
+        save(rows)
         for method in ("lizard-gdn", "lizard-recall"):
             for stage in ("stage1", "stage2"):
-                forms = ("live", "spans") if method == "lizard-recall" else ("-",)
+                forms = forms_of(method)
                 for form in forms:
                     chunk.on_gpu = real if form != "spans" else (lambda x: False)
+                    chunk.live_kernel_applies = kernel_switch if form == "live" else (lambda *a: False)
                     try:
                         cell = run_cell("smollm2-135m-random", T, method, stage, "kernels", batch_size=B,
                                         graph=True, **kw)
                     finally:
-                        chunk.on_gpu = real
+                        chunk.on_gpu, chunk.live_kernel_applies = real, kernel_switch
                     cell["sparse_form"] = form
                     rows.append(cell)
                     save(rows)  # a call cut short keeps the cells done
@@ -99,6 +107,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cells", nargs="+", default=["8x2048", "4x4096"])
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--forms", nargs="+", default=["live", "live-torch", "spans"],
+                   help="lizard-recall's step on the live form's kernels, its batched torch, the span loop")
     p.add_argument("--profile", action="store_true", help="the live form's CUDA kernels, one forward + backward")
     p.add_argument("--compiled", action="store_true",
                    help="also the live form under torch.compile (its backward crashed inductor's CPU code once)")
@@ -114,7 +124,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
     if not a.skip_model:
-        save(model_cells(cells, save))
+        save(model_cells(cells, save, tuple(a.forms)))
 
 
 if __name__ == "__main__":

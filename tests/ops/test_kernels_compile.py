@@ -373,3 +373,22 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
 
     k = window_gluon.compile_for_hopper(window=window, model_layout=model_layout)
     _assemble_warp_specialised(k, tmp_path, 12 * 64 * 128 * 2, max_spill=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
+    """The sparse window's live form (lizard-recall's shapes: window 128, 256 cached pairs read with
+    their own q and k, 4 sink logits, blocks of 64 queries), forward and backward."""
+    from linearize.ops.sparse_window.live import old_slots
+    from linearize.ops.sparse_window.triton import sparse_live_triton
+
+    B, H, T, D, W, M, C = 1, 2, 512, 64, 128, 256, 64
+    q, k, v, cq, lk = (torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(5))
+    sinks = torch.zeros(H, 4, requires_grad=True)
+    until = torch.zeros(B, H, T - W, dtype=torch.int32)
+    pick = old_slots(until, T, W, M, C).int()
+    o = sparse_live_triton(q, k, v, cq, lk[:, :, W:], sinks, until, pick, torch.zeros(B, dtype=torch.int32),
+                           window=W, cache_size=M, scale=D ** -0.5, block=C)
+    _backward(o, q, k, v, cq, lk, sinks)
+    assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel"}
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import count_chunk_steps
-from kernel_checks import needs_cuda
+from kernel_cases import cases_of
+from kernel_checks import assert_interpreter_case, needs_cuda, needs_triton
 from linearize.ops.sparse_window import (
     SparseWindowState, chunk, fresh_state, sparse_window_attn_chunk, sparse_window_attn_parallel,
     sparse_window_attn_recurrent,
@@ -287,12 +288,22 @@ def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
 
 
+# the live form's Triton kernels under the interpreter (tests/ops/conftest.py, interpreter_results)
+INTERPRETER_OP = "sparse"
+
+
+@needs_triton
+@pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
+def test_interpreter_kernels_match_the_span_loop(interpreter_results, name):
+    assert_interpreter_case(interpreter_results, name)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_live_form_equals_the_span_loop(dtype):
     """On CUDA at a training shape (T = 1024, window 64, 128 cached pairs read with their own q and
-    k, tied scores): the form the chunk op picks there (live) gives the span loop's outputs and
-    gradients, both computing in fp32."""
+    k, tied scores): the form the chunk op picks there (live, on its Triton kernels) gives the span
+    loop's outputs and gradients (the loop computes in fp32, the kernels from the inputs' dtype)."""
     Bg, Hg, T, Dg, w, M = 2, 3, 1024, 64, 64, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     x = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(dtype)  # noqa: E731

@@ -4,7 +4,8 @@ From a fresh state (no state, or ``fresh_state``) the spans can also run all at 
 each pair's stay in the cache is an interval, found by comparisons), the same outputs and state
 without a sequential loop. ``form`` picks: "spans", "live", or None: live where it pays, on a GPU
 (one batch of kernels for the whole input instead of a few dozen small ones a span) up to
-``LIVE_MAX`` tokens; a CPU loops, its comparisons would cost more than the spans.
+``LIVE_MAX`` tokens; a CPU loops, its comparisons would cost more than the spans. Where the kernels
+run, the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import common
 from ..window_attn.naive import check_softcap
-from .live import cache_until, final_state, live_attend, pair_keys
+from ..backend.dispatch import kernels_enabled, on_kernel_device
+from .live import cache_until, final_state, live_attend, old_slots, pair_keys
 from .naive import SparseWindowState, check_inputs, span_step
 
 LIVE_MAX = 16384  # beyond, the live form's O(T^2) comparisons cost more than the span loop
@@ -38,6 +40,15 @@ def run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave
 
 def on_gpu(x: torch.Tensor) -> bool:
     return x.device.type != "cpu"
+
+
+def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap) -> bool:
+    """The live form's Triton kernels (``triton.py``) run where the kernels run (``backend.dispatch``),
+    for one float dtype of q, k, v and the cache's q and k, without soft-cap or key/value sinks."""
+    xs = [x for x in (q, k, v, cache_q, leave_k) if x is not None]
+    extra = [sink_logits] if sink_logits is not None else []
+    return (softcap is None and sink_k is None and max(q.shape[-1], v.shape[-1]) <= 256
+            and len({x.dtype for x in xs}) == 1 and kernels_enabled() and on_kernel_device(*xs, *extra))
 
 
 def sparse_window_attn_chunk(
@@ -67,17 +78,25 @@ def sparse_window_attn_chunk(
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
     grad = recompute and torch.is_grad_enabled()
     if live:
-        P, out_dtype = max(q.shape[2] - window, 0), v.dtype
+        P, out_dtype, raw = max(q.shape[2] - window, 0), v.dtype, (q, k, v, cache_q, leave_k)
         cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
         q, k, v, cache_q, leave_k, score = (cast(x) for x in (q, k, v, cache_q, leave_k, score))
         pair_pos = state.pos[:, None] + torch.arange(P, device=q.device)
         until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
-        args = (q, k, v, cache_q, leave_k, until, state.pos, sink_logits, sink_k, sink_v)
-        kw = dict(window=window, cache_size=cache_size, scale=scale, softcap=softcap, block=chunk_size)
-        if grad:
-            o = checkpoint(live_attend, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+        if live_kernel_applies(*raw, sink_logits, sink_k, softcap):
+            from .triton import sparse_live_triton
+            rq, rk, rv, rcq, rlk = raw
+            o = sparse_live_triton(rq, rk, rv, rq if rcq is None else rcq, pair_keys(rk, rlk, window), sink_logits,
+                                   until, old_slots(until, q.shape[2], window, cache_size, chunk_size).int(),
+                                   (-state.pos).clamp_min(0).int(), window=window, cache_size=cache_size,
+                                   scale=scale, block=chunk_size)
         else:
-            o = live_attend(*args, **kw)
+            args = (q, k, v, cache_q, leave_k, until, state.pos, sink_logits, sink_k, sink_v)
+            kw = dict(window=window, cache_size=cache_size, scale=scale, softcap=softcap, block=chunk_size)
+            if grad:
+                o = checkpoint(live_attend, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+            else:
+                o = live_attend(*args, **kw)
         return o.to(out_dtype), final_state(k, v, pair_keys(k, leave_k, window), score, until, state, window)
     args = (q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k)
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)

@@ -61,6 +61,23 @@ def pair_keys(k: torch.Tensor, leave_k: torch.Tensor | None, window: int) -> tor
     return k[:, :, :P] if leave_k is None else leave_k[:, :, window:]
 
 
+@torch.no_grad()
+def old_slots(until: torch.Tensor, T: int, window: int, cache_size: int, block: int) -> torch.Tensor:
+    """``(B, H, ceil(T / block), M)`` int64: for each query block b, the pairs s < b C - w still cached
+    at its first query (j_s > b C - w; at most M), in position order, then P (an empty slot). They are
+    compacted by counting (a pair's slot is how many such pairs come before it), the rest thrown into
+    a spare slot: no sort."""
+    B, H, P = until.shape
+    w, M, C = window, cache_size, block
+    nb = -(-T // C)
+    first = torch.arange(nb, device=until.device) * C
+    s = torch.arange(P, device=until.device)
+    old = (s < first[:, None] - w)[None, None] & (until[:, :, None, :] > first[:, None] - w)  # (B, H, nb, P)
+    slot = torch.where(old, old.cumsum(-1, dtype=torch.int32) - 1, M).long()
+    pick = torch.full((B, H, nb, M + 1), P, dtype=torch.long, device=until.device)
+    return pick.scatter_(-1, slot, s.expand(B, H, nb, P))[..., :M]
+
+
 def live_attend(q, k, v, cache_q, leave_k, until, pos0, sink_logits, sink_k, sink_v, *, window: int,
                 cache_size: int, scale: float, softcap, block: int) -> torch.Tensor:
     """Every query block at once (see the module). q, k (B, H, T, Dk), v (B, H, T, Dv), cache_q and
@@ -102,12 +119,8 @@ def live_attend(q, k, v, cache_q, leave_k, until, pos0, sink_logits, sink_k, sin
     new_member = (s_new <= tw) & (tw < new_until)
     new_scores = blocks(cache_q) @ band(cache_k, w, C).transpose(-1, -2) * scale    # (B, H, nb, C, C)
 
-    # old: compacted by counting (slot = how many old pairs come before), the rest into a spare slot M
-    s = torch.arange(P, device=dev)
-    old = (s < first[:, None] - w)[None, None] & (until[:, :, None, :] > first[:, None] - w)  # (B, H, nb, P)
-    slot = torch.where(old, old.cumsum(-1, dtype=torch.int32) - 1, M).long()
-    pick = torch.full((B, H, nb, M + 1), P, dtype=torch.long, device=dev)
-    pick = pick.scatter_(-1, slot, s.expand(B, H, nb, P))[..., :M].reshape(B, H, nb * M)
+    # old: the pairs cached before the block, in M slots
+    pick = old_slots(until, T, w, M, C).reshape(B, H, nb * M)
     gather = lambda x, fill=0: F.pad(x, (0, 0, 0, 1), value=fill).gather(  # noqa: E731
         2, pick[..., None].expand(-1, -1, -1, x.shape[-1])).view(B, H, nb, M, x.shape[-1])
     old_until = gather(until[..., None], NEVER)[..., 0][..., None, :]              # (B, H, nb, 1, M)

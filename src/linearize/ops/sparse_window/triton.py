@@ -1,0 +1,281 @@
+"""Triton kernels of the sparse window's live form (``live.py``): each block of BM queries attends to
+its three key groups in one online softmax, with the scores in registers (FlashAttention's form).
+
+Block b (queries t0 = b BM .. t0 + BM - 1; BM is the live form's block C):
+
+    old     the M slots of ``pick[b]`` (pairs cached before t0; P = an empty slot), read with cache_q
+            against the pairs' cache keys: visible while t - w < j_s
+    new     the pairs t0 - w .. t0 - w + BM - 1 (leaving the window during the block), cache_q against
+            their cache keys: visible while s <= t - w < j_s
+    window  keys t - w < s <= t at s >= kmin (the row's left padding), q against k
+
+and the sink logits (zero values) start the softmax, as in ``window_attn.triton`` (base 2; the row's
+log-sum-exp is kept for the backward). The backward is one pass per query block: dq and d cache_q in
+registers, and each tile's dk (or d cache-key) and dv added with atomics (a cached pair is read by
+many blocks), fp32 accumulators, then cast. Restrictions (the torch live form runs otherwise): no
+soft-cap, no key/value sinks, D and Dv <= 256.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend.dispatch import patch_interpreter, pow2
+from ..window_attn.triton import _store_sink_grad, _visible
+
+patch_interpreter()
+
+LOG2E = 1.4426950408889634
+NEVER = -(1 << 30)
+BN = 64  # keys a tile
+
+
+@triton.jit
+def _tile(Q_T, KEYS, VALS, idx, valid, jj, rows, kind: tl.constexpr, kmin, W: tl.constexpr, qk_scale, od, md, odv, mdv,
+          D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+    """One key tile: its keys (BN, BD), values (BN, BDV), scores (BM, BN) in base 2 and visibility.
+    kind 0: old slots, 1: the band leaving the window, 2: the window."""
+    k = tl.load(KEYS + idx[:, None].to(tl.int64) * D + od[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+    v = tl.load(VALS + idx[:, None].to(tl.int64) * DV + odv[None, :], mask=valid[:, None] & mdv[None, :], other=0.0)
+    s = tl.dot(Q_T, tl.trans(k), input_precision=PREC) * qk_scale
+    tw = rows[:, None] - W
+    if kind == 0:
+        vis = valid[None, :] & (tw < jj[None, :])
+    elif kind == 1:
+        vis = valid[None, :] & (idx[None, :] <= tw) & (tw < jj[None, :])
+    else:
+        vis = valid[None, :] & _visible(rows, idx, kmin, W)
+    return k, v, s, vis
+
+
+@triton.jit
+def _tile_args(i_m, j, kind: tl.constexpr, PICK, UNTIL, pick_off, until_off, T, P, M: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
+    """Tile j of group ``kind``: its key indices, which are there, and their j_s (window: unused)."""
+    if kind == 0:
+        sl = j * BN + tl.arange(0, BN)
+        idx = tl.load(PICK + pick_off + sl, mask=sl < M, other=P)
+        valid = idx < P
+    elif kind == 1:
+        idx = i_m * BM - W + j * BN + tl.arange(0, BN)
+        valid = (idx >= 0) & (idx < P) & (j * BN + tl.arange(0, BN) < BM)
+    else:
+        idx = tl.maximum(i_m * BM - W + 1, 0) // BN * BN + j * BN + tl.arange(0, BN)
+        valid = (idx >= 0) & (idx < T)
+    if kind == 2:
+        jj = idx
+    else:
+        jj = tl.load(UNTIL + until_off + idx, mask=valid, other=-1073741824)
+    return idx, valid, jj
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    Q, CQ, K, LK, V, UNTIL, PICK, SINK, KMIN, O, LSE,
+    T, P, H, NB, NSINK, qk_scale,
+    W: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, NOLD: tl.constexpr, NNEW: tl.constexpr,
+    NWIN: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMIN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (query blocks, B*H): o and lse (fp32, base 2; +inf for a row that sees nothing)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    bh = i_bh.to(tl.int64)
+    rows = i_m * BM + tl.arange(0, BM)
+    mrow = rows < T
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    md = od < D
+    mdv = odv < DV
+    qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
+    q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
+    cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
+    if HAS_KMIN:
+        kmin = tl.load(KMIN + i_b)
+    else:
+        kmin = 0
+    if HAS_SINK:
+        osk = tl.arange(0, BS)
+        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        ms = tl.max(sl, 0)
+        m_i = tl.zeros([BM], dtype=tl.float32) + ms
+        l_i = tl.zeros([BM], dtype=tl.float32) + tl.sum(tl.exp2(sl - ms), 0)
+    else:
+        m_i = tl.zeros([BM], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    pick_off = (bh * NB + i_m) * M
+    until_off = bh * P
+    for kind in tl.static_range(3):
+        if kind == 0:
+            n = NOLD
+        elif kind == 1:
+            n = NNEW
+        else:
+            n = NWIN
+        for j in range(0, n):
+            idx, valid, jj = _tile_args(i_m, j, kind, PICK, UNTIL, pick_off, until_off, T, P, M, BM, BN, W)
+            if kind == 2:
+                k, v, s, vis = _tile(q, K + bh * T * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                                     od, md, odv, mdv, D, DV, PREC)
+            else:
+                k, v, s, vis = _tile(cq, LK + bh * P * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                                     od, md, odv, mdv, D, DV, PREC)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            corr = tl.exp2(m_i - m_new)
+            l_i = l_i * corr + tl.sum(p, 1)
+            acc = acc * corr[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+            m_i = m_new
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(LSE + bh * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")), mask=mrow)
+    tl.store(O + bh * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :], o.to(O.dtype.element_ty),
+             mask=mrow[:, None] & mdv[None, :])
+
+
+@triton.jit
+def _sparse_bwd_kernel(
+    Q, CQ, K, LK, V, UNTIL, PICK, SINK, KMIN, O, DO, LSE, DQ, DCQ, DK, DLK, DV_, DSINK,
+    T, P, H, NB, NSINK, qk_scale, sm_scale,
+    W: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, NOLD: tl.constexpr, NNEW: tl.constexpr,
+    NWIN: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMIN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (query blocks, B*H): dq, d cache_q; dk, d cache-keys and dv added (fp32 atomics); the
+    block's part of the sink logits' gradient into DSINK[(bh, block), :BS]."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    dt = Q.dtype.element_ty
+    bh = i_bh.to(tl.int64)
+    rows = i_m * BM + tl.arange(0, BM)
+    mrow = rows < T
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    md = od < D
+    mdv = odv < DV
+    qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
+    q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
+    cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
+    ooff = bh * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
+    do = tl.load(DO + ooff, mask=mrow[:, None] & mdv[None, :], other=0.0).to(tl.float32)
+    o = tl.load(O + ooff, mask=mrow[:, None] & mdv[None, :], other=0.0).to(tl.float32)
+    delta = tl.sum(do * o, 1)
+    lse = tl.load(LSE + bh * T + rows, mask=mrow, other=float("inf"))
+    do_c = do.to(dt)
+    if HAS_KMIN:
+        kmin = tl.load(KMIN + i_b)
+    else:
+        kmin = 0
+    dq = tl.zeros([BM, BD], dtype=tl.float32)
+    dcq = tl.zeros([BM, BD], dtype=tl.float32)
+    pick_off = (bh * NB + i_m) * M
+    until_off = bh * P
+    for kind in tl.static_range(3):
+        if kind == 0:
+            n = NOLD
+        elif kind == 1:
+            n = NNEW
+        else:
+            n = NWIN
+        for j in range(0, n):
+            idx, valid, jj = _tile_args(i_m, j, kind, PICK, UNTIL, pick_off, until_off, T, P, M, BM, BN, W)
+            if kind == 2:
+                k, v, s, vis = _tile(q, K + bh * T * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                                     od, md, odv, mdv, D, DV, PREC)
+            else:
+                k, v, s, vis = _tile(cq, LK + bh * P * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                                     od, md, odv, mdv, D, DV, PREC)
+            p = tl.where(vis & mrow[:, None], tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do_c, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dv = tl.dot(tl.trans(p.to(dt)), do_c, input_precision=PREC)
+            tl.atomic_add(DV_ + bh * T * DV + idx[:, None].to(tl.int64) * DV + odv[None, :], dv,
+                          mask=valid[:, None] & mdv[None, :])
+            if kind == 2:
+                dq += tl.dot(ds.to(dt), k, input_precision=PREC)
+                dk = tl.dot(tl.trans(ds.to(dt)), q, input_precision=PREC) * sm_scale
+                tl.atomic_add(DK + bh * T * D + idx[:, None].to(tl.int64) * D + od[None, :], dk,
+                              mask=valid[:, None] & md[None, :])
+            else:
+                dcq += tl.dot(ds.to(dt), k, input_precision=PREC)
+                dk = tl.dot(tl.trans(ds.to(dt)), cq, input_precision=PREC) * sm_scale
+                tl.atomic_add(DLK + bh * P * D + idx[:, None].to(tl.int64) * D + od[None, :], dk,
+                              mask=valid[:, None] & md[None, :])
+    tl.store(DQ + qoff, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
+    tl.store(DCQ + qoff, (dcq * sm_scale).to(DCQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
+    if HAS_SINK:
+        _store_sink_grad(SINK, DSINK, i_h, i_bh * NB + i_m, NSINK, tl.where(mrow, lse, float("inf")), delta, BS)
+
+
+def _launch_args(q, lk, sinks, window: int, cache_size: int, block: int) -> dict:
+    D, DV = q.shape[-1], None
+    nsink = sinks.shape[1] if sinks is not None else 0
+    return dict(W=window, M=cache_size, BD=pow2(D), BM=block, BN=BN, BS=pow2(max(nsink, 1)),
+                NOLD=math.ceil(cache_size / BN), NNEW=math.ceil(block / BN),
+                NWIN=math.ceil((window + block) / BN) + 1, HAS_SINK=nsink > 0,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+class _SparseLive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cq, lk, sinks, until, pick, kmin, window, cache_size, scale, block):
+        B, H, T, D = q.shape
+        DV, P, nb = v.shape[-1], lk.shape[2], pick.shape[2]
+        o = torch.empty(B, H, T, DV, dtype=v.dtype, device=q.device)
+        lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
+        kw = _launch_args(q, lk, sinks, window, cache_size, block)
+        nsink = sinks.shape[1] if sinks is not None else 0
+        dummy = lse
+        _sparse_fwd_kernel[(nb, B * H)](
+            q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, lse,
+            T, P, H, nb, max(nsink, 1), scale * LOG2E, D=D, DV=DV, BDV=pow2(DV), HAS_KMIN=kmin is not None, **kw)
+        ctx.save_for_backward(q, k, v, cq, lk, sinks, until, pick, kmin, o, lse)
+        ctx.geometry = (window, cache_size, scale, block)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, cq, lk, sinks, until, pick, kmin, o, lse = ctx.saved_tensors
+        window, cache_size, scale, block = ctx.geometry
+        B, H, T, D = q.shape
+        DV, P, nb = v.shape[-1], lk.shape[2], pick.shape[2]
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq, dcq = torch.empty_like(q), torch.empty_like(cq)
+        dk, dlk, dv = torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, P, D, **f32), torch.zeros(B, H, T, DV, **f32)
+        kw = _launch_args(q, lk, sinks, window, cache_size, block)
+        nsink = sinks.shape[1] if sinks is not None else 0
+        dsink = torch.empty(B * H * nb, kw["BS"], **f32) if nsink else None
+        dummy = lse
+        _sparse_bwd_kernel[(nb, B * H)](
+            q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kmin is not None else dummy, o,
+            do.to(v.dtype).contiguous(), lse, dq, dcq, dk, dlk, dv, dsink if nsink else dummy,
+            T, P, H, nb, max(nsink, 1), scale * LOG2E, scale, D=D, DV=DV, BDV=pow2(DV),
+            HAS_KMIN=kmin is not None, **kw)
+        d_sinks = None
+        if nsink:
+            d_sinks = dsink.view(B, H, nb, -1).sum((0, 2))[:, :nsink].to(sinks.dtype)
+        return (dq, dk.to(k.dtype), dv.to(v.dtype), dcq, dlk.to(lk.dtype), d_sinks,
+                None, None, None, None, None, None, None)
+
+
+def sparse_live_triton(q, k, v, cache_q, cache_k, sink_logits: Optional[torch.Tensor], until, pick,
+                       kmin: Optional[torch.Tensor], *, window: int, cache_size: int, scale: float,
+                       block: int) -> torch.Tensor:
+    """``live.live_attend``'s output from the kernels. q, k, cache_q (B, H, T, D), v (B, H, T, Dv),
+    cache_k (B, H, P, D) the pairs' cache keys, until (B, H, P) int32, pick (B, H, T/block, M) int32
+    (P: an empty slot), kmin (B,) int32 or None; any float dtype, one for all (fp32 math inside)."""
+    c = lambda x: x.contiguous()  # noqa: E731
+    return _SparseLive.apply(c(q), c(k), c(v), c(cache_q), c(cache_k), sink_logits, c(until), c(pick), kmin,
+                             window, cache_size, scale, block)
