@@ -269,6 +269,40 @@ def test_the_live_form_equals_the_span_loop(case, C):
     torch.testing.assert_close(step(live[1]), step(loop[1]), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("form", ["parallel", "recurrent", "spans", "live"])
+def test_the_state_keeps_its_pairs_in_the_inputs_dtypes(form):
+    """From bf16 inputs every form returns the state's pairs in bf16 (half the bytes of the fp32 it
+    computes in) holding exactly what an fp32 run of the same values holds, scores in fp32; decoding
+    on from either state gives the same outputs."""
+    T, w, M = 29, 4, 3
+    q, k, v, score, sinks = inputs(T, seed=15, dtype=torch.float32)
+    g = torch.Generator().manual_seed(16)
+    cq, lk = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+    half = [x.bfloat16() for x in (q, k, v, cq, lk)]
+    kw = {"window": w, "cache_size": M, "sink_logits": sinks}
+
+    def run(xs):
+        a, b, c, d, e = xs
+        extra = {"cache_q": d, "leave_k": e}
+        if form == "parallel":
+            return sparse_window_attn_parallel(a, b, c, score, **kw, **extra)
+        if form == "recurrent":
+            return sparse_window_attn_recurrent(a, b, c, score, **kw, **extra)
+        return sparse_window_attn_chunk(a, b, c, score, chunk_size=8, form=form, **kw, **extra)
+
+    o16, st16 = run(half)
+    o32, st32 = run([x.float() for x in half])
+    assert o16.dtype == torch.bfloat16
+    for field in ("k", "v", "cache_k", "cache_v"):
+        assert getattr(st16, field).dtype == torch.bfloat16, field
+        assert torch.equal(getattr(st16, field).float(), getattr(st32, field)), field
+    assert st16.cache_score.dtype == torch.float32 and torch.equal(st16.cache_score, st32.cache_score)
+    nxt = [x[:, :, :2].bfloat16() for x in inputs(2, seed=17, dtype=torch.float32)[:3]]
+    step = lambda st, xs: sparse_window_attn_recurrent(  # noqa: E731
+        *xs, score[:, :, :2], state=st, cache_q=xs[0], leave_k=xs[1], **kw)[0]
+    assert torch.equal(step(st16, nxt), step(st32, [x.float() for x in nxt]).bfloat16())
+
+
 def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
     """None picks the live form on a GPU from a fresh state up to ``LIVE_MAX`` tokens (its
     comparisons grow as T^2), else the span loop; both give the sorting reference's outputs."""

@@ -19,7 +19,7 @@ from .. import common
 from ..window_attn.naive import check_softcap
 from ..backend.dispatch import kernels_enabled, on_kernel_device
 from .live import cache_until, final_state, live_attend, old_slots, pair_keys
-from .naive import SparseWindowState, check_inputs, span_step
+from .naive import SparseWindowState, check_inputs, span_step, stored
 
 LIVE_MAX = 16384  # beyond, the live form's O(T^2) comparisons cost more than the span loop
 FORMS = ("spans", "live")
@@ -97,12 +97,13 @@ def sparse_window_attn_chunk(
                 o = checkpoint(live_attend, *args, use_reentrant=False, preserve_rng_state=False, **kw)
             else:
                 o = live_attend(*args, **kw)
-        return o.to(out_dtype), final_state(k, v, pair_keys(k, leave_k, window), score, until, state, window)
+        new = final_state(k, v, pair_keys(k, leave_k, window), score, until, state, window)
+        return o.to(out_dtype), stored(new, *raw[1:3], raw[4])
     args = (q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k)
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
     if grad:
         # no randomness inside, so no RNG state to save (and none to query while a CUDA graph captures)
-        o, state = checkpoint(run_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
+        o, new = checkpoint(run_spans, *args, use_reentrant=False, preserve_rng_state=False, **kw)
     else:
-        o, state = run_spans(*args, **kw)
-    return o.to(v.dtype), state
+        o, new = run_spans(*args, **kw)
+    return o.to(v.dtype), stored(new, k, v, leave_k)

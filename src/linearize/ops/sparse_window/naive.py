@@ -7,6 +7,9 @@ State (``SparseWindowState``), with w the window and M the cache size:
   cache_score (B, H, M), cache_pos (B, H, M) int64    their scores and positions (-1: an empty slot)
   pos (B,) int64                                      tokens seen (negative at left padding)
 Positions below 0 are padding or before the sequence: never seen, never cached.
+Every form computes in the compute dtype (fp32 at least) and returns the state's pairs (k, v, cache_k,
+cache_v) in the dtypes of the inputs they are copies of (``stored``): nothing is lost, and a bf16
+model's decode state is half the bytes.
 """
 
 from __future__ import annotations
@@ -73,6 +76,15 @@ def check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v
     fl = lambda x: x.to(dt)  # noqa: E731
     return dt, SparseWindowState(fl(state.k), fl(state.v), fl(state.cache_k), fl(state.cache_v),
                                  fl(state.cache_score), state.cache_pos, state.pos)
+
+
+def stored(state: SparseWindowState, k: torch.Tensor, v: torch.Tensor,
+           leave_k: Optional[torch.Tensor] = None) -> SparseWindowState:
+    """``state`` as kept between calls: its pairs in the dtypes they came in (the window's keys in
+    k's, the cached keys in ``leave_k``'s or k's, values in v's), the scores and positions as they are."""
+    ck = k if leave_k is None else leave_k
+    return state._replace(k=state.k.to(k.dtype), v=state.v.to(v.dtype), cache_k=state.cache_k.to(ck.dtype),
+                          cache_v=state.cache_v.to(v.dtype))
 
 
 def ranks(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -155,7 +167,7 @@ def sparse_window_attn_parallel(
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
     cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
-    o, state = span_step(q.to(dt), k.to(dt), v.to(dt), score.to(dt), state, window=window, scale=scale,
-                         sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap,
-                         cache_q=cast(cache_q), leave_k=cast(leave_k))
-    return o.to(v.dtype), state
+    o, new = span_step(q.to(dt), k.to(dt), v.to(dt), score.to(dt), state, window=window, scale=scale,
+                       sink_logits=sink_logits, sink_k=sink_k, sink_v=sink_v, softcap=softcap,
+                       cache_q=cast(cache_q), leave_k=cast(leave_k))
+    return o.to(v.dtype), stored(new, k, v, leave_k)

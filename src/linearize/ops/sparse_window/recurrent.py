@@ -9,7 +9,7 @@ import torch
 from .. import common
 from ..window_attn.naive import check_softcap
 from .chunk import run_spans
-from .naive import SparseWindowState, check_inputs
+from .naive import SparseWindowState, check_inputs, stored
 
 
 def sparse_window_attn_recurrent(
@@ -21,6 +21,6 @@ def sparse_window_attn_recurrent(
 ) -> tuple[torch.Tensor, SparseWindowState]:
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
-    o, state = run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, window=window,
-                      scale=scale, softcap=softcap, chunk_size=1, dt=dt)
-    return o.to(v.dtype), state
+    o, new = run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k, window=window,
+                       scale=scale, softcap=softcap, chunk_size=1, dt=dt)
+    return o.to(v.dtype), stored(new, k, v, leave_k)
