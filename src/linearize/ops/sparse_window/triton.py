@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..backend.dispatch import patch_interpreter, pow2
-from ..window_attn.triton import _store_sink_grad, _visible
+from ..window_attn.triton import _block_offsets, _online_step, _sink_start, _store_sink_grad, _visible
 
 patch_interpreter()
 
@@ -75,6 +75,32 @@ def _tile_args(i_m, j, kind: tl.constexpr, PICK, UNTIL, pick_off, until_off, T, 
 
 
 @triton.jit
+def _tiles(kind: tl.constexpr, NOLD: tl.constexpr, NNEW: tl.constexpr, NWIN: tl.constexpr):
+    if kind == 0:
+        return NOLD
+    elif kind == 1:
+        return NNEW
+    else:
+        return NWIN
+
+
+@triton.jit
+def _group_tile(i_m, j, kind: tl.constexpr, q, cq, K, LK, V, UNTIL, PICK, bh, T, P, NB, rows, kmin, qk_scale,
+                od, md, odv, mdv, W: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """Tile j of group ``kind`` for query block i_m of head bh: (idx, valid, keys, values, scores, visible);
+    the window reads q against k, the cache groups cache_q against the pairs' cache keys."""
+    idx, valid, jj = _tile_args(i_m, j, kind, PICK, UNTIL, (bh * NB + i_m) * M, bh * P, T, P, M, BM, BN, W)
+    if kind == 2:
+        k, v, s, vis = _tile(q, K + bh * T * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                             od, md, odv, mdv, D, DV, PREC)
+    else:
+        k, v, s, vis = _tile(cq, LK + bh * P * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
+                             od, md, odv, mdv, D, DV, PREC)
+    return idx, valid, k, v, s, vis
+
+
+@triton.jit
 def _sparse_fwd_kernel(
     Q, CQ, K, LK, V, UNTIL, PICK, SINK, KMIN, O, LSE,
     T, P, H, NB, NSINK, qk_scale,
@@ -87,14 +113,8 @@ def _sparse_fwd_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    dt = Q.dtype.element_ty
     bh = i_bh.to(tl.int64)
-    rows = i_m * BM + tl.arange(0, BM)
-    mrow = rows < T
-    od = tl.arange(0, BD)
-    odv = tl.arange(0, BDV)
-    md = od < D
-    mdv = odv < DV
+    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
     qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
     q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
     cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
@@ -102,40 +122,13 @@ def _sparse_fwd_kernel(
         kmin = tl.load(KMIN + i_b)
     else:
         kmin = 0
-    if HAS_SINK:
-        osk = tl.arange(0, BS)
-        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        ms = tl.max(sl, 0)
-        m_i = tl.zeros([BM], dtype=tl.float32) + ms
-        l_i = tl.zeros([BM], dtype=tl.float32) + tl.sum(tl.exp2(sl - ms), 0)
-    else:
-        m_i = tl.zeros([BM], dtype=tl.float32) - 1.0e30
-        l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i, l_i = _sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
-    pick_off = (bh * NB + i_m) * M
-    until_off = bh * P
     for kind in tl.static_range(3):
-        if kind == 0:
-            n = NOLD
-        elif kind == 1:
-            n = NNEW
-        else:
-            n = NWIN
-        for j in range(0, n):
-            idx, valid, jj = _tile_args(i_m, j, kind, PICK, UNTIL, pick_off, until_off, T, P, M, BM, BN, W)
-            if kind == 2:
-                k, v, s, vis = _tile(q, K + bh * T * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
-                                     od, md, odv, mdv, D, DV, PREC)
-            else:
-                k, v, s, vis = _tile(cq, LK + bh * P * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
-                                     od, md, odv, mdv, D, DV, PREC)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            corr = tl.exp2(m_i - m_new)
-            l_i = l_i * corr + tl.sum(p, 1)
-            acc = acc * corr[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-            m_i = m_new
+        for j in range(0, _tiles(kind, NOLD, NNEW, NWIN)):
+            idx, valid, k, v, s, vis = _group_tile(i_m, j, kind, q, cq, K, LK, V, UNTIL, PICK, bh, T, P, NB, rows, kmin,
+                                                   qk_scale, od, md, odv, mdv, W, M, D, DV, BM, BN, PREC)
+            m_i, l_i, acc = _online_step(m_i, l_i, acc, tl.where(vis, s, float("-inf")), v, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(LSE + bh * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")), mask=mrow)
@@ -159,12 +152,7 @@ def _sparse_bwd_kernel(
     i_h = i_bh % H
     dt = Q.dtype.element_ty
     bh = i_bh.to(tl.int64)
-    rows = i_m * BM + tl.arange(0, BM)
-    mrow = rows < T
-    od = tl.arange(0, BD)
-    odv = tl.arange(0, BDV)
-    md = od < D
-    mdv = odv < DV
+    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
     qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
     q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
     cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
@@ -180,23 +168,10 @@ def _sparse_bwd_kernel(
         kmin = 0
     dq = tl.zeros([BM, BD], dtype=tl.float32)
     dcq = tl.zeros([BM, BD], dtype=tl.float32)
-    pick_off = (bh * NB + i_m) * M
-    until_off = bh * P
     for kind in tl.static_range(3):
-        if kind == 0:
-            n = NOLD
-        elif kind == 1:
-            n = NNEW
-        else:
-            n = NWIN
-        for j in range(0, n):
-            idx, valid, jj = _tile_args(i_m, j, kind, PICK, UNTIL, pick_off, until_off, T, P, M, BM, BN, W)
-            if kind == 2:
-                k, v, s, vis = _tile(q, K + bh * T * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
-                                     od, md, odv, mdv, D, DV, PREC)
-            else:
-                k, v, s, vis = _tile(cq, LK + bh * P * D, V + bh * T * DV, idx, valid, jj, rows, kind, kmin, W, qk_scale,
-                                     od, md, odv, mdv, D, DV, PREC)
+        for j in range(0, _tiles(kind, NOLD, NNEW, NWIN)):
+            idx, valid, k, v, s, vis = _group_tile(i_m, j, kind, q, cq, K, LK, V, UNTIL, PICK, bh, T, P, NB, rows, kmin,
+                                                   qk_scale, od, md, odv, mdv, W, M, D, DV, BM, BN, PREC)
             p = tl.where(vis & mrow[:, None], tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do_c, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])

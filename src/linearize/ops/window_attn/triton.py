@@ -50,6 +50,44 @@ def _visible(rows, cols, kmin, W: tl.constexpr):
 
 
 @triton.jit
+def _block_offsets(i_m, T, BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, D: tl.constexpr,
+                   DV: tl.constexpr):
+    """Query block i_m's rows and which are in range, and the key and value columns with theirs."""
+    rows = i_m * BM + tl.arange(0, BM)
+    od = tl.arange(0, BD)
+    odv = tl.arange(0, BDV)
+    return rows, rows < T, od, odv, od < D, odv < DV
+
+
+@triton.jit
+def _sink_start(SINK, i_h, NSINK, BM: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr):
+    """The online softmax's start (m, l) per row, base 2: the sink logits (values zero), or empty."""
+    if HAS_SINK:
+        osk = tl.arange(0, BS)
+        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
+        sl = sl * 1.4426950408889634  # base 2, like the scores
+        ms = tl.max(sl, 0)
+        m_i = tl.zeros([BM], dtype=tl.float32) + ms
+        l_i = tl.zeros([BM], dtype=tl.float32) + tl.sum(tl.exp2(sl - ms), 0)
+    else:
+        m_i = tl.zeros([BM], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BM], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _online_step(m_i, l_i, acc, s, v, PREC: tl.constexpr):
+    """One key tile into the online softmax: scores s (BM, BN, base 2, -inf where invisible), values
+    v (BN, BDV) in the inputs' dtype; returns the new (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    corr = tl.exp2(m_i - m_new)
+    l_i = l_i * corr + tl.sum(p, 1)
+    acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _win_fwd_kernel(
     Q, K, V, SINK, KMIN, O, LSE, YG, ALPHA, Y,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
@@ -64,31 +102,16 @@ def _win_fwd_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    dt = Q.dtype.element_ty
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
-    rows = i_m * BM + tl.arange(0, BM)
-    mrow = rows < T
-    od = tl.arange(0, BD)
-    odv = tl.arange(0, BDV)
-    md = od < D
-    mdv = odv < DV
+    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
     q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
     if HAS_KMIN:
         kmin = tl.load(KMIN + i_b)
     else:
         kmin = 0
-    if HAS_SINK:
-        osk = tl.arange(0, BS)
-        sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
-        sl = sl * 1.4426950408889634  # base 2, like the scores
-        ms = tl.max(sl, 0)
-        m_i = tl.zeros([BM], dtype=tl.float32) + ms
-        l_i = tl.zeros([BM], dtype=tl.float32) + tl.sum(tl.exp2(sl - ms), 0)
-    else:
-        m_i = tl.zeros([BM], dtype=tl.float32) - 1.0e30
-        l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i, l_i = _sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
     # key blocks from the one holding key (block start - w + 1) up to the diagonal block
     start = tl.maximum(i_m * BM - W + 1, 0) // BN * BN
@@ -99,12 +122,7 @@ def _win_fwd_kernel(
         v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         s = tl.where(_visible(rows, cols, kmin, W), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        corr = tl.exp2(m_i - m_new)
-        l_i = l_i * corr + tl.sum(p, 1)
-        acc = acc * corr[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(LSE + i_bh.to(tl.int64) * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")),
@@ -140,12 +158,7 @@ def _win_bwd_dq_kernel(
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
-    rows = i_m * BM + tl.arange(0, BM)
-    mrow = rows < T
-    od = tl.arange(0, BD)
-    odv = tl.arange(0, BDV)
-    md = od < D
-    mdv = odv < DV
+    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
     q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
     offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
     m2 = mrow[:, None] & mdv[None, :]
