@@ -6,11 +6,15 @@ not read" (the student).
 
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
         [--length 2048] [--depths 0.1,0.5] [--score relative|error] [--haystack BOOKS --kind number]
-        [--teacher-far W]
+        [--teacher-far W] [--surprise]
 
 --teacher-far W: STUDENT names a teacher instead; each head "keeps" the --cache keys that the
 teacher's queries more than W tokens later attend to most (the question's last 40 tokens left out):
 how well a rule trained on the teacher's attention beyond the window could do.
+
+--surprise: each head keeps the --cache pairs (of those that left the window) whose tokens the model
+predicted worst, by its own next-token loss on the prompt: a score that marks numbers and names
+before any question comes.
 
 STUDENT is a checkpoint folder or a bundled student's name; the cache is set to ``--cache`` pairs
 scored by ``--score`` (``checkpoint.load(overrides=...)``, no training), replacing any it has.
@@ -47,6 +51,17 @@ def far_attention_positions(model, ids: list[int], size: int, window: int, queri
     return [(a[0] * far).sum(1).topk(size, dim=-1).indices[None] for a in attentions]
 
 
+def surprise_positions(model, ids: list[int], size: int, window: int, layers: int) -> list[torch.Tensor]:
+    """Per layer: (1, 1, size) the positions s <= T - 1 - window whose token had the largest next-token
+    loss under ``model`` (its logits at s - 1; the first token is never kept)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+    left = len(ids) - window  # positions 1 .. T - 1 - window have left the window
+    top = loss[: max(left - 1, 0)].topk(min(size, max(left - 1, 0))).indices + 1
+    return [top[None, None]] * layers
+
+
 def find(ids: list[int], pattern: list[int], start: int = 0) -> list[int]:
     """The positions of the first occurrence of ``pattern`` in ``ids`` at or after ``start`` (empty if none)."""
     for i in range(start, len(ids) - len(pattern) + 1):
@@ -69,6 +84,7 @@ def main() -> None:
     p.add_argument("--haystack", help="natural text: score a needle among 3 distractors instead of the pass key")
     p.add_argument("--kind", default="number", help="the needle's kind: number, word or sentence")
     p.add_argument("--teacher-far", type=int, metavar="W", help="rank by a teacher's attention from W+ tokens later")
+    p.add_argument("--surprise", action="store_true", help="keep the pairs the model predicted worst")
     args = p.parse_args()
     if args.teacher_far:
         from linearize.models.teacher import load_teacher
@@ -95,6 +111,10 @@ def main() -> None:
             continue
         if args.teacher_far:
             positions = far_attention_positions(model, ids, args.cache, args.teacher_far, len(ids) - 40)
+        elif args.surprise:
+            from linearize.models.convert import linearized_layers
+            blocks = linearized_layers(model)
+            positions = surprise_positions(model, ids, args.cache, blocks[0].hybrid.config.window, len(blocks))
         else:
             with torch.no_grad():
                 _, cache, _ = prefill_model(model, torch.tensor([ids]), None, None)
