@@ -812,6 +812,59 @@ def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int
 # name -> (case function, kwargs, dtype); small shapes for the CPU interpreter (T not a multiple
 # of the 16-token chunks, widths not powers of two, forced sequence segments)
 F32, BF16 = torch.float32, torch.bfloat16
+def lolcats_case(device: str, dtype: torch.dtype, *, T: int, D: int, F: int, DV: int, W: int, C: int,
+                 state: bool = False, pad: int = 0, B: int = 2, H: int = 2, seed: int = 0) -> dict[str, float]:
+    """LoLCATs' chunk form with its bands on the Triton kernels (asserted to run once) vs the fp64
+    parallel form on the same rounded inputs: o, the state, d{q, k, v, fq, fk, window_factor} (and
+    d of a given state). Row 1 starts ``pad`` tokens of left padding in (negative positions)."""
+    from linearize.ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel
+    from linearize.ops.lolcats_attn import triton as klol
+
+    g = _gen(seed)
+    x = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = [x(B, H, T, D), x(B, H, T, D), x(B, H, T, DV), torch.rand(B, H, T, F, generator=g, dtype=torch.float64),
+           torch.rand(B, H, T, F, generator=g, dtype=torch.float64), torch.rand(H, generator=g, dtype=torch.float64)]
+    ins = [t.to(dtype) for t in ins]
+    L = W - 1
+    st = []
+    if state:  # a cache that has seen 2L tokens: every slot filled, S and z non-zero
+        st = [x(B, H, F, DV).abs(), x(B, H, F).abs(), x(B, H, L, D), torch.rand(B, H, L, F, generator=g,
+              dtype=torch.float64), x(B, H, L, DV)]
+    pos = torch.tensor([2 * L if state else 0, -pad] + [0] * (B - 2))[:B]
+    if not state:
+        st = [torch.zeros(B, H, F, DV, dtype=torch.float64), torch.zeros(B, H, F, dtype=torch.float64),
+              torch.zeros(B, H, L, D, dtype=torch.float64), torch.zeros(B, H, L, F, dtype=torch.float64),
+              torch.zeros(B, H, L, DV, dtype=torch.float64)]
+    do = x(B, H, T, DV)
+
+    def run(fn, xs, sts, **kw):
+        return fn(*xs, window=W, state=LolcatsState(*sts, pos.to(xs[0].device)), **kw)
+
+    ref_in = [t.double().requires_grad_() for t in ins]
+    ref_st = [t.clone().requires_grad_() for t in st]
+    o, s_ref = run(lolcats_attn_parallel, ref_in, ref_st)
+    ((o * do).sum() + s_ref.S.sum() + s_ref.z.sum()).backward()
+    dev = torch.device(device)
+    k_in = [t.to(dev).requires_grad_() for t in ins]
+    k_st = [t.float().to(dev).requires_grad_() for t in st]
+    apply, calls = klol._LolcatsBand.apply, []
+    klol._LolcatsBand.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        o2, s2 = run(lolcats_attn_chunk, k_in, k_st, chunk_size=C)
+        ((o2.double() * do.to(dev)).sum() + s2.S.double().sum() + s2.z.double().sum()).backward()
+    finally:
+        klol._LolcatsBand.apply = apply
+    err = {"o": rel_rms(o2.cpu(), o), "one kernel call": 0.0 if calls == [1] else float("inf")}
+    for field in ("S", "z", "k", "fk", "v"):
+        err[f"state.{field}"] = rel_rms(getattr(s2, field).cpu().double(), getattr(s_ref, field))
+    for name, a, b in zip(("dq", "dk", "dv", "dfq", "dfk", "dwindow_factor"), k_in, ref_in):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
+    if state:
+        for name, a, b in zip(("dS0", "dz0", "dk_cache", "dfk_cache", "dv_cache"), k_st, ref_st):
+            err[name] = rel_rms(a.grad.cpu(), b.grad)
+    return err
+
+
 def sparse_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, M: int, C: int, nsink: int,
                 cache_qk: bool = True, pad: int = 0, ties: bool = False, B: int = 2, H: int = 2,
                 seed: int = 0) -> dict[str, float]:
@@ -965,6 +1018,11 @@ INTERPRETER_CASES = {
     # liza's layer takes the Triton scan and means the same with the kernels off
     "delta liza layer f32": (delta_layer_case, dict(), F32),
     "delta liza layer f32 product2": (delta_layer_case, dict(order=2), F32),
+    # LoLCATs' bands: chunks wider than a key tile, a carried state, left padding, T not a multiple of C, w = 1
+    "lolcats f32 padded": (lolcats_case, dict(T=45, D=16, F=16, DV=16, W=8, C=16, pad=3), F32),
+    "lolcats f32 state wide": (lolcats_case, dict(T=70, D=16, F=24, DV=8, W=20, C=32, state=True), F32),
+    "lolcats f32 w=1": (lolcats_case, dict(T=33, D=16, F=16, DV=16, W=1, C=16), F32),
+    "lolcats bf16 state": (lolcats_case, dict(T=50, D=16, F=16, DV=16, W=8, C=16, state=True, pad=2), BF16),
     # the sparse window's live form: cached pairs read with their own q and k, a padded row, tied scores,
     # more slots than pairs, no sinks, blocks wider than a key tile
     "sparse f32 cache q and k padded": (sparse_case, dict(T=70, D=16, DV=8, W=8, M=5, C=16, nsink=2, pad=3), F32),
@@ -981,9 +1039,9 @@ CASE_TOL = {"model bf16 autocast lizard": 3e-2}  # bf16 autocast against fp32, n
 
 # op -> the first words of its cases' names: each op's test file (tests/ops/test_gla.py,
 # test_window_attn.py, test_lizard_attn.py: the hybrid layer and the model are Lizard's;
-# test_delta_fast.py; test_sparse_window.py) runs its own cases in one subprocess, ``python kernel_cases.py <op>``
+# test_delta_fast.py; test_sparse_window.py; test_lolcats_attn.py) runs its own cases in one subprocess, ``python kernel_cases.py <op>``
 CASE_OPS = {"gla": ("gla",), "window": ("window",), "lizard": ("lizard", "hybrid", "model"), "delta": ("delta",),
-            "sparse": ("sparse",)}
+            "sparse": ("sparse",), "lolcats": ("lolcats",)}
 
 
 def cases_of(op: str) -> list[str]:

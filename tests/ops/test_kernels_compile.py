@@ -392,3 +392,22 @@ def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     _backward(o, q, k, v, cq, lk, sinks)
     assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel"}
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
+
+
+def test_lolcats_band_kernels_compile_for_hopper(compiled):
+    """LoLCATs' bands (window 64, chunks of 64, Hedgehog features of 128), forward and backward, fp32
+    (the chunk form's compute dtype)."""
+    from linearize.ops.lolcats_attn.triton import lolcats_band_triton
+
+    B, H, T, D, F, W, C = 1, 2, 256, 64, 128, 64, 64
+    L, NC = W - 1, T // C
+    q, fq = torch.zeros(B, H, T, D, requires_grad=True), torch.zeros(B, H, T, F, requires_grad=True)
+    keys, fkeys, values = (torch.zeros(B, H, L + T, d, requires_grad=True) for d in (D, F, D))
+    S_j, z_j = torch.zeros(B, H, NC, F, D, requires_grad=True), torch.zeros(B, H, NC, F, requires_grad=True)
+    f = torch.zeros(H, requires_grad=True)
+    k_pos = torch.arange(-L, T)[None].expand(B, -1)
+    y = lolcats_band_triton(q, fq, keys, fkeys, values, k_pos, S_j, z_j, f, window=W, L=L, C=C, scale=D ** -0.5,
+                            eps=1e-6)
+    _backward(y, q, fq, keys, fkeys, values, S_j, z_j, f)
+    assert {name for name, *_ in compiled} == {"_lolcats_fwd_kernel", "_lolcats_bwd_kernel"}
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]

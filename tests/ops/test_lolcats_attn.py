@@ -4,7 +4,8 @@ import re
 import pytest
 import torch
 
-from kernel_checks import needs_cuda
+from kernel_cases import cases_of
+from kernel_checks import assert_interpreter_case, needs_cuda, needs_triton
 from helpers import TOL, assert_rel_close, assert_state_close, capped, count_chunk_steps, window_of
 from linearize.ops.lolcats_attn import (
     LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel, lolcats_attn_recurrent,
@@ -403,11 +404,22 @@ def hedgehog_inputs(length, device, seed=0):
     return q, k, v, fq, fk, torch.sigmoid(r(2))
 
 
+# the bands' Triton kernels under the interpreter (tests/ops/conftest.py, interpreter_results)
+INTERPRETER_OP = "lolcats"
+
+
+@needs_triton
+@pytest.mark.parametrize("name", cases_of(INTERPRETER_OP))
+def test_interpreter_kernels_match_the_parallel_form(interpreter_results, name):
+    assert_interpreter_case(interpreter_results, name)
+
+
 @needs_cuda
 def test_gpu_bf16_at_16k_tokens_stays_close_to_fp64():
-    """On the GPU (cumsum as a parallel scan) at T = 16384: bf16 output, state and gradients against
-    the fp64 chunk form (itself equal to the parallel reference, tests above) on the same
-    bf16-rounded inputs; what is left is bf16 rounding of o and the gradients, and no drift of S."""
+    """On the GPU (cumsum as a parallel scan, the bands on the Triton kernels) at T = 16384: bf16
+    output, state and gradients against the fp64 chunk form (itself equal to the parallel reference,
+    tests above) on the same bf16-rounded inputs; what is left is bf16 rounding of o and the
+    gradients, and no drift of S."""
     args = [x.bfloat16().requires_grad_() for x in hedgehog_inputs(16384, "cuda")]
     ref_args = [x.detach().double().requires_grad_() for x in args]
     dy = torch.randn(1, 2, 16384, 64, device="cuda", dtype=torch.float64).bfloat16()

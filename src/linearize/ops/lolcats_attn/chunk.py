@@ -9,7 +9,8 @@ The input is cut into NC = ceil(T / C) chunks (the last one zero-padded). Chunk 
 
 That is exactly what a loop over chunks with a cache of L keys computes, chunk for chunk; here the
 bands are scored with batched matmuls over (B, H, NC, C, L + C), so autograd records a fixed
-number of ops whatever T is. The per-chunk states are summed in the compute dtype (fp32 for bf16
+number of ops whatever T is; where the kernels run, one Triton kernel each way scores the bands in
+registers instead (``triton.py``; the per-chunk states stay torch). The per-chunk states are summed in the compute dtype (fp32 for bf16
 inputs; a bf16 running sum would drift over long T).
 
 Memory kept for backward, in the compute dtype (4 bytes in fp32), per token and head: about
@@ -25,8 +26,17 @@ from typing import Optional
 import torch
 
 from .. import common
+from ..backend.dispatch import kernels_enabled, on_kernel_device
 from ..window_attn.naive import check_softcap, key_positions
 from .naive import LolcatsState, check_inputs, foldable, hybrid_combine, split_keys
+
+
+def band_kernel_applies(q, k, v, fq, fk, dt: torch.dtype, terraced: bool, softcap, C: int) -> bool:
+    """The bands on the Triton kernels (``triton.py``): where the kernels run (``backend.dispatch``),
+    in fp32, for a standard window without soft-cap, chunks of a power of two >= 16 and widths <= 256."""
+    return (dt == torch.float32 and not terraced and softcap is None and C >= 16 and C & (C - 1) == 0
+            and max(q.shape[-1], fq.shape[-1], v.shape[-1]) <= 256 and kernels_enabled()
+            and on_kernel_device(q, k, v, fq, fk))
 
 
 def lolcats_attn_chunk(
@@ -78,9 +88,14 @@ def lolcats_attn_chunk(
     S_j = torch.cat([state.S[:, :, None], S_blocks[:, :, :-1]], dim=2).cumsum(2)
     z_j = torch.cat([state.z[:, :, None], z_blocks[:, :, :-1]], dim=2).cumsum(2)
 
-    o = hybrid_combine(chunks(q), chunks(fq), bands(keys), bands(fkeys), bands(values), win, older,
-                       S_j, z_j, window_factor.to(dt), scale, eps, softcap)
-    o = o.reshape(B, H, NC * C, Dv)[:, :, :T]
+    if band_kernel_applies(q, k, v, fq, fk, dt, terraced, softcap, C):
+        from .triton import lolcats_band_triton
+        o = lolcats_band_triton(q.to(dt), fq.to(dt), keys, fkeys, values, k_pos, S_j, z_j, window_factor.to(dt),
+                                window=window, L=L, C=C, scale=scale, eps=eps)
+    else:
+        o = hybrid_combine(chunks(q), chunks(fq), bands(keys), bands(fkeys), bands(values), win, older,
+                           S_j, z_j, window_factor.to(dt), scale, eps, softcap)
+        o = o.reshape(B, H, NC * C, Dv)[:, :, :T]
     cache = (x[:, :, T:T + L].clone() for x in (keys, fkeys, values))  # the last L of [cache ++ input]
     S, z = S_j[:, :, -1] + S_blocks[:, :, -1], z_j[:, :, -1] + z_blocks[:, :, -1]
     return o.to(v.dtype), LolcatsState(S, z, *cache, state.pos + T)
