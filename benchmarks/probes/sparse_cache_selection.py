@@ -6,7 +6,7 @@ not read" (the student).
 
     PYTHONPATH=src python3 benchmarks/probes/sparse_cache_selection.py STUDENT [--cache 256]
         [--length 2048] [--depths 0.1,0.5] [--score relative|error] [--haystack BOOKS --kind number]
-        [--teacher-far W] [--surprise]
+        [--teacher-far W] [--surprise] [--window W]
 
 --teacher-far W: STUDENT names a teacher instead; each head "keeps" the --cache keys that the
 teacher's queries more than W tokens later attend to most (the question's last 40 tokens left out):
@@ -85,12 +85,14 @@ def main() -> None:
     p.add_argument("--kind", default="number", help="the needle's kind: number, word or sentence")
     p.add_argument("--teacher-far", type=int, metavar="W", help="rank by a teacher's attention from W+ tokens later")
     p.add_argument("--surprise", action="store_true", help="keep the pairs the model predicted worst")
+    p.add_argument("--window", type=int, help="another window (pairs are scored when they leave it)")
     args = p.parse_args()
     if args.teacher_far:
         from linearize.models.teacher import load_teacher
         model, tok = load_teacher(args.student)
     else:
-        model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score})
+        extra = {"window": args.window} if args.window else {}
+        model, tok = load(args.student, overrides={"sparse_cache": args.cache, "sparse_score": args.score, **extra})
     model.eval()
     rng = random.Random(5)
     if args.haystack:
