@@ -13,6 +13,7 @@ from linearize.ops.sparse_window import (
     SparseWindowState, chunk, fresh_state, sparse_window_attn_chunk, sparse_window_attn_parallel,
     sparse_window_attn_recurrent,
 )
+from linearize.ops.sparse_window import live
 from linearize.ops.sparse_window.live import cache_until
 
 B, H, D = 2, 3, 8
@@ -199,11 +200,14 @@ def test_left_padding_is_never_cached_or_seen():
     torch.testing.assert_close(padded[:, :, pad:], alone, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("block", [256, 3, 1])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("w,M,T", [(3, 2, 30), (5, 4, 7), (8, 3, 6), (2, 40, 25)])
-def test_each_pairs_stay_in_the_cache_is_the_interval_the_sorting_rule_gives(w, M, T, ties):
+def test_each_pairs_stay_in_the_cache_is_the_interval_the_sorting_rule_gives(w, M, T, ties, block, monkeypatch):
     """``cache_until``: pair s is a member at query t (the top M of the pairs s' <= t - w by
-    (score, s), found by sorting) exactly when s <= t - w < j_s; left padding is never a member."""
+    (score, s), found by sorting) exactly when s <= t - w < j_s; left padding is never a member;
+    the same whatever the scan's block (the cache carried from block to block)."""
+    monkeypatch.setattr(live, "SCAN_BLOCK", block)
     _, _, _, score, _ = inputs(T, seed=7, ties=ties)
     P, pad = max(T - w, 0), 2
     candidate = (torch.arange(P) >= torch.tensor([0, pad])[:, None])             # row 1: two pads
@@ -213,8 +217,8 @@ def test_each_pairs_stay_in_the_cache_is_the_interval_the_sorting_rule_gives(w, 
             for t in range(T):
                 old = [s for s in range(P) if s <= t - w and candidate[b, s]]
                 top = set(sorted(old, key=lambda s: (score[b, h, s].item(), s), reverse=True)[:M])
-                live = {s for s in range(P) if s <= t - w < until[b, h, s]}
-                assert live == top, (b, h, t)
+                members = {s for s in range(P) if s <= t - w < until[b, h, s]}
+                assert members == top, (b, h, t)
 
 
 def grads_of(run, leaves, seed=9):

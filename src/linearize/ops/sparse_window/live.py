@@ -11,7 +11,7 @@ rank above it. That count only grows with t, so membership is one interval per p
 [t0, t0 + C) sees at most M + C live pairs (at most M cached before t0, and the C that leave the
 window during the block), so every block batches into one (B, H, T/C, C, (M + C) + (w + C)) softmax
 with autograd through plain gathers and matmuls: no sequential loop and no per-span ranking. Work:
-the j_s are O(T^2) comparisons of ranks (without gradients, in blocks of rows: the selection is a
+the j_s a scan of O(T (M + 256)) comparisons of ranks (without gradients: the selection is a
 ranking), the blocks' lists O(T^2 / C), the attention O(T (M + w + C) D).
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..window_attn.naive import sink_softmax, soft_cap
 from .naive import SparseWindowState
 
-COMPARE_ELEMENTS = 1 << 27  # (rows x pairs x B x H) compared at once while finding the j_s
+SCAN_BLOCK = 256  # pairs a step of ``cache_until``'s scan
 NEVER = -(1 << 30)  # the j_s of a pair that is not there (padding of a band): t - w < NEVER for no t
 
 
@@ -32,26 +32,37 @@ def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: i
     """``(B, H, P)`` int32: j_s for pairs s = 0 .. P - 1 (see the module).
 
     ``pair_score (B, H, P)``: pair s's score; ``candidate (B, P)`` bool: False for pairs that are
-    never cached (left padding). A pair ranks above s by a larger score, ties by a larger index."""
+    never cached (left padding). A pair ranks above s by a larger score, ties by a larger index.
+
+    A scan over blocks of pairs, carrying the M best pairs so far (the cache): a pair ranked above
+    a member is a member too, so a member's count of pairs above it is counted within the cache, and
+    a new pair's up to M the same way; within the block the counts grow pair by pair. O(P (M + K))
+    comparisons for blocks of K pairs, none of them kept for a gradient."""
     B, H, P = pair_score.shape
-    idx = torch.arange(P, device=pair_score.device, dtype=torch.int32)
+    M, dev = cache_size, pair_score.device
+    idx = torch.arange(P, device=dev)
     # one rank a pair, 0 the best (ties: the newer pair); a pair that is no candidate ranks last, so
     # that "s' ranks above s" is one comparison of ranks
-    newer = idx.flip(0).long().expand(B, H, P)
+    newer = idx.flip(0).expand(B, H, P)
     order = newer.gather(-1, torch.argsort(pair_score.gather(-1, newer), dim=-1, descending=True, stable=True))
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=idx.device).expand(B, H, P))
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand(B, H, P))
     rank = torch.where(candidate[:, None, :], rank, P)
-    count_dtype = torch.int16 if P < (1 << 15) else torch.int32
-    rows = max(1, COMPARE_ELEMENTS // max(1, B * H * P))
-    out = []
-    for r0 in range(0, P, rows):
-        r = slice(r0, min(P, r0 + rows))
-        above = rank[:, :, None, :] < rank[:, :, r, None]                               # (B, H, R, P)
-        # the count is non-decreasing along j: the first j where it reaches M is how many stay below M
-        first = (above.cumsum(-1, dtype=count_dtype) < cache_size).sum(-1, dtype=torch.int32)
-        out.append(torch.maximum(first, idx[r]))
-    until = torch.cat(out, -1) if out else idx.expand(B, H, 0)
-    return torch.where(candidate[:, None, :], until, idx)
+    until = torch.full((B, H, P + 1), P, dtype=torch.long, device=dev)  # slot P: where empty slots write
+    kept_rank = torch.full((B, H, M), P + 1, dtype=torch.long, device=dev)  # empty: below every pair
+    kept_idx = torch.full((B, H, M), P, dtype=torch.long, device=dev)
+    for p0 in range(0, P, SCAN_BLOCK):
+        pairs = idx[p0:p0 + SCAN_BLOCK]
+        ranks = torch.cat([kept_rank, rank[:, :, pairs]], -1)                      # (B, H, M + K)
+        who = torch.cat([kept_idx, pairs.expand(B, H, -1)], -1)
+        before = (kept_rank[:, :, None, :] < ranks[..., None]).sum(-1, keepdim=True)  # above, before the block
+        count = before + (rank[:, :, None, pairs] < ranks[..., None]).cumsum(-1)   # (B, H, M + K, K): through j
+        out = (count >= M) & (pairs >= who[..., None])                             # out of the cache at j
+        first = torch.where(out.any(-1), pairs[out.to(torch.int8).argmax(-1)], P)
+        until.scatter_(-1, who, torch.where(first < P, first, until.gather(-1, who)))
+        kept_rank, pick = ranks.topk(M, dim=-1, largest=False, sorted=False)
+        kept_idx = who.gather(-1, pick)
+    until = until[..., :P].to(torch.int32)
+    return torch.where(candidate[:, None, :], until, idx.to(torch.int32))
 
 
 def pair_keys(k: torch.Tensor, leave_k: torch.Tensor | None, window: int) -> torch.Tensor:
