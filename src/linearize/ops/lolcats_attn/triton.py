@@ -59,17 +59,13 @@ def _band_tile(Q_, FQ_, K, FK, V, KPOS, b, bh, j, t, q_pos, NK, C: tl.constexpr,
 
 
 @triton.jit
-def _lolcats_fwd_kernel(
-    Q, FQ, K, FK, V, KPOS, SJ, ZJ, FAC, Y, CMAX, DEN, TIES,
-    T, H, NC, NK, qk_scale, eps,
-    C: tl.constexpr, L: tl.constexpr, W: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
-    BD: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr,
-):
-    """Grid (chunks, B*H): y; per row c_t (base 2), D' = den + eps and the ties with c_t."""
+def _chunk_queries(Q, FQ, KPOS, T, H, NK, C: tl.constexpr, L: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+                   DV: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr):
+    """This program's chunk j and head (b, h; bh flat), its rows r (and which are in range), the
+    column offsets and masks of keys, features and values, and the chunk's q, fq and positions."""
     j = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // H
-    h = i_bh % H
     bh = i_bh.to(tl.int64)
     r = j * C + tl.arange(0, C)
     mr = r < T
@@ -78,6 +74,19 @@ def _lolcats_fwd_kernel(
     q = tl.load(Q + (bh * T + r[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
     fq = tl.load(FQ + (bh * T + r[:, None]) * F + of[None, :], mask=mr[:, None] & mf[None, :], other=0.0)
     q_pos = tl.load(KPOS + b.to(tl.int64) * NK + L + r)
+    return j, b, i_bh % H, bh, r, mr, od, of, odv, md, mf, mdv, q, fq, q_pos
+
+
+@triton.jit
+def _lolcats_fwd_kernel(
+    Q, FQ, K, FK, V, KPOS, SJ, ZJ, FAC, Y, CMAX, DEN, TIES,
+    T, H, NC, NK, qk_scale, eps,
+    C: tl.constexpr, L: tl.constexpr, W: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DV: tl.constexpr,
+    BD: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (chunks, B*H): y; per row c_t (base 2), D' = den + eps and the ties with c_t."""
+    j, b, h, bh, r, mr, od, of, odv, md, mf, mdv, q, fq, q_pos = _chunk_queries(Q, FQ, KPOS, T, H, NK, C, L, D, F,
+                                                                               DV, BD, BF, BDV)
     c = tl.zeros([C], dtype=tl.float32) - float("inf")
     for t in range(0, NT):
         idx, ok, k, fk, v, a2, win, older, lin = _band_tile(q, fq, K, FK, V, KPOS, b, bh, j, t, q_pos, NK, C, L, W,
@@ -122,18 +131,8 @@ def _lolcats_bwd_kernel(
 ):
     """Grid (chunks, B*H): dq, dfq, d S_j, d z_j and the chunk's part of df (DFAC[bh, j]); dk, dfk and
     dv added into the band's joined keys (fp32, atomics)."""
-    j = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = i_bh // H
-    h = i_bh % H
-    bh = i_bh.to(tl.int64)
-    r = j * C + tl.arange(0, C)
-    mr = r < T
-    od, of, odv = tl.arange(0, BD), tl.arange(0, BF), tl.arange(0, BDV)
-    md, mf, mdv = od < D, of < F, odv < DV
-    q = tl.load(Q + (bh * T + r[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
-    fq = tl.load(FQ + (bh * T + r[:, None]) * F + of[None, :], mask=mr[:, None] & mf[None, :], other=0.0)
-    q_pos = tl.load(KPOS + b.to(tl.int64) * NK + L + r)
+    j, b, h, bh, r, mr, od, of, odv, md, mf, mdv, q, fq, q_pos = _chunk_queries(Q, FQ, KPOS, T, H, NK, C, L, D, F,
+                                                                               DV, BD, BF, BDV)
     yoff = (bh * T + r[:, None]) * DV + odv[None, :]
     dy = tl.load(DY + yoff, mask=mr[:, None] & mdv[None, :], other=0.0).to(tl.float32)
     y = tl.load(Y + yoff, mask=mr[:, None] & mdv[None, :], other=0.0).to(tl.float32)

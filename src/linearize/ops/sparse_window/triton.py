@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..backend.dispatch import patch_interpreter, pow2
-from ..window_attn.triton import _block_offsets, _online_step, _sink_start, _store_sink_grad, _visible
+from ..window_attn.triton import block_offsets, load_kmin, online_step, sink_start, store_sink_grad, tile_visible
 
 patch_interpreter()
 
@@ -49,7 +49,7 @@ def _tile(Q_T, KEYS, VALS, idx, valid, jj, rows, kind: tl.constexpr, kmin, W: tl
     elif kind == 1:
         vis = valid[None, :] & (idx[None, :] <= tw) & (tw < jj[None, :])
     else:
-        vis = valid[None, :] & _visible(rows, idx, kmin, W)
+        vis = valid[None, :] & tile_visible(rows, idx, kmin, W)
     return k, v, s, vis
 
 
@@ -114,21 +114,18 @@ def _sparse_fwd_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     bh = i_bh.to(tl.int64)
-    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
+    rows, mrow, od, odv, md, mdv = block_offsets(i_m, T, BM, BD, BDV, D, DV)
     qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
     q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
     cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
-    if HAS_KMIN:
-        kmin = tl.load(KMIN + i_b)
-    else:
-        kmin = 0
-    m_i, l_i = _sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
+    kmin = load_kmin(KMIN, i_b, HAS_KMIN)
+    m_i, l_i = sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
     for kind in tl.static_range(3):
         for j in range(0, _tiles(kind, NOLD, NNEW, NWIN)):
             idx, valid, k, v, s, vis = _group_tile(i_m, j, kind, q, cq, K, LK, V, UNTIL, PICK, bh, T, P, NB, rows, kmin,
                                                    qk_scale, od, md, odv, mdv, W, M, D, DV, BM, BN, PREC)
-            m_i, l_i, acc = _online_step(m_i, l_i, acc, tl.where(vis, s, float("-inf")), v, PREC)
+            m_i, l_i, acc = online_step(m_i, l_i, acc, tl.where(vis, s, float("-inf")), v, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(LSE + bh * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")), mask=mrow)
@@ -152,7 +149,7 @@ def _sparse_bwd_kernel(
     i_h = i_bh % H
     dt = Q.dtype.element_ty
     bh = i_bh.to(tl.int64)
-    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
+    rows, mrow, od, odv, md, mdv = block_offsets(i_m, T, BM, BD, BDV, D, DV)
     qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
     q = tl.load(Q + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
     cq = tl.load(CQ + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
@@ -162,10 +159,7 @@ def _sparse_bwd_kernel(
     delta = tl.sum(do * o, 1)
     lse = tl.load(LSE + bh * T + rows, mask=mrow, other=float("inf"))
     do_c = do.to(dt)
-    if HAS_KMIN:
-        kmin = tl.load(KMIN + i_b)
-    else:
-        kmin = 0
+    kmin = load_kmin(KMIN, i_b, HAS_KMIN)
     dq = tl.zeros([BM, BD], dtype=tl.float32)
     dcq = tl.zeros([BM, BD], dtype=tl.float32)
     for kind in tl.static_range(3):
@@ -191,7 +185,7 @@ def _sparse_bwd_kernel(
     tl.store(DQ + qoff, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     tl.store(DCQ + qoff, (dcq * sm_scale).to(DCQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     if HAS_SINK:
-        _store_sink_grad(SINK, DSINK, i_h, i_bh * NB + i_m, NSINK, tl.where(mrow, lse, float("inf")), delta, BS)
+        store_sink_grad(SINK, DSINK, i_h, i_bh * NB + i_m, NSINK, tl.where(mrow, lse, float("inf")), delta, BS)
 
 
 def _launch_args(q, lk, sinks, window: int, cache_size: int, block: int) -> dict:

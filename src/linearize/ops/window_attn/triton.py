@@ -44,13 +44,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _visible(rows, cols, kmin, W: tl.constexpr):
+def tile_visible(rows, cols, kmin, W: tl.constexpr):
     """(BM, BN) bool: key col visible to query row (window w, left padding kmin)."""
     return (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - W) & (cols[None, :] >= kmin)
 
 
 @triton.jit
-def _block_offsets(i_m, T, BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, D: tl.constexpr,
+def load_kmin(KMIN, i_b, HAS_KMIN: tl.constexpr):
+    """Row i_b's first visible key (its left padding), or 0 without padding."""
+    if HAS_KMIN:
+        return tl.load(KMIN + i_b)
+    else:
+        return 0
+
+
+@triton.jit
+def block_offsets(i_m, T, BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, D: tl.constexpr,
                    DV: tl.constexpr):
     """Query block i_m's rows and which are in range, and the key and value columns with theirs."""
     rows = i_m * BM + tl.arange(0, BM)
@@ -60,7 +69,7 @@ def _block_offsets(i_m, T, BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr
 
 
 @triton.jit
-def _sink_start(SINK, i_h, NSINK, BM: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr):
+def sink_start(SINK, i_h, NSINK, BM: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr):
     """The online softmax's start (m, l) per row, base 2: the sink logits (values zero), or empty."""
     if HAS_SINK:
         osk = tl.arange(0, BS)
@@ -76,7 +85,7 @@ def _sink_start(SINK, i_h, NSINK, BM: tl.constexpr, BS: tl.constexpr, HAS_SINK: 
 
 
 @triton.jit
-def _online_step(m_i, l_i, acc, s, v, PREC: tl.constexpr):
+def online_step(m_i, l_i, acc, s, v, PREC: tl.constexpr):
     """One key tile into the online softmax: scores s (BM, BN, base 2, -inf where invisible), values
     v (BN, BDV) in the inputs' dtype; returns the new (m, l, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,13 +114,10 @@ def _win_fwd_kernel(
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
-    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
+    rows, mrow, od, odv, md, mdv = block_offsets(i_m, T, BM, BD, BDV, D, DV)
     q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
-    if HAS_KMIN:
-        kmin = tl.load(KMIN + i_b)
-    else:
-        kmin = 0
-    m_i, l_i = _sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
+    kmin = load_kmin(KMIN, i_b, HAS_KMIN)
+    m_i, l_i = sink_start(SINK, i_h, NSINK, BM, BS, HAS_SINK)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
     # key blocks from the one holding key (block start - w + 1) up to the diagonal block
     start = tl.maximum(i_m * BM - W + 1, 0) // BN * BN
@@ -121,8 +127,8 @@ def _win_fwd_kernel(
         k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
         v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        s = tl.where(_visible(rows, cols, kmin, W), s, float("-inf"))
-        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, PREC)
+        s = tl.where(tile_visible(rows, cols, kmin, W), s, float("-inf"))
+        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(LSE + i_bh.to(tl.int64) * T + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf")),
@@ -158,7 +164,7 @@ def _win_bwd_dq_kernel(
     Q += i_b.to(tl.int64) * sqb + i_h.to(tl.int64) * sqh
     K += i_b.to(tl.int64) * skb + i_h.to(tl.int64) * skh
     V += i_b.to(tl.int64) * svb + i_h.to(tl.int64) * svh
-    rows, mrow, od, odv, md, mdv = _block_offsets(i_m, T, BM, BD, BDV, D, DV)
+    rows, mrow, od, odv, md, mdv = block_offsets(i_m, T, BM, BD, BDV, D, DV)
     q = tl.load(Q + rows[:, None].to(tl.int64) * sqt + od[None, :], mask=mrow[:, None] & md[None, :], other=0.0)
     offs = i_bh.to(tl.int64) * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :]
     m2 = mrow[:, None] & mdv[None, :]
@@ -175,10 +181,7 @@ def _win_bwd_dq_kernel(
         delta = dyo
     tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
     lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
-    if HAS_KMIN:
-        kmin = tl.load(KMIN + i_b)
-    else:
-        kmin = 0
+    kmin = load_kmin(KMIN, i_b, HAS_KMIN)
     do_c = do.to(dt)
     dq = tl.zeros([BM, BD], dtype=tl.float32)
     start = tl.maximum(i_m * BM - W + 1, 0) // BN * BN
@@ -188,18 +191,18 @@ def _win_bwd_dq_kernel(
         k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
         v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.where(_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(tile_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do_c, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(dt), k, input_precision=PREC)
     tl.store(DQ + i_bh.to(tl.int64) * T * D + rows[:, None].to(tl.int64) * D + od[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     if HAS_SINK:
-        _store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
+        store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
 
 
 @triton.jit
-def _store_sink_grad(SINK, DSINK, i_h, i_blk, NSINK, lse, delta, BS: tl.constexpr):
+def store_sink_grad(SINK, DSINK, i_h, i_blk, NSINK, lse, delta, BS: tl.constexpr):
     """A query block's part of d t_j = -sum_t e^{t_j - lse_t} D_t, into DSINK[i_blk, :BS]."""
     osk = tl.arange(0, BS)
     sl = tl.load(SINK + i_h * NSINK + osk, mask=osk < NSINK, other=float("-inf")).to(tl.float32)
@@ -262,7 +265,7 @@ def _win_bwd_delta_kernel(O, DY, LSE, SINK, ALPHA, DELTA, DSINK, DALPHA, T, H, N
         tl.store(DELTA + i_bh.to(tl.int64) * T + rows, delta, mask=mrow)
     if HAS_SINK:
         lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
-        _store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
+        store_sink_grad(SINK, DSINK, i_h, i_bh * NMB + i_m, NSINK, lse, delta, BS)
 
 
 @triton.jit
@@ -291,10 +294,7 @@ def _win_bwd_dkdv_kernel(
     mdv = odv < DV
     k = tl.load(K + cols[:, None].to(tl.int64) * skt + od[None, :], mask=mcol[:, None] & md[None, :], other=0.0)
     v = tl.load(V + cols[:, None].to(tl.int64) * svt + odv[None, :], mask=mcol[:, None] & mdv[None, :], other=0.0)
-    if HAS_KMIN:
-        kmin = tl.load(KMIN + i_b)
-    else:
-        kmin = 0
+    kmin = load_kmin(KMIN, i_b, HAS_KMIN)
     if HAS_ALPHA:
         alpha = tl.load(ALPHA + i_h).to(tl.float32)
     else:
@@ -311,7 +311,7 @@ def _win_bwd_dkdv_kernel(
         lse = tl.load(LSE + i_bh.to(tl.int64) * T + rows, mask=mrow, other=float("inf"))
         delta = tl.load(DELTA + i_bh.to(tl.int64) * T + rows, mask=mrow, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.where(_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(tile_visible(rows, cols, kmin, W), tl.exp2(s - lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(p.to(dt)), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
