@@ -1,11 +1,11 @@
 """Chunked sparse window: ``chunk_size`` queries per span, the state carried between spans.
 
 From a fresh state (no state, or ``fresh_state``) the spans can also run all at once (``live``:
-each pair's stay in the cache is an interval, found by comparisons), the same outputs and state
-without a sequential loop. ``form`` picks: "spans", "live", or None: live where it pays, on a GPU
-(one batch of kernels for the whole input instead of a few dozen small ones a span) up to
-``LIVE_MAX`` tokens; a CPU loops, its comparisons would cost more than the spans. Where the kernels
-run, the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
+each pair's stay in the cache is an interval, found by a scan of rank comparisons), the same outputs
+and state with no loop over query spans. ``form`` picks: "spans", "live", or None: live where it
+pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span)
+up to ``LIVE_MAX`` tokens; a CPU loops, where the batched form is no faster. Where the kernels run,
+the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..backend.dispatch import kernels_enabled, on_kernel_device
 from .live import cache_until, final_state, live_attend, old_slots, pair_keys
 from .naive import SparseWindowState, check_inputs, span_step, stored
 
-LIVE_MAX = 16384  # beyond, the live form's O(T^2) comparisons cost more than the span loop
+LIVE_MAX = 16384  # beyond, the live form's per-block slot lists (O(T^2 / C) bytes) outgrow the span loop's
 FORMS = ("spans", "live")
 
 
@@ -39,6 +39,7 @@ def run_spans(q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave
 
 
 def on_gpu(x: torch.Tensor) -> bool:
+    """Where the live form is picked by default (tests point it elsewhere)."""
     return x.device.type != "cpu"
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import common
 from ..window_attn.naive import sink_softmax, soft_cap
 from .naive import SparseWindowState
 
@@ -50,8 +51,8 @@ def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: i
     until = torch.full((B, H, P + 1), P, dtype=torch.long, device=dev)  # slot P: where empty slots write
     kept_rank = torch.full((B, H, M), P + 1, dtype=torch.long, device=dev)  # empty: below every pair
     kept_idx = torch.full((B, H, M), P, dtype=torch.long, device=dev)
-    for p0 in range(0, P, SCAN_BLOCK):
-        pairs = idx[p0:p0 + SCAN_BLOCK]
+    for p0, p1 in common.chunk_spans(P, SCAN_BLOCK):  # the one sequential loop: ceil(P / 256) steps
+        pairs = idx[p0:p1]
         ranks = torch.cat([kept_rank, rank[:, :, pairs]], -1)                      # (B, H, M + K)
         who = torch.cat([kept_idx, pairs.expand(B, H, -1)], -1)
         before = (kept_rank[:, :, None, :] < ranks[..., None]).sum(-1, keepdim=True)  # above, before the block
