@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .. import common
 from ..backend.dispatch import all_tensors, kernels_enabled, on_kernel_device
 from .naive import (
-    DEFAULT_EPS, DeltaProductState, DeltaState, check_delta_inputs, check_product_inputs, decay_factors,
+    DEFAULT_EPS, Decay, DeltaProductState, DeltaState, check_delta_inputs, check_product_inputs, decay_factors,
     last_tokens, read_mask, virtual_log_alpha, virtual_sequence,
 )
 
@@ -119,21 +119,31 @@ def _chunk_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
     chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = order
     B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
     NC = len(common.chunk_spans(T, chunk_size))
     if NC == 0:
-        return q.new_zeros(B, H, 0, Dv), S0
+        return q.new_zeros(B, H, 0, v.shape[-1]), S0
     C = min(chunk_size, T)  # one short chunk needs no padding up to chunk_size
-    pad = NC * C - T
-    L = n * C
-    qc = _pad_time(q, pad).view(B, H, NC, C, Dk)
-    kc = _pad_time(k, n * pad).view(B, H, NC, L, Dk)
-    vc = _pad_time(v, n * pad).view(B, H, NC, L, Dv)
-    bc = _pad_time(beta, n * pad).view(B, H, NC, L, 1)
-    d = None if log_alpha is None else decay_factors(_pad_time(log_alpha, n * pad).view(B, H, NC, L), n)
+    d = None if log_alpha is None else decay_factors(_chunks(log_alpha, order, C, NC), order)
+    W, U0, kd = chunk_prep(k, v, beta, d, order, C, NC)
+    u, states, S = scan(W, U0, kd, None if d is None else d.total, S0)
+    return chunk_read(q, k, d, u, states, order, C, NC), S
 
+
+def _chunks(x: torch.Tensor, n: int, C: int, NC: int) -> torch.Tensor:
+    """x (B, H, n T[, D]) over virtual tokens, zero-padded to NC chunks of n C: (B, H, NC, n C[, D])."""
+    pad = NC * n * C - x.shape[2]
+    x = _pad_time(x, pad)
+    return x.view(*x.shape[:2], NC, n * C, *x.shape[3:])
+
+
+def chunk_prep(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, d: Optional[Decay], order: int, C: int,
+               NC: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the scan needs that does not depend on the state, every chunk at once: W, U0
+    (B, H, NC, L, .) from one batched triangular solve, and Kd = diag(end) K. ``d``: the chunks'
+    decay factors, or None (ungated)."""
+    L = order * C
+    kc, vc, bc = _chunks(k, order, C, NC), _chunks(v, order, C, NC), _chunks(beta, order, C, NC)[..., None]
     strict = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
     kk = kc @ kc.transpose(-1, -2)
     bk = bc * kc
@@ -143,15 +153,22 @@ def _chunk_form(
     # W and U0 do not depend on the carried state: one batched solve over every chunk for both
     wu = torch.linalg.solve_triangular(A, torch.cat([bk, bc * vc], dim=-1), upper=False, unitriangular=True)
     kd = kc if d is None else d.end.unsqueeze(-1) * kc
-    u, states, S = scan(wu[..., :Dk], wu[..., Dk:], kd, None if d is None else d.total, S0)
+    Dk = k.shape[-1]
+    return wu[..., :Dk], wu[..., Dk:], kd
 
+
+def chunk_read(q: torch.Tensor, k: torch.Tensor, d: Optional[Decay], u: torch.Tensor, states: torch.Tensor,
+               order: int, C: int, NC: int) -> torch.Tensor:
+    """o (B, H, T, Dv): each chunk's queries against the state entering it and, causally, against
+    the chunk's own keys with their pseudo-values u."""
+    B, H, T, Dk = q.shape
+    qc, kc = _chunks(q, 1, C, NC), _chunks(k, order, C, NC)
     reads = qc @ kc.transpose(-1, -2)
     qS = qc @ states
     if d is not None:
         reads, qS = reads * d.read_pair, d.read_start.unsqueeze(-1) * qS
-    reads = reads.masked_fill(~read_mask(C, n, q.device), 0.0)
-    o = (qS + reads @ u).reshape(B, H, NC * C, Dv)[:, :, :T]
-    return o, S
+    reads = reads.masked_fill(~read_mask(C, order, q.device), 0.0)
+    return (qS + reads @ u).reshape(B, H, NC * C, -1)[:, :, :T]
 
 
 def kernel_chunk(chunk_size: int, order: int) -> int:

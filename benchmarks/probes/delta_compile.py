@@ -1,0 +1,113 @@
+"""Probe (issue 42): does torch.compile of the delta rule's chunk algebra (``ops.delta.chunk``'s
+``chunk_prep``: A, the batched triangular solve, W, U0, Kd; ``chunk_read``: the reads and the output;
+the scan between them stays on its Triton kernels) shorten the gated delta rule and the training
+steps of lizard-gdn (the shipped student's base) and liza? One GPU, one process, side by side:
+
+1. ``delta_rule_chunk`` forward + backward at lizard-gdn's shapes (9 heads of 64, chunks of 64, a
+   decay and betas), bf16 inputs: medians of CUDA-event times, eager vs compiled, and their largest
+   output difference;
+2. ``bench train``'s cells (graphed step, compiled feature maps) for lizard-gdn and liza, stage 2,
+   eager chunk algebra vs compiled.
+
+    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from linearize.ops.delta import chunk as delta_chunk
+from linearize.ops.delta import delta_rule_chunk
+
+EAGER = (delta_chunk.chunk_prep, delta_chunk.chunk_read)
+
+
+def compiled(on: bool) -> None:
+    if on:
+        delta_chunk.chunk_prep = torch.compile(EAGER[0], dynamic=False)
+        delta_chunk.chunk_read = torch.compile(EAGER[1], dynamic=False)
+    else:
+        delta_chunk.chunk_prep, delta_chunk.chunk_read = EAGER
+
+
+def op_times(B: int, T: int, rounds: int = 10) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, D = 9, 64
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g, device="cuda"), dim=-1).bfloat16()
+            for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()
+    beta = torch.rand(B, H, T, generator=g, device="cuda").bfloat16()
+    log_alpha = -torch.rand(B, H, T, generator=g, device="cuda") * 0.1
+    out, outputs = {"B": B, "T": T}, {}
+    for name, on in (("eager", False), ("compiled", True)):
+        compiled(on)
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v, beta, log_alpha)]
+
+        def run():
+            o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
+            o.float().sum().backward()
+            return o.detach().float()
+
+        outputs[name] = run()
+        times = []
+        for _ in range(rounds):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        out[name] = {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+    compiled(False)
+    out["max_abs_diff"] = float((outputs["compiled"] - outputs["eager"]).abs().max())
+    return out
+
+
+def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
+    from linearize.bench.train import our_kernel_names, run_cell
+
+    rows, kw = [], dict(steps=5, warmup=2, device=torch.device("cuda"), layers=None, ours=our_kernel_names())
+    for B, T in cells:
+        for method in ("lizard-gdn", "liza"):
+            for on in (False, True):
+                compiled(on)
+                try:
+                    cell = run_cell("smollm2-135m-random", T, method, "stage2", "kernels", batch_size=B, graph=True, **kw)
+                finally:
+                    compiled(False)
+                cell["delta_compiled"] = on
+                rows.append(cell)
+                save(rows)
+                print({k: cell.get(k) for k in ("seq_len", "method", "delta_compiled", "step_ms_median", "tokens_per_s",
+                                                "status", "graph_failed")}, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", nargs="+", default=["8x2048", "1x16384"])
+    p.add_argument("--skip-model", action="store_true")
+    a = p.parse_args()
+    cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
+
+    def save(rows):
+        result["model"] = rows
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+    for B, T in cells:
+        result["op"].append(op_times(B, T))
+        print({k: v for k, v in result["op"][-1].items()}, flush=True)
+        save([])
+    if not a.skip_model:
+        model_cells(cells, save)
+
+
+if __name__ == "__main__":
+    main()
