@@ -865,6 +865,56 @@ def lolcats_case(device: str, dtype: torch.dtype, *, T: int, D: int, F: int, DV:
     return err
 
 
+def sparse_layer_case(device: str, dtype: torch.dtype, *, T: int = 60, pad: int = 3, seed: int = 0) -> dict[str, float]:
+    """HybridAttention as lizard-recall configures it (the gated delta rule beside a window with sink
+    logits and the sparse cache, read at a fixed RoPE distance), small, from a fresh state, with a
+    left-padded row: the sparse window's live form on its Triton kernels (asserted to run once) vs
+    the span loop with the kernels off; output, the cache's state and every input and parameter
+    gradient."""
+    from linearize.layers.hybrid import HybridAttention
+    from linearize.methods import method_config
+    from linearize.ops.sparse_window import chunk as schunk
+    from linearize.ops.sparse_window import triton as ksparse
+
+    B, H, d, hidden = 2, 2, 16, 32
+    cfg = method_config("lizard-recall", window=8, chunk_size=16, sparse_cache=5, sparse_distance=12)
+    torch.manual_seed(seed)
+    layer = HybridAttention(cfg, H, d, hidden).to(device=device, dtype=dtype)
+    g = _gen(seed + 1)
+    q, k, v, qr, kr, qf = (torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype) for _ in range(6))
+    x = torch.randn(B, T, hidden, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
+    valid = torch.ones(B, T, dtype=torch.bool, device=device)
+    valid[1, :pad] = False
+    calls, apply, on_gpu = [], ksparse._SparseLive.apply, schunk.on_gpu
+    outs, before = {}, os.environ.get("LINEARIZE_KERNELS")
+    ksparse._SparseLive.apply = lambda *a: calls.append(os.environ["LINEARIZE_KERNELS"]) or apply(*a)
+    try:
+        for flag in ("0", "1"):
+            os.environ["LINEARIZE_KERNELS"] = flag
+            schunk.on_gpu = (lambda t: True) if flag == "1" else (lambda t: False)  # live + kernels, or spans
+            layer.zero_grad()
+            ins = [t.clone().requires_grad_() for t in (q, k, v, qr, kr, x, qf)]
+            y, state = layer(*ins[:6], None, valid, q_far=ins[6])
+            (y.float() * dy.float()).sum().backward()
+            grads = [t.grad for t in ins] + [p.grad for p in layer.parameters()]
+            outs[flag] = (y.detach(), state["local"], grads)
+    finally:
+        ksparse._SparseLive.apply, schunk.on_gpu = apply, on_gpu
+        if before is None:
+            os.environ.pop("LINEARIZE_KERNELS", None)
+        else:
+            os.environ["LINEARIZE_KERNELS"] = before
+    (y0, s0, g0), (y1, s1, g1) = outs["0"], outs["1"]
+    err = {"y": rel_rms(y1, y0), "kernel calls": 0.0 if calls == ["1"] else float("inf"),
+           "cache_pos": 0.0 if torch.equal(torch.sort(s1.cache_pos, -1).values, torch.sort(s0.cache_pos, -1).values)
+           else float("inf")}
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        if b is not None:
+            err[f"grad {i}"] = rel_rms(a, b)
+    return err
+
+
 def sparse_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, M: int, C: int, nsink: int,
                 cache_qk: bool = True, pad: int = 0, ties: bool = False, B: int = 2, H: int = 2,
                 seed: int = 0) -> dict[str, float]:
@@ -1029,6 +1079,7 @@ INTERPRETER_CASES = {
     "sparse f32 ties no sinks": (sparse_case, dict(T=37, D=16, DV=16, W=4, M=3, C=8, nsink=0, ties=True,
                                                    cache_qk=False), F32),
     "sparse f32 many slots wide blocks": (sparse_case, dict(T=150, D=8, DV=16, W=16, M=200, C=128, nsink=4), F32),
+    "sparse layer lizard-recall f32": (sparse_layer_case, dict(), F32),
     "sparse bf16 cache q and k": (sparse_case, dict(T=70, D=16, DV=16, W=8, M=6, C=16, nsink=2, pad=2), BF16),
 }
 
