@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from probe_common import timed
 
 from linearize.ops.delta import chunk as delta_chunk
 from linearize.ops.delta import delta_rule_chunk
@@ -54,15 +54,7 @@ def op_times(B: int, T: int, rounds: int = 10) -> dict:
             return o.detach().float()
 
         outputs[name] = run()
-        times = []
-        for _ in range(rounds):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        out[name] = {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+        out[name] = timed(run, rounds)
     compiled(False)
     out["max_abs_diff"] = float((outputs["compiled"] - outputs["eager"]).abs().max())
     return out

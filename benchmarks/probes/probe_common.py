@@ -13,6 +13,24 @@ from typing import Optional
 from linearize.bench.kernels import _env
 
 
+def timed(run, rounds: int) -> dict:
+    """``run()`` (a forward + backward, already called once to warm up) timed ``rounds`` times with CUDA events:
+    {"fwd_bwd_ms_median", "ms"}."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+
+
 def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Namespace:
     """--out, --shape (repeatable BxT; ``shapes`` by default), --rounds, --alt NAME=FILE; the
     parsed arguments, with ``shapes`` the list of (B, T)."""

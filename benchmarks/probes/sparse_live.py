@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from probe_common import timed
 
 from linearize.ops.sparse_window import chunk, live, sparse_window_attn_chunk
 
@@ -50,15 +50,7 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
             return o
 
         outputs[name] = run().float()
-        times = []
-        for _ in range(rounds):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        out[name] = {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
+        out[name] = timed(run, rounds)
         if name == "live C64" and profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as prof
