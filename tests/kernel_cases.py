@@ -1076,7 +1076,7 @@ INTERPRETER_CASES = {
     # the sparse window's live form: cached pairs read with their own q and k, a padded row, tied scores,
     # more slots than pairs, no sinks, blocks wider than a key tile
     "sparse f32 cache q and k padded": (sparse_case, dict(T=70, D=16, DV=8, W=8, M=5, C=16, nsink=2, pad=3), F32),
-    "sparse f32 ties no sinks": (sparse_case, dict(T=37, D=16, DV=16, W=4, M=3, C=8, nsink=0, ties=True,
+    "sparse f32 ties no sinks": (sparse_case, dict(T=37, D=16, DV=16, W=4, M=3, C=16, nsink=0, ties=True,
                                                    cache_qk=False), F32),
     "sparse f32 many slots wide blocks": (sparse_case, dict(T=150, D=8, DV=16, W=16, M=200, C=128, nsink=4), F32),
     "sparse layer lizard-recall f32": (sparse_layer_case, dict(), F32),

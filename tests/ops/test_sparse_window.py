@@ -326,6 +326,18 @@ def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_the_live_kernels_take_only_blocks_a_tile_can_hold(monkeypatch):
+    """The kernels' query block is a tile's rows: a power of two of at least 16; other blocks (and
+    mixed dtypes) keep the live form's batched torch."""
+    monkeypatch.setattr(chunk, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(chunk, "on_kernel_device", lambda *xs: True)
+    q = torch.zeros(1, 1, 4, 8)
+    assert chunk.live_kernel_applies(q, q, q, None, None, None, None, None, 64)
+    for block in (8, 48, 100):
+        assert not chunk.live_kernel_applies(q, q, q, None, None, None, None, None, block), block
+    assert not chunk.live_kernel_applies(q, q, q.double(), None, None, None, None, None, 64)
+
+
 # the live form's Triton kernels under the interpreter (tests/ops/conftest.py, interpreter_results)
 INTERPRETER_OP = "sparse"
 

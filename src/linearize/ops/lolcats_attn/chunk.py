@@ -10,8 +10,8 @@ The input is cut into NC = ceil(T / C) chunks (the last one zero-padded). Chunk 
 That is exactly what a loop over chunks with a cache of L keys computes, chunk for chunk; here the
 bands are scored with batched matmuls over (B, H, NC, C, L + C), so autograd records a fixed
 number of ops whatever T is; where the kernels run, one Triton kernel each way scores the bands in
-registers instead (``triton.py``; the per-chunk states stay torch). The per-chunk states are summed in the compute dtype (fp32 for bf16
-inputs; a bf16 running sum would drift over long T).
+registers instead (``triton.py``; the per-chunk states stay torch). The per-chunk states are summed
+in the compute dtype (fp32 for bf16 inputs; a bf16 running sum would drift over long T).
 
 Memory kept for backward, in the compute dtype (4 bytes in fp32), per token and head: about
 (L + C)(Dk + F + Dv) / C (the bands, copied by the matmuls) + 3 (L + C) (masked scores, their exp,
@@ -75,8 +75,6 @@ def lolcats_attn_chunk(
 
     keys, fkeys, values = joined(state.k, k), joined(state.fk, fk), joined(state.v, v)
     k_pos = key_positions(state.pos, L, NC * C)  # (B, L + NC * C)
-    band_pos = k_pos.unfold(1, L + C, C).reshape(B * NC, L + C)
-    win, older = (m.view(B, NC, C, L + C)[:, None] for m in split_keys(band_pos[:, L:], band_pos, window, terraced))
 
     # keys [0, T) of the joined sequence leave the cache during this call; block j of them lies
     # before chunk j's band. Padding and positions past T stay out of the state.
@@ -93,6 +91,9 @@ def lolcats_attn_chunk(
         o = lolcats_band_triton(q.to(dt), fq.to(dt), keys, fkeys, values, k_pos, S_j, z_j, window_factor.to(dt),
                                 window=window, L=L, C=C, scale=scale, eps=eps)
     else:
+        band_pos = k_pos.unfold(1, L + C, C).reshape(B * NC, L + C)
+        win, older = (m.view(B, NC, C, L + C)[:, None]
+                      for m in split_keys(band_pos[:, L:], band_pos, window, terraced))
         o = hybrid_combine(chunks(q), chunks(fq), bands(keys), bands(fkeys), bands(values), win, older,
                            S_j, z_j, window_factor.to(dt), scale, eps, softcap)
         o = o.reshape(B, H, NC * C, Dv)[:, :, :T]

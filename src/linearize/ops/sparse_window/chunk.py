@@ -1,5 +1,13 @@
 """Chunked sparse window: ``chunk_size`` queries per span, the state carried between spans.
 
+Each span gathers its own copies of the cached keys and values and a (C, M + w + C) softmax, and
+autograd would keep all of them: O(T (M + w) (D + C)) bytes a layer, which outgrows a GPU at
+training shapes (a 30-layer model, 8 x 2K rows, M = 256). With gradients on, the spans therefore
+run under activation checkpointing: autograd keeps the inputs and recomputes the spans in the
+backward pass, one layer at a time (one more forward of this op; the selection is exact, so the
+recomputation is the same). The live form's batched torch runs the same way; its kernels keep only
+the inputs, the output and the rows' log-sum-exp.
+
 From a fresh state (no state, or ``fresh_state``) the spans can also run all at once (``live``:
 each pair's stay in the cache is an interval, found by a scan of rank comparisons), the same outputs
 and state with no loop over query spans. ``form`` picks: "spans", "live", or None: live where it
@@ -43,12 +51,14 @@ def on_gpu(x: torch.Tensor) -> bool:
     return x.device.type != "cpu"
 
 
-def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap) -> bool:
+def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, block: int) -> bool:
     """The live form's Triton kernels (``triton.py``) run where the kernels run (``backend.dispatch``),
-    for one float dtype of q, k, v and the cache's q and k, without soft-cap or key/value sinks."""
+    for one float dtype of q, k, v and the cache's q and k, without soft-cap or key/value sinks, in
+    query blocks of a power of two >= 16 (a tile's rows) and widths <= 256."""
     xs = [x for x in (q, k, v, cache_q, leave_k) if x is not None]
     extra = [sink_logits] if sink_logits is not None else []
     return (softcap is None and sink_k is None and max(q.shape[-1], v.shape[-1]) <= 256
+            and block >= 16 and block & (block - 1) == 0
             and len({x.dtype for x in xs}) == 1 and kernels_enabled() and on_kernel_device(*xs, *extra))
 
 
@@ -79,27 +89,27 @@ def sparse_window_attn_chunk(
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
     grad = recompute and torch.is_grad_enabled()
     if live:
-        P, out_dtype, raw = max(q.shape[2] - window, 0), v.dtype, (q, k, v, cache_q, leave_k)
-        cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
-        q, k, v, cache_q, leave_k, score = (cast(x) for x in (q, k, v, cache_q, leave_k, score))
+        P = max(q.shape[2] - window, 0)
+        score = score.to(dt)
         pair_pos = state.pos[:, None] + torch.arange(P, device=q.device)
         until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
-        if live_kernel_applies(*raw, sink_logits, sink_k, softcap):
-            from .triton import sparse_live_triton
-            rq, rk, rv, rcq, rlk = raw
-            o = sparse_live_triton(rq, rk, rv, rq if rcq is None else rcq, pair_keys(rk, rlk, window), sink_logits,
-                                   until, old_slots(until, q.shape[2], window, cache_size, chunk_size).int(),
-                                   (-state.pos).clamp_min(0).int(), window=window, cache_size=cache_size,
-                                   scale=scale, block=chunk_size)
+        if live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size):
+            from .triton import sparse_live_triton  # the kernels read the inputs as they come
+            slots = old_slots(until, q.shape[2], window, cache_size, chunk_size).int()
+            o = sparse_live_triton(q, k, v, q if cache_q is None else cache_q, pair_keys(k, leave_k, window),
+                                   sink_logits, until, slots, (-state.pos).clamp_min(0).int(), window=window,
+                                   cache_size=cache_size, scale=scale, block=chunk_size)
         else:
-            args = (q, k, v, cache_q, leave_k, until, state.pos, sink_logits, sink_k, sink_v)
+            cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
+            args = (*(cast(x) for x in (q, k, v, cache_q, leave_k)), until, state.pos, sink_logits, sink_k, sink_v)
             kw = dict(window=window, cache_size=cache_size, scale=scale, softcap=softcap, block=chunk_size)
             if grad:
                 o = checkpoint(live_attend, *args, use_reentrant=False, preserve_rng_state=False, **kw)
             else:
                 o = live_attend(*args, **kw)
+        # the state's pairs are copies of the inputs: taken as they come, kept in their dtypes
         new = final_state(k, v, pair_keys(k, leave_k, window), score, until, state, window)
-        return o.to(out_dtype), stored(new, *raw[1:3], raw[4])
+        return o.to(v.dtype), stored(new, k, v, leave_k)
     args = (q, k, v, score, state, sink_logits, sink_k, sink_v, cache_q, leave_k)
     kw = dict(window=window, scale=scale, softcap=softcap, chunk_size=chunk_size, dt=dt)
     if grad:

@@ -188,28 +188,28 @@ def _sparse_bwd_kernel(
         store_sink_grad(SINK, DSINK, i_h, i_bh * NB + i_m, NSINK, tl.where(mrow, lse, float("inf")), delta, BS)
 
 
-def _launch_args(q, lk, sinks, window: int, cache_size: int, block: int) -> dict:
-    D, DV = q.shape[-1], None
+def _launch_args(q, v, sinks, kmin, window: int, cache_size: int, block: int) -> dict:
+    """The kernels' constexprs, the same for the forward and the backward."""
+    D, DV = q.shape[-1], v.shape[-1]
     nsink = sinks.shape[1] if sinks is not None else 0
-    return dict(W=window, M=cache_size, BD=pow2(D), BM=block, BN=BN, BS=pow2(max(nsink, 1)),
-                NOLD=math.ceil(cache_size / BN), NNEW=math.ceil(block / BN),
-                NWIN=math.ceil((window + block) / BN) + 1, HAS_SINK=nsink > 0,
+    return dict(W=window, M=cache_size, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), BM=block, BN=BN,
+                BS=pow2(max(nsink, 1)), NOLD=math.ceil(cache_size / BN), NNEW=math.ceil(block / BN),
+                NWIN=math.ceil((window + block) / BN) + 1, HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 class _SparseLive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cq, lk, sinks, until, pick, kmin, window, cache_size, scale, block):
-        B, H, T, D = q.shape
-        DV, P, nb = v.shape[-1], lk.shape[2], pick.shape[2]
-        o = torch.empty(B, H, T, DV, dtype=v.dtype, device=q.device)
+        B, H, T, _ = q.shape
+        P, nb = lk.shape[2], pick.shape[2]
+        o = torch.empty(B, H, T, v.shape[-1], dtype=v.dtype, device=q.device)
         lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
-        kw = _launch_args(q, lk, sinks, window, cache_size, block)
-        nsink = sinks.shape[1] if sinks is not None else 0
+        kw = _launch_args(q, v, sinks, kmin, window, cache_size, block)
         dummy = lse
         _sparse_fwd_kernel[(nb, B * H)](
-            q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kmin is not None else dummy, o, lse,
-            T, P, H, nb, max(nsink, 1), scale * LOG2E, D=D, DV=DV, BDV=pow2(DV), HAS_KMIN=kmin is not None, **kw)
+            q, cq, k, lk, v, until, pick, sinks if kw["HAS_SINK"] else dummy, kmin if kw["HAS_KMIN"] else dummy, o,
+            lse, T, P, H, nb, sinks.shape[1] if kw["HAS_SINK"] else 1, scale * LOG2E, **kw)
         ctx.save_for_backward(q, k, v, cq, lk, sinks, until, pick, kmin, o, lse)
         ctx.geometry = (window, cache_size, scale, block)
         return o
@@ -223,15 +223,14 @@ class _SparseLive(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dcq = torch.empty_like(q), torch.empty_like(cq)
         dk, dlk, dv = torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, P, D, **f32), torch.zeros(B, H, T, DV, **f32)
-        kw = _launch_args(q, lk, sinks, window, cache_size, block)
-        nsink = sinks.shape[1] if sinks is not None else 0
+        kw = _launch_args(q, v, sinks, kmin, window, cache_size, block)
+        nsink = sinks.shape[1] if kw["HAS_SINK"] else 0
         dsink = torch.empty(B * H * nb, kw["BS"], **f32) if nsink else None
         dummy = lse
         _sparse_bwd_kernel[(nb, B * H)](
-            q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kmin is not None else dummy, o,
+            q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kw["HAS_KMIN"] else dummy, o,
             do.to(v.dtype).contiguous(), lse, dq, dcq, dk, dlk, dv, dsink if nsink else dummy,
-            T, P, H, nb, max(nsink, 1), scale * LOG2E, scale, D=D, DV=DV, BDV=pow2(DV),
-            HAS_KMIN=kmin is not None, **kw)
+            T, P, H, nb, max(nsink, 1), scale * LOG2E, scale, **kw)
         d_sinks = None
         if nsink:
             d_sinks = dsink.view(B, H, nb, -1).sum((0, 2))[:, :nsink].to(sinks.dtype)
