@@ -370,7 +370,8 @@ def test_gpu_live_form_equals_the_span_loop(dtype):
         return o.float(), st, grads
 
     live, loop = run(None), run("spans")
-    torch.testing.assert_close(live[0], loop[0], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    bf16 = dtype == torch.bfloat16  # (the kernels round the output to bf16: one ulp is 4e-3 at 1)
+    torch.testing.assert_close(live[0], loop[0], rtol=2e-2 if bf16 else 1e-5, atol=1e-2 if bf16 else 1e-5)
     assert torch.equal(torch.sort(live[1].cache_pos, -1).values, torch.sort(loop[1].cache_pos, -1).values)
     for name, a, b in zip(("q", "k", "v", "cache_q", "leave_k", "sinks"), live[2], loop[2]):
         scale = b.float().abs().max().clamp_min(1e-6)

@@ -257,7 +257,7 @@ def test_graphed_training_matches_eager(case, tmp_path):
     torch.testing.assert_close(torch.tensor(graph[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-3)
     assert eager[1].keys() == graph[1].keys() and eager[1]
     for name, w in eager[1].items():
-        torch.testing.assert_close(graph[1][name], w, rtol=3e-2, atol=3e-3, msg=name)
+        torch.testing.assert_close(graph[1][name], w, rtol=3e-2, atol=3e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @needs_cuda
