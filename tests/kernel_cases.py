@@ -818,6 +818,7 @@ def lolcats_case(device: str, dtype: torch.dtype, *, T: int, D: int, F: int, DV:
     parallel form on the same rounded inputs: o, the state, d{q, k, v, fq, fk, window_factor} (and
     d of a given state). Row 1 starts ``pad`` tokens of left padding in (negative positions)."""
     from linearize.ops.lolcats_attn import LolcatsState, lolcats_attn_chunk, lolcats_attn_parallel
+    from linearize.ops.lolcats_attn import chunk as lolcats_chunk
     from linearize.ops.lolcats_attn import triton as klol
 
     g = _gen(seed)
@@ -849,11 +850,15 @@ def lolcats_case(device: str, dtype: torch.dtype, *, T: int, D: int, F: int, DV:
     k_st = [t.float().to(dev).requires_grad_() for t in st]
     apply, calls = klol._LolcatsBand.apply, []
     klol._LolcatsBand.apply = lambda *a: calls.append(1) or apply(*a)
+    applies, precision = lolcats_chunk.band_kernel_applies, klol.FP32_PRECISION
+    if dtype == torch.float32:  # the chunk op sends the kernels 16-bit inputs only: fp32 ones here, in fp32
+        lolcats_chunk.band_kernel_applies, klol.FP32_PRECISION = (lambda *a: True), "ieee"
     try:
         o2, s2 = run(lolcats_attn_chunk, k_in, k_st, chunk_size=C)
         ((o2.double() * do.to(dev)).sum() + s2.S.double().sum() + s2.z.double().sum()).backward()
     finally:
         klol._LolcatsBand.apply = apply
+        lolcats_chunk.band_kernel_applies, klol.FP32_PRECISION = applies, precision
     err = {"o": rel_rms(o2.cpu(), o), "one kernel call": 0.0 if calls == [1] else float("inf")}
     for field in ("S", "z", "k", "fk", "v"):
         err[f"state.{field}"] = rel_rms(getattr(s2, field).cpu().double(), getattr(s_ref, field))

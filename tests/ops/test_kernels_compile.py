@@ -390,11 +390,13 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     """The sparse window's live form (lizard-recall's shapes: window 128, 256 cached pairs read with
-    their own q and k, 4 sink logits, blocks of 64 queries), forward and backward."""
+    their own q and k, 4 sink logits, the largest query blocks the chunk op gives them), forward and
+    backward."""
+    from linearize.ops.sparse_window.chunk import kernel_block
     from linearize.ops.sparse_window.live import old_slots
     from linearize.ops.sparse_window.triton import sparse_live_triton
 
-    B, H, T, D, W, M, C = 1, 2, 512, 64, 128, 256, 64
+    B, H, T, D, W, M, C = 1, 2, 512, 64, 128, 256, kernel_block(1024, dtype)
     q, k, v, cq, lk = (torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(5))
     sinks = torch.zeros(H, 4, requires_grad=True)
     until = torch.zeros(B, H, T - W, dtype=torch.int32)

@@ -186,9 +186,10 @@ GRAPH_METHODS = {"lizard": ("lizard", {}), "lolcats": ("lolcats", {}), "liza": (
                  "lizard-gdn+cache-far": ("lizard-gdn", {"window": 16, "sparse_cache": 8, "sparse_distance": 24})}
 
 
-def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float], dict]:
+def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float], dict, dict]:
     """Stage 1 then stage 2 (LoRA) of a tiny Llama on CUDA through ``fit``, 5 steps each, on rows of
-    random tokens (``case``: a key of GRAPH_METHODS): the training losses and the trained weights."""
+    random tokens (``case``: a key of GRAPH_METHODS): the training losses, the trained weights and
+    the same weights before their stage."""
     from linearize.data import pack
     from linearize.models.lora import add_lora, lora_parameters
     from linearize.train.loop import MetricsLog, fit
@@ -212,6 +213,7 @@ def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float],
     freeze_all_but(model, params)
     model.eval()
     loss1 = lambda b: transfer_loss(model, b, config.transfer_target, block)  # noqa: E731
+    start = {id(p): p.detach().float().cpu() for p in params}
     if params:  # (liza's attention learns nothing in stage 1)
         fit(Stage("stage1", named_parameters_of(model, params), loss1, None, 5, config.stage1_lr, graphable=True),
             rows, config, device, tmp_path / f"s1-{graphed}.pt", metrics, resume=False)
@@ -221,20 +223,22 @@ def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float],
     add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets)
     model.to(device).train()
     params2 = lora_parameters(model)
+    start.update({id(p): p.detach().float().cpu() for p in params2})
     loss2 = lambda b: lm_loss(model, b, None, config)  # noqa: E731
     fit(Stage("stage2", named_parameters_of(model, params2), loss2, None, 5, config.stage2_lr, graphable=True),
         rows, config, device, tmp_path / f"s2-{graphed}.pt", metrics, resume=False)
     losses = [json.loads(line)["loss"] for line in open(metrics.path) if '"train"' in line]
-    weights = {n: p.detach().float().cpu() for n, p in model.named_parameters()
-               if any(p is q for q in params + params2)}
-    return losses, weights
+    trained = [(n, p) for n, p in model.named_parameters() if any(p is q for q in params + params2)]
+    return losses, {n: p.detach().float().cpu() for n, p in trained}, {n: start[id(p)] for n, p in trained}
 
 
 @needs_cuda
 @pytest.mark.parametrize("case", list(GRAPH_METHODS))
 def test_graphed_training_matches_eager(case, tmp_path):
-    """Both stages on CUDA with and without graphs: the same losses and weights within bf16 noise,
-    and every training micro-batch on a graph."""
+    """Both stages on CUDA with and without graphs: the same losses, and the same weight updates
+    within bf16 noise, and every training micro-batch on a graph. (Adam turns a tiny gradient's
+    rounding into a whole step of either sign, so single weights can differ by a few times the
+    learning rate; what graphs must not change is the update as a whole.)"""
     replays = []
     real_call = graphs_module.GraphedStep.__call__
 
@@ -257,7 +261,9 @@ def test_graphed_training_matches_eager(case, tmp_path):
     torch.testing.assert_close(torch.tensor(graph[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-3)
     assert eager[1].keys() == graph[1].keys() and eager[1]
     for name, w in eager[1].items():
-        torch.testing.assert_close(graph[1][name], w, rtol=3e-2, atol=3e-3, msg=lambda m, n=name: f"{n}: {m}")
+        assert torch.equal(graph[2][name], eager[2][name]), name  # the same start
+        moved, apart = (w - eager[2][name]).norm(), (graph[1][name] - w).norm()
+        assert moved > 0 and apart <= 0.15 * moved, f"{name}: updates {apart:.3g} apart, eager moved {moved:.3g}"
 
 
 @needs_cuda

@@ -33,8 +33,11 @@ from .naive import LolcatsState, check_inputs, foldable, hybrid_combine, split_k
 
 def band_kernel_applies(q, k, v, fq, fk, dt: torch.dtype, terraced: bool, softcap, C: int) -> bool:
     """The bands on the Triton kernels (``triton.py``): where the kernels run (``backend.dispatch``),
-    in fp32, for a standard window without soft-cap, chunks of a power of two >= 16 and widths <= 256."""
-    return (dt == torch.float32 and not terraced and softcap is None and C >= 16 and C & (C - 1) == 0
+    for 16-bit q, k, v and features (a model under autocast), computing in fp32 with tf32 products
+    (see ``triton.py``; fp32 inputs keep the torch path's fp32 products), for a standard window
+    without soft-cap, chunks of a power of two >= 16 and widths <= 256."""
+    half = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k, v, fq, fk))
+    return (half and dt == torch.float32 and not terraced and softcap is None and C >= 16 and C & (C - 1) == 0
             and max(q.shape[-1], fq.shape[-1], v.shape[-1]) <= 256 and kernels_enabled()
             and on_kernel_device(q, k, v, fq, fk))
 

@@ -51,6 +51,13 @@ def on_gpu(x: torch.Tensor) -> bool:
     return x.device.type != "cpu"
 
 
+def kernel_block(chunk_size: int, dtype: torch.dtype) -> int:
+    """The kernels' query block: the chunk size up to a tile an H100's shared memory holds (fp32 64
+    rows, 16-bit 128; an fp32 block of 256 asked 213 KB at one stage). The live form is exact for
+    any block: it sets only how many queries share one list of cached slots."""
+    return min(chunk_size, 64 if dtype == torch.float32 else 128)
+
+
 def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, block: int) -> bool:
     """The live form's Triton kernels (``triton.py``) run where the kernels run (``backend.dispatch``),
     for one float dtype of q, k, v and the cache's q and k, without soft-cap or key/value sinks, in
@@ -95,10 +102,11 @@ def sparse_window_attn_chunk(
         until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
         if live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size):
             from .triton import sparse_live_triton  # the kernels read the inputs as they come
-            slots = old_slots(until, q.shape[2], window, cache_size, chunk_size).int()
+            block = kernel_block(chunk_size, q.dtype)
+            slots = old_slots(until, q.shape[2], window, cache_size, block).int()
             o = sparse_live_triton(q, k, v, q if cache_q is None else cache_q, pair_keys(k, leave_k, window),
                                    sink_logits, until, slots, (-state.pos).clamp_min(0).int(), window=window,
-                                   cache_size=cache_size, scale=scale, block=chunk_size)
+                                   cache_size=cache_size, scale=scale, block=block)
         else:
             cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
             args = (*(cast(x) for x in (q, k, v, cache_q, leave_k)), until, state.pos, sink_logits, sink_k, sink_v)
