@@ -236,9 +236,10 @@ def _train_both_stages(case: str, graphed: bool, tmp_path) -> tuple[list[float],
 @pytest.mark.parametrize("case", list(GRAPH_METHODS))
 def test_graphed_training_matches_eager(case, tmp_path):
     """Both stages on CUDA with and without graphs: the same losses, and the same weight updates
-    within bf16 noise, and every training micro-batch on a graph. (Adam turns a tiny gradient's
-    rounding into a whole step of either sign, so single weights can differ by a few times the
-    learning rate; what graphs must not change is the update as a whole.)"""
+    within noise, and every training micro-batch on a graph. (Adam turns a tiny gradient's rounding
+    into a whole step of either sign: LoRA's A, whose gradient starts at zero, ends 26% of its update
+    apart between two runs on an H200, with the kernels' atomics reordering sums; a graph that
+    replayed stale inputs or weights would be 100% apart, or not move.)"""
     replays = []
     real_call = graphs_module.GraphedStep.__call__
 
@@ -263,7 +264,7 @@ def test_graphed_training_matches_eager(case, tmp_path):
     for name, w in eager[1].items():
         assert torch.equal(graph[2][name], eager[2][name]), name  # the same start
         moved, apart = (w - eager[2][name]).norm(), (graph[1][name] - w).norm()
-        assert moved > 0 and apart <= 0.15 * moved, f"{name}: updates {apart:.3g} apart, eager moved {moved:.3g}"
+        assert apart <= 0.5 * moved or apart == moved == 0, f"{name}: updates {apart:.3g} apart, eager moved {moved:.3g}"
 
 
 @needs_cuda
