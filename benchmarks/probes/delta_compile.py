@@ -9,7 +9,7 @@ steps of lizard-gdn (the shipped student's base) and liza? One GPU, one process,
 2. ``bench train``'s cells (graphed step, compiled feature maps) for lizard-gdn and liza, stage 2,
    eager chunk algebra vs compiled.
 
-    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model]
+    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from probe_common import timed
+from probe_common import kernel_table, timed
 
 from linearize.ops.delta import chunk as delta_chunk
 from linearize.ops.delta import delta_rule_chunk
@@ -35,7 +35,7 @@ def compiled(on: bool) -> None:
         delta_chunk.chunk_prep, delta_chunk.chunk_read = EAGER
 
 
-def op_times(B: int, T: int, rounds: int = 10) -> dict:
+def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     H, D = 9, 64
     q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g, device="cuda"), dim=-1).bfloat16()
@@ -55,6 +55,9 @@ def op_times(B: int, T: int, rounds: int = 10) -> dict:
 
         outputs[name] = run()
         out[name] = timed(run, rounds)
+        if profile:
+            out[f"profile_{name}"] = kernel_table(run)
+            print(out[f"profile_{name}"], flush=True)
     compiled(False)
     out["max_abs_diff"] = float((outputs["compiled"] - outputs["eager"]).abs().max())
     return out
@@ -85,6 +88,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cells", nargs="+", default=["8x2048", "1x16384"])
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--profile", action="store_true", help="the op's CUDA kernels, one forward + backward, each way")
     a = p.parse_args()
     cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
@@ -94,8 +98,8 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
     for B, T in cells:
-        result["op"].append(op_times(B, T))
-        print({k: v for k, v in result["op"][-1].items()}, flush=True)
+        result["op"].append(op_times(B, T, profile=a.profile))
+        print({k: v for k, v in result["op"][-1].items() if not k.startswith("profile")}, flush=True)
         save([])
     if not a.skip_model:
         model_cells(cells, save)

@@ -31,6 +31,17 @@ def timed(run, rounds: int) -> dict:
     return {"fwd_bwd_ms_median": statistics.median(times), "ms": times}
 
 
+def kernel_table(run, rows: int = 22) -> str:
+    """One ``run()`` (a forward + backward) under the CUDA profiler: its kernels by self CUDA time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    return p.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+
+
 def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Namespace:
     """--out, --shape (repeatable BxT; ``shapes`` by default), --rounds, --alt NAME=FILE; the
     parsed arguments, with ``shapes`` the list of (B, T)."""

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from probe_common import timed
+from probe_common import kernel_table, timed
 
 from linearize.ops.sparse_window import chunk, live, sparse_window_attn_chunk
 
@@ -52,12 +52,7 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
         outputs[name] = run().float()
         out[name] = timed(run, rounds)
         if name == "live C64" and profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as prof
-            with prof(activities=[ProfilerActivity.CUDA]) as p:
-                run()
-                torch.cuda.synchronize()
-            out["profile_live"] = p.key_averages().table(sort_by="self_cuda_time_total", row_limit=22)
+            out["profile_live"] = kernel_table(run)
             print(out["profile_live"], flush=True)
     chunk.live_attend, chunk.live_kernel_applies = eager, kernel_switch
     ref = outputs["spans C256"]
