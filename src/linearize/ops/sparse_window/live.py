@@ -47,16 +47,17 @@ def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: i
     newer = idx.flip(0).expand(B, H, P)
     order = newer.gather(-1, torch.argsort(pair_score.gather(-1, newer), dim=-1, descending=True, stable=True))
     rank = torch.empty_like(order).scatter_(-1, order, idx.expand(B, H, P))
-    rank = torch.where(candidate[:, None, :], rank, P)
+    # ranks and counts in int32 (the (B, H, M + K, K) counts are the scan's largest tensors)
+    rank = torch.where(candidate[:, None, :], rank, P).int()
     until = torch.full((B, H, P + 1), P, dtype=torch.long, device=dev)  # slot P: where empty slots write
-    kept_rank = torch.full((B, H, M), P + 1, dtype=torch.long, device=dev)  # empty: below every pair
+    kept_rank = torch.full((B, H, M), P + 1, dtype=torch.int32, device=dev)  # empty: below every pair
     kept_idx = torch.full((B, H, M), P, dtype=torch.long, device=dev)
     for p0, p1 in common.chunk_spans(P, SCAN_BLOCK):  # the one sequential loop: ceil(P / 256) steps
         pairs = idx[p0:p1]
         ranks = torch.cat([kept_rank, rank[:, :, pairs]], -1)                      # (B, H, M + K)
         who = torch.cat([kept_idx, pairs.expand(B, H, -1)], -1)
-        before = (kept_rank[:, :, None, :] < ranks[..., None]).sum(-1, keepdim=True)  # above, before the block
-        count = before + (rank[:, :, None, pairs] < ranks[..., None]).cumsum(-1)   # (B, H, M + K, K): through j
+        before = (kept_rank[:, :, None, :] < ranks[..., None]).sum(-1, keepdim=True, dtype=torch.int32)  # above
+        count = before + (rank[:, :, None, pairs] < ranks[..., None]).cumsum(-1, dtype=torch.int32)  # through j
         out = (count >= M) & (pairs >= who[..., None])                             # out of the cache at j
         first = torch.where(out.any(-1), pairs[out.to(torch.int8).argmax(-1)], P)
         until.scatter_(-1, who, torch.where(first < P, first, until.gather(-1, who)))
