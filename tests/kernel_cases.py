@@ -676,7 +676,7 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
                gated: bool = True, state: bool = False, extreme: bool = False, chunk: int = 16, B: int = 1,
                H: int = 2, seed: int = 0) -> dict[str, float]:
     """delta_rule_chunk (``order`` None) or delta_product_chunk of that order, with the Triton
-    scan (asserted to run once), vs the fp64 parallel form on the same rounded inputs: o, final
+    scan and the chunks' inverses (each asserted to run once), vs the fp64 parallel form on the same rounded inputs: o, final
     state and d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev})."""
     from linearize.ops import delta as D
     from linearize.ops.delta import triton as kdelta
@@ -714,15 +714,17 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     k_st = [x.float().to(dev).requires_grad_() for x in st]
     apply, calls = kdelta._DeltaScanFunction.apply, []
     kdelta._DeltaScanFunction.apply = lambda *a: calls.append(a[0].shape[3]) or apply(*a)  # W's chunk length
+    inverse, inverses = kdelta.unit_lower_inverse_triton, []
+    kdelta.unit_lower_inverse_triton = lambda n: inverses.append(n.shape[-1]) or inverse(n)
     try:
         o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32
         ((o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()).backward()
     finally:
-        kdelta._DeltaScanFunction.apply = apply
+        kdelta._DeltaScanFunction.apply, kdelta.unit_lower_inverse_triton = apply, inverse
     err = {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S),
-           "one triton scan, chunks of <= 128 virtual tokens": 0.0 if len(calls) == 1 and calls[0] <= 128
-           else float("inf")}
+           "one triton scan and inverse, chunks of <= 128 virtual tokens":
+           0.0 if len(calls) == 1 and calls[0] <= 128 and inverses == calls else float("inf")}
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dlog_alpha"), k_in, ref_in):
         err[name] = rel_rms(a.grad.cpu(), b.grad)
     for name, a, b in zip(("dS0", "dk_prev", "dv_prev"), k_st, ref_st):

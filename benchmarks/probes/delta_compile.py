@@ -1,13 +1,15 @@
-"""Probe (issue 42): does torch.compile of the delta rule's chunk algebra (``ops.delta.chunk``'s
-``chunk_prep``: A, the batched triangular solve, W, U0, Kd; ``chunk_read``: the reads and the output;
-the scan between them stays on its Triton kernels) shorten the gated delta rule and the training
-steps of lizard-gdn (the shipped student's base) and liza? One GPU, one process, side by side:
+"""Probe (issue 42): where does the delta rule's chunk algebra (``ops.delta.chunk``'s ``chunk_prep``:
+A, the chunks' inverses, W, U0, Kd; ``chunk_read``: the reads and the output; the scan between them
+on its Triton kernels) spend its time, and do the inverse's kernel or torch.compile shorten the gated
+delta rule and the training steps of lizard-gdn (the shipped student's base) and liza? One GPU, one
+process, side by side:
 
 1. ``delta_rule_chunk`` forward + backward at lizard-gdn's shapes (9 heads of 64, chunks of 64, a
-   decay and betas), bf16 inputs: medians of CUDA-event times, eager vs compiled, and their largest
-   output difference;
+   decay and betas), bf16 inputs: medians of CUDA-event times with the inverses on the kernel
+   ("eager"), by torch's batched triangular solve ("torch inverse") and compiled, and their largest
+   output difference from "eager";
 2. ``bench train``'s cells (graphed step, compiled feature maps) for lizard-gdn and liza, stage 2,
-   eager chunk algebra vs compiled.
+   the same three ways.
 
     PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile]
 """
@@ -23,8 +25,10 @@ from probe_common import kernel_table, timed
 
 from linearize.ops.delta import chunk as delta_chunk
 from linearize.ops.delta import delta_rule_chunk
+from linearize.ops.delta import triton as delta_triton
 
 EAGER = (delta_chunk.chunk_prep, delta_chunk.chunk_read)
+KERNEL_INVERSE = delta_triton.unit_lower_inverse_triton
 
 
 def compiled(on: bool) -> None:
@@ -44,8 +48,10 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
     beta = torch.rand(B, H, T, generator=g, device="cuda").bfloat16()
     log_alpha = -torch.rand(B, H, T, generator=g, device="cuda") * 0.1
     out, outputs = {"B": B, "T": T}, {}
-    for name, on in (("eager", False), ("compiled", True)):
+    for name, on in (("eager", False), ("torch inverse", False), ("compiled", True)):
         compiled(on)
+        delta_triton.unit_lower_inverse_triton = delta_chunk.inverse_torch if name == "torch inverse" \
+            else KERNEL_INVERSE
         xs = [t.clone().requires_grad_(True) for t in (q, k, v, beta, log_alpha)]
 
         def run():
@@ -59,7 +65,8 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
             out[f"profile_{name}"] = kernel_table(run)
             print(out[f"profile_{name}"], flush=True)
     compiled(False)
-    out["max_abs_diff"] = float((outputs["compiled"] - outputs["eager"]).abs().max())
+    delta_triton.unit_lower_inverse_triton = KERNEL_INVERSE
+    out["max_abs_diff"] = {n: float((o - outputs["eager"]).abs().max()) for n, o in outputs.items()}
     return out
 
 
@@ -69,16 +76,19 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
     rows, kw = [], dict(steps=5, warmup=2, device=torch.device("cuda"), layers=None, ours=our_kernel_names())
     for B, T in cells:
         for method in ("lizard-gdn", "liza"):
-            for on in (False, True):
-                compiled(on)
+            for variant in ("eager", "torch inverse", "compiled"):
+                compiled(variant == "compiled")
+                if variant == "torch inverse":
+                    delta_triton.unit_lower_inverse_triton = delta_chunk.inverse_torch
                 try:
                     cell = run_cell("smollm2-135m-random", T, method, "stage2", "kernels", batch_size=B, graph=True, **kw)
                 finally:
                     compiled(False)
-                cell["delta_compiled"] = on
+                    delta_triton.unit_lower_inverse_triton = KERNEL_INVERSE
+                cell["delta_variant"] = variant
                 rows.append(cell)
                 save(rows)
-                print({k: cell.get(k) for k in ("seq_len", "method", "delta_compiled", "step_ms_median", "tokens_per_s",
+                print({k: cell.get(k) for k in ("seq_len", "method", "delta_variant", "step_ms_median", "tokens_per_s",
                                                 "status", "graph_failed")}, flush=True)
     return rows
 

@@ -59,6 +59,20 @@ def test_batched_chunk_form_gradcheck():
     assert torch.autograd.gradcheck(fn, args)
 
 
+def test_unit_lower_inverse_is_the_inverse_and_its_gradient():
+    """(I + N)^-1 from the strictly lower part of N (what is on or above the diagonal is not read),
+    and the backward -T^T dT T^T against finite differences."""
+    from linearize.ops.delta.chunk import unit_lower_inverse
+
+    g = torch.Generator().manual_seed(2)
+    N = torch.randn(3, 5, 5, generator=g, dtype=torch.float64)
+    want = torch.linalg.inv(torch.eye(5, dtype=torch.float64) + N.tril(-1))
+    torch.testing.assert_close(unit_lower_inverse(N), want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(unit_lower_inverse, (N.tril(-1).requires_grad_(True),))
+    grad, = torch.autograd.grad(unit_lower_inverse(N.requires_grad_(True)).sum(), N)
+    assert torch.equal(grad.triu(), torch.zeros_like(grad))  # nothing flows to what is not read
+
+
 def test_torch_scan_gradcheck():
     g = torch.Generator().manual_seed(1)
     W, Kd = (0.5 * torch.randn(1, 2, 3, 4, 3, generator=g, dtype=torch.float64) for _ in range(2))

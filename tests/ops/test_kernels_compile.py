@@ -129,6 +129,16 @@ def test_delta_scan_kernels_compile_for_hopper(compiled, L, DK, DV, gated):
     U, states, S = delta_scan_triton(W, U0, Kd, total, S0)
     _backward(U.sum() + states.sum() + S, W, U0, Kd, S0, *([total] if gated else []))
     assert {name for name, *_ in compiled} == {"_delta_scan_fwd_kernel", "_delta_scan_bwd_kernel"}
+
+
+@pytest.mark.parametrize("L", [64, 126])
+def test_delta_inverse_kernel_compiles_for_hopper(compiled, L):
+    """The chunks' (I + N)^-1 (delta rule: chunks of 64; DeltaProduct of order 3: 126 virtual tokens)."""
+    from linearize.ops.delta.triton import unit_lower_inverse_triton
+
+    unit_lower_inverse_triton(torch.zeros(2, 3, L, L))
+    assert [name for name, *_ in compiled] == ["_unit_lower_inverse_kernel"]
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
 
 

@@ -27,7 +27,10 @@ axis: (B, H, NC, L, .)), so autograd sees a handful of large ops whatever T is. 
 
 is the one sequential part (the "scan"): ``scan_torch`` walks it in torch, and on CUDA the
 public functions hand it to the Triton kernels of ``ops.delta.triton`` when ``delta_applies``.
-Both mean the same; the result does not depend on the chunk size.
+W and U0 take the inverse T = A^{-1} (``unit_lower_inverse``: a batched triangular solve in torch,
+forward substitution in registers on the kernels) times the right-hand sides, so that both
+directions are matrix products (dN = -T^T dT T^T). All mean the same; the result does not depend
+on the chunk size.
 """
 
 from __future__ import annotations
@@ -50,6 +53,37 @@ MAX_VIRTUAL_CHUNK = 128  # most virtual tokens in one chunk of the Triton scan (
 # (W, U0, Kd, total, S0) -> (U, S_c, S_final); see ``scan_torch``
 Scan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor],
                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# N (..., L, L) strictly lower -> (I + N)^-1, without autograd; see ``inverse_torch``
+Inverse = Callable[[torch.Tensor], torch.Tensor]
+
+
+def inverse_torch(N: torch.Tensor) -> torch.Tensor:
+    """(I + N)^-1 for every (L, L) matrix of N (strictly lower triangular; its diagonal and upper
+    part are not read): one batched triangular solve against the identity."""
+    eye = torch.eye(N.shape[-1], dtype=N.dtype, device=N.device).expand_as(N)
+    return torch.linalg.solve_triangular(N, eye, upper=False, unitriangular=True)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """T = (I + N)^-1 by ``inverse``; backward dN = -T^T dT T^T on the strictly lower part."""
+
+    @staticmethod
+    def forward(ctx, N: torch.Tensor, inverse: Inverse) -> torch.Tensor:
+        T = inverse(N)
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT: torch.Tensor):
+        (T,) = ctx.saved_tensors
+        Tt = T.transpose(-1, -2)
+        return -(Tt @ dT @ Tt).tril(-1), None
+
+
+def unit_lower_inverse(N: torch.Tensor, inverse: Inverse = inverse_torch) -> torch.Tensor:
+    """(I + N)^-1 of every (L, L) matrix of N (..., L, L), N strictly lower triangular, differentiable
+    in N; ``inverse`` computes it (``inverse_torch`` or the Triton kernel)."""
+    return _UnitLowerInverse.apply(N, inverse)
 
 
 def scan_torch(
@@ -101,8 +135,9 @@ def _pad_time(x: torch.Tensor, n: int) -> torch.Tensor:
 def chunk_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
     chunk_size: int, log_alpha: Optional[torch.Tensor] = None, scan: Scan = scan_torch,
+    inverse: Inverse = inverse_torch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule, all chunks at once around ``scan``.
+    """The chunked rule, all chunks at once around ``scan`` (and ``inverse``, see the module).
 
     q (B, H, T, Dk) real queries; k (B, H, nT, Dk), v (B, H, nT, Dv), beta (B, H, nT), log_alpha
     (B, H, nT) or None over the n*T virtual tokens; S0 (B, H, Dk, Dv); all in the compute dtype.
@@ -112,12 +147,12 @@ def chunk_form(
     would otherwise get bf16 products of the fp32 state and of the triangular systems).
     """
     with torch.autocast(q.device.type, enabled=False):
-        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan)
+        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan, inverse)
 
 
 def _chunk_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
-    chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan,
+    chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan, inverse: Inverse,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, Dk = q.shape
     NC = len(common.chunk_spans(T, chunk_size))
@@ -125,7 +160,7 @@ def _chunk_form(
         return q.new_zeros(B, H, 0, v.shape[-1]), S0
     C = min(chunk_size, T)  # one short chunk needs no padding up to chunk_size
     d = None if log_alpha is None else decay_factors(_chunks(log_alpha, order, C, NC), order)
-    W, U0, kd = chunk_prep(k, v, beta, d, order, C, NC)
+    W, U0, kd = chunk_prep(k, v, beta, d, order, C, NC, inverse)
     u, states, S = scan(W, U0, kd, None if d is None else d.total, S0)
     return chunk_read(q, k, d, u, states, order, C, NC), S
 
@@ -138,10 +173,10 @@ def _chunks(x: torch.Tensor, n: int, C: int, NC: int) -> torch.Tensor:
 
 
 def chunk_prep(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, d: Optional[Decay], order: int, C: int,
-               NC: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               NC: int, inverse: Inverse = inverse_torch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the scan needs that does not depend on the state, every chunk at once: W, U0
-    (B, H, NC, L, .) from one batched triangular solve, and Kd = diag(end) K. ``d``: the chunks'
-    decay factors, or None (ungated)."""
+    (B, H, NC, L, .) from the chunks' inverses A^{-1} (one batched call of ``inverse``) and
+    Kd = diag(end) K. ``d``: the chunks' decay factors, or None (ungated)."""
     L = order * C
     kc, vc, bc = _chunks(k, order, C, NC), _chunks(v, order, C, NC), _chunks(beta, order, C, NC)[..., None]
     strict = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
@@ -149,9 +184,8 @@ def chunk_prep(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, d: Optional
     bk = bc * kc
     if d is not None:
         kk, bk = kk * d.pair, d.start.unsqueeze(-1) * bk
-    A = (bc * kk).masked_fill(~strict, 0.0) + torch.eye(L, dtype=k.dtype, device=k.device)
-    # W and U0 do not depend on the carried state: one batched solve over every chunk for both
-    wu = torch.linalg.solve_triangular(A, torch.cat([bk, bc * vc], dim=-1), upper=False, unitriangular=True)
+    # A = I + N; W and U0 do not depend on the carried state: one inverse of every chunk's A for both
+    wu = unit_lower_inverse((bc * kk).masked_fill(~strict, 0.0), inverse) @ torch.cat([bk, bc * vc], dim=-1)
     kd = kc if d is None else d.end.unsqueeze(-1) * kc
     Dk = k.shape[-1]
     return wu[..., :Dk], wu[..., Dk:], kd
@@ -178,13 +212,13 @@ def kernel_chunk(chunk_size: int, order: int) -> int:
     return max(1, min(chunk_size, MAX_VIRTUAL_CHUNK // order))
 
 
-def _plan(applies: bool, chunk_size: int, order: int) -> tuple[Scan, int]:
-    """(scan, chunk size) of a chunk-form call."""
+def _plan(applies: bool, chunk_size: int, order: int) -> tuple[Scan, int, Inverse]:
+    """(scan, chunk size, inverse) of a chunk-form call."""
     if not applies:
-        return scan_torch, chunk_size
-    from .triton import delta_scan_triton
+        return scan_torch, chunk_size, inverse_torch
+    from .triton import delta_scan_triton, unit_lower_inverse_triton
 
-    return delta_scan_triton, kernel_chunk(chunk_size, order)
+    return delta_scan_triton, kernel_chunk(chunk_size, order), unit_lower_inverse_triton
 
 
 def delta_rule_chunk(
@@ -196,9 +230,9 @@ def delta_rule_chunk(
     Triton kernels where ``delta_applies``."""
     dt, S0 = check_delta_inputs(q, k, v, beta, state, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, (S0,)), chunk_size, 1)
+    scan, chunk, inverse = _plan(delta_applies(q, k, v, beta, log_alpha, (S0,)), chunk_size, 1)
     la = None if log_alpha is None else log_alpha.to(dt)
-    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan)
+    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan, inverse)
     return o.to(v.dtype), DeltaState(S)
 
 
@@ -212,12 +246,12 @@ def delta_product_chunk(
     runs on the Triton kernels where ``delta_applies``, in chunks of ``kernel_chunk`` tokens."""
     dt, state = check_product_inputs(q, k, v, beta, order, state, eps, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan, chunk = _plan(delta_applies(q, k, v, beta, log_alpha, state, order), chunk_size, order)
+    scan, chunk, inverse = _plan(delta_applies(q, k, v, beta, log_alpha, state, order), chunk_size, order)
     kf, vf = k.to(dt), v.to(dt)
     # The differences only look back order-1 tokens, so expanding the whole sequence up front
     # gives each chunk exactly the virtual tokens it would get from the carried history.
     kv, vv, bv = virtual_sequence(kf, vf, beta.to(dt), state, order, eps)
     la = virtual_log_alpha(None if log_alpha is None else log_alpha.to(dt), order)
-    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan)
+    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan, inverse)
     new = DeltaProductState(S, last_tokens(state.k_prev, kf, order - 1), last_tokens(state.v_prev, vf, order - 1))
     return o.to(v.dtype), new

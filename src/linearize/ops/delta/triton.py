@@ -113,6 +113,35 @@ def _delta_scan_bwd_kernel(
     _put(DS0 + state_off, dS, rk, rv, mk, mv, DV)
 
 
+@triton.jit
+def _unit_lower_inverse_kernel(N, T, L, BL: tl.constexpr):
+    """One matrix a program: T = (I + N)^-1 for N strictly lower triangular (L x L, fp32), by forward
+    substitution row by row in registers: T_i = e_i - sum_j N_ij T_j (rows j < i already final)."""
+    base = tl.program_id(0).to(tl.int64) * L * L
+    r = tl.arange(0, BL)
+    m = r < L
+    # N transposed (nt[j, i] = N_ij), so that row i of N comes out along the axis T's rows run on
+    nt = tl.load(N + base + r[None, :] * L + r[:, None], mask=m[:, None] & m[None, :], other=0.0)
+    t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, L):
+        n_i = tl.sum(tl.where(r[None, :] == i, nt, 0.0), 1)        # N_ij over j
+        t = tl.where(r[:, None] == i, t - tl.sum(n_i[:, None] * t, 0)[None, :], t)
+    tl.store(T + base + r[:, None] * L + r[None, :], t, mask=m[:, None] & m[None, :])
+
+
+def unit_lower_inverse_triton(N: torch.Tensor) -> torch.Tensor:
+    """(I + N)^-1 of every (L, L) matrix of N (..., L, L), fp32, N strictly lower triangular (what is
+    on or above the diagonal is not read); L <= 128."""
+    L = N.shape[-1]
+    if L > 128 or N.dtype != torch.float32:
+        raise ValueError(f"the Triton inverse takes fp32 matrices of at most 128 rows, got {L} rows in {N.dtype}")
+    n = N.reshape(-1, L, L).contiguous()
+    t = torch.empty_like(n)
+    if n.shape[0]:
+        _unit_lower_inverse_kernel[(n.shape[0],)](n, t, L, BL=pow2(L), num_warps=4 if L <= 64 else 8)
+    return t.view(N.shape)
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """x (B, H, NC, L, D) as (B*H, NC, L, D) with its last axis contiguous (a view where the
     strides allow, e.g. the W and U0 halves of one solve), and that view's first three strides."""
