@@ -325,6 +325,38 @@ def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, tmp_path):
         dist.destroy_process_group()
 
 
+def test_compiled_feature_maps_under_fsdp_equal_eager(tiny, tmp_path):
+    """An FSDP rank compiles the feature maps and gates as one device does (on CUDA): inside the
+    sharded units they see gathered weights; outputs and the new modules' gradients equal eager's."""
+    import torch.distributed as dist
+
+    from linearize.train.graphs import compile_attention_modules
+
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        results = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model, _ = linearize.load_teacher(tiny)
+            linearize.convert(model, "lizard")
+            distributed.Parallel(0, 1, torch.device("cpu")).shard(model)
+            if compiled:
+                assert compile_attention_modules(model) > 0
+            for _ in range(2):  # the second step finds the weights gathered anew
+                logits = model(input_ids=ids).logits
+                logits.square().mean().backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if ".hybrid." in n}
+            results.append((logits.detach(), grads))
+        (eager, g_eager), (comp, g_comp) = results
+        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+        assert g_eager.keys() == g_comp.keys() and g_eager
+        for n in g_eager:
+            torch.testing.assert_close(g_comp[n], g_eager[n], rtol=1e-4, atol=1e-6, msg=n)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_missing_backend_is_named(monkeypatch):
     monkeypatch.setattr(distributed.dist, "is_nccl_available", lambda: False)
     with pytest.raises(ValueError, match=r"'nccl' backend that cuda ranks need is not available.*--device cpu"):

@@ -303,10 +303,10 @@ def _steps(tokens: int, config: TrainConfig) -> int:
 def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.device) -> None:
     """The student (and a distillation teacher) made ready for the data-parallel stages.
 
-    fsdp: FSDP2 over them. FSDP2 fixes the module tree, so LoRA goes in first: before stage 1 it is
-    left untouched (B = 0 adds nothing), and its random draws are the ones stage 2 makes on one
-    process, as stage 1 draws none. replicate: the whole model on this rank's device, compiled as
-    on one device; LoRA comes in stage 2, as on one device."""
+    fsdp: FSDP2 over them, then compiled as on one device. FSDP2 fixes the module tree, so LoRA goes
+    in first: before stage 1 it is left untouched (B = 0 adds nothing), and its random draws are the
+    ones stage 2 makes on one process, as stage 1 draws none. replicate: the whole model on this
+    rank's device, compiled as on one device; LoRA comes in stage 2, as on one device."""
     if parallel.replicated:
         model.to(device)
         if teacher is not None:
@@ -318,11 +318,12 @@ def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.dev
     parallel.shard(model, gather)
     if teacher is not None:
         parallel.shard(teacher, gather)
+    _compile(model, config, device)  # (inside the FSDP units: their weights come in gathered)
 
 
 def _compile(model, config: TrainConfig, device: torch.device) -> None:
     """The feature maps and gates compiled where the config asks and the device is CUDA (a model
-    on one device or a replicated rank; not yet under FSDP: unmeasured there)."""
+    on one device, a replicated rank or an FSDP rank)."""
     if config.compile and device.type == "cuda":
         compile_attention_modules(model)
 
