@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 BN = 64  # band keys a tile
 # fp32 tiles of 64 x 64 and features up to 128 wide: software pipelining would pass an H100's shared memory
 LAUNCH = dict(num_warps=8, num_stages=1)
-FP32_PRECISION = "tf32"  # or "tf32x3", "ieee" (FMA: ptxas spills 100-180 KB a thread; 19x slower on an H200)
+FP32_PRECISION = "tf32"  # or "tf32x3", "ieee" (FMA: at these tiles ptxas spills, see the module)
 
 
 @triton.jit

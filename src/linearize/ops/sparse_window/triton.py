@@ -189,15 +189,13 @@ def _sparse_bwd_kernel(
 
 
 def _launch_args(q, v, sinks, kmin, window: int, cache_size: int, block: int) -> dict:
-    """The kernels' constexprs and launch options, the same for the forward and the backward."""
+    """The kernels' constexprs, the same for the forward and the backward."""
     D, DV = q.shape[-1], v.shape[-1]
     nsink = sinks.shape[1] if sinks is not None else 0
     return dict(W=window, M=cache_size, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), BM=block, BN=BN,
                 BS=pow2(max(nsink, 1)), NOLD=math.ceil(cache_size / BN), NNEW=math.ceil(block / BN),
                 NWIN=math.ceil((window + block) / BN) + 1, HAS_SINK=nsink > 0, HAS_KMIN=kmin is not None,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                # fp32 tiles pipelined three deep passed an H200's shared memory (262,656 of 232,448 bytes)
-                num_stages=1 if q.dtype == torch.float32 else 2)
+                PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 class _SparseLive(torch.autograd.Function):
