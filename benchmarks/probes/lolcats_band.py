@@ -4,7 +4,10 @@ features of 128, window 64, chunks of 64; bf16 inputs, fp32 compute), one GPU, s
 path, and the kernels at each precision of their fp32 products (``FP32_PRECISION``) and warp count.
 Medians of CUDA-event times, and each one's largest output difference from the torch path.
 
-    PYTHONPATH=src python3 benchmarks/probes/lolcats_band.py --out OUT.json [--cells 8x2048 1x16384]
+    PYTHONPATH=src python3 benchmarks/probes/lolcats_band.py --out OUT.json [--cells 8x2048 1x16384] [--profile]
+
+``--profile``: the CUDA kernels of one forward + backward of the default (the kernels at the shipped
+precision and warps) and of the torch path.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import json
 from pathlib import Path
 
 import torch
-from probe_common import timed
+from probe_common import kernel_table, timed
 
 from linearize.ops.lolcats_attn import chunk as lolcats_chunk
 from linearize.ops.lolcats_attn import triton as lolcats_triton
 
 APPLIES = lolcats_chunk.band_kernel_applies
+DEFAULT = (lolcats_triton.FP32_PRECISION, dict(lolcats_triton.LAUNCH))
 VARIANTS = [("torch", None, None)] + [(f"{prec} w{nw}", prec, nw) for prec in ("ieee", "tf32x3", "tf32")
                                         for nw in (4, 8)]
 
@@ -33,7 +37,7 @@ def use(prec, warps) -> None:
     lolcats_triton.LAUNCH = dict(num_warps=warps, num_stages=1)
 
 
-def cell(B: int, T: int, rounds: int) -> dict:
+def cell(B: int, T: int, rounds: int, profile: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     H, D, F, W = 9, 64, 128, 64
     x = lambda d: torch.randn(B, H, T, d, generator=g, device="cuda").bfloat16()  # noqa: E731
@@ -55,11 +59,14 @@ def cell(B: int, T: int, rounds: int) -> dict:
             out[name] = timed(run, rounds)
             ref = o if ref is None else ref
             out[name]["max_abs_diff_vs_torch"] = float((o - ref).abs().max())
+            if profile and (prec is None or (prec, warps) == (DEFAULT[0], DEFAULT[1]["num_warps"])):
+                out[name]["profile"] = kernel_table(run)
+                print(out[name]["profile"], flush=True)
         except Exception as e:  # noqa: BLE001 (a variant that fails to compile is a result too)
             out[name] = {"error": repr(e)[:300]}
-        print(name, {k: v for k, v in out[name].items() if k != "ms"}, flush=True)
-    use(None, None)
+        print(name, {k: v for k, v in out[name].items() if k not in ("ms", "profile")}, flush=True)
     lolcats_chunk.band_kernel_applies = APPLIES
+    lolcats_triton.FP32_PRECISION, lolcats_triton.LAUNCH = DEFAULT[0], dict(DEFAULT[1])
     return out
 
 
@@ -68,8 +75,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cells", nargs="+", default=["8x2048"])
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    rows = [cell(*(int(v) for v in c.split("x")), a.rounds) for c in a.cells]
+    rows = [cell(*(int(v) for v in c.split("x")), a.rounds, a.profile) for c in a.cells]
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
