@@ -307,23 +307,44 @@ def test_the_state_keeps_its_pairs_in_the_inputs_dtypes(form):
     assert torch.equal(step(st16, nxt), step(st32, [x.float() for x in nxt]).bfloat16())
 
 
-def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
-    """None picks the live form on a GPU from a fresh state up to ``LIVE_MAX`` tokens (its
-    comparisons grow as T^2), else the span loop; both give the sorting reference's outputs."""
+def test_the_form_is_picked_by_device_and_state(monkeypatch):
+    """None picks the live form on a GPU from a fresh state, else the span loop; both give the
+    sorting reference's outputs."""
     T, C, w, M = 20, 4, 3, 2
     q, k, v, score, sinks = inputs(T, seed=14)
     kw = {"window": w, "cache_size": M, "sink_logits": sinks, "chunk_size": C}
     ref = reference(q, k, v, score, sinks, w, M)
     given = shifted(score, w)
-    for device_type, limit, state, spans in (("cpu", T, None, T // C), ("cuda", T, None, 1),  # 1: the scan
-                                             ("cuda", T - 1, None, T // C), ("cuda", T, "carried", T // C)):
-        monkeypatch.setattr(chunk, "LIVE_MAX", limit)
+    for device_type, state, spans in (("cpu", None, T // C), ("cuda", None, 1),  # 1: the scan
+                                      ("cuda", "carried", T // C)):
         monkeypatch.setattr(chunk, "on_gpu", lambda x, d=device_type: d == "cuda")
         st = fresh_state(B, H, D, D, w, M, dtype=torch.float64) if state else None
         with count_chunk_steps() as steps:
             o = sparse_window_attn_chunk(q, k, v, given, state=st, **kw)[0]
-        assert steps["spans"] == spans, (device_type, limit, state)
+        assert steps["spans"] == spans, (device_type, state)
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_old_slots_in_groups_of_blocks_are_the_same(monkeypatch):
+    """The blocks' slot lists, built a few blocks at a time (bounded memory at any length), equal the
+    lists built at once; each block lists the pairs cached at its first query, in position order."""
+    from linearize.ops.sparse_window import live
+
+    g = torch.Generator().manual_seed(3)
+    T, w, M, C = 70, 5, 4, 8
+    score = torch.randn(2, 3, T - w, generator=g)
+    until = live.cache_until(score, torch.ones(2, T - w, dtype=torch.bool), M)
+    whole = live.old_slots(until, T, w, M, C)
+    for entries in (1, 2 * 3 * (T - w) * 3):  # one block a group; three blocks a group
+        monkeypatch.setattr(live, "SLOT_ENTRIES", entries)
+        assert torch.equal(live.old_slots(until, T, w, M, C), whole)
+    for b in range(whole.shape[2]):
+        t0 = b * C
+        cached = [[[s for s in range(T - w) if s < t0 - w < until[i, h, s]] for h in range(3)] for i in range(2)]
+        for i in range(2):
+            for h in range(3):
+                want = cached[i][h] + [T - w] * (M - len(cached[i][h]))
+                assert whole[i, h, b].tolist() == want, (i, h, b)
 
 
 def test_the_live_kernels_take_only_blocks_a_tile_can_hold(monkeypatch):

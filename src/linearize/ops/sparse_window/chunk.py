@@ -11,8 +11,8 @@ the inputs, the output and the rows' log-sum-exp.
 From a fresh state (no state, or ``fresh_state``) the spans can also run all at once (``live``:
 each pair's stay in the cache is an interval, found by a scan of rank comparisons), the same outputs
 and state with no loop over query spans. ``form`` picks: "spans", "live", or None: live where it
-pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span)
-up to ``LIVE_MAX`` tokens; a CPU loops, where the batched form is no faster. Where the kernels run,
+pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span),
+at any length; a CPU loops, where the batched form is no faster. Where the kernels run,
 the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
 """
 
@@ -29,7 +29,6 @@ from ..backend.dispatch import kernels_enabled, on_kernel_device
 from .live import cache_until, final_state, live_attend, old_slots, pair_keys
 from .naive import SparseWindowState, check_inputs, span_step, stored
 
-LIVE_MAX = 16384  # beyond, the live form's per-block slot lists (O(T^2 / C) bytes) outgrow the span loop's
 FORMS = ("spans", "live")
 
 
@@ -84,7 +83,7 @@ def sparse_window_attn_chunk(
     ``form``: "spans", "live" (needs a fresh state) or None (see the module)."""
     fresh = state is None or fresh_state
     if form is None:
-        live = fresh and on_gpu(q) and q.shape[2] <= LIVE_MAX
+        live = fresh and on_gpu(q)
     elif form in FORMS:
         if form == "live" and not fresh:
             raise ValueError("form='live' needs a fresh state: state=None, or fresh_state=True for one that has "

@@ -12,7 +12,7 @@ rank above it. That count only grows with t, so membership is one interval per p
 window during the block), so every block batches into one (B, H, T/C, C, (M + C) + (w + C)) softmax
 with autograd through plain gathers and matmuls: no sequential loop and no per-span ranking. Work:
 the j_s a scan of O(T (M + 256)) comparisons of ranks (without gradients: the selection is a
-ranking), the blocks' lists O(T^2 / C), the attention O(T (M + w + C) D).
+ranking), the blocks' lists O(T^2 / C) comparisons in bounded memory, the attention O(T (M + w + C) D).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..window_attn.naive import sink_softmax, soft_cap
 from .naive import SparseWindowState
 
 SCAN_BLOCK = 256  # pairs a step of ``cache_until``'s scan
+SLOT_ENTRIES = 1 << 26  # (block, pair) comparisons ``old_slots`` holds at once
 NEVER = -(1 << 30)  # the j_s of a pair that is not there (padding of a band): t - w < NEVER for no t
 
 
@@ -79,16 +80,23 @@ def old_slots(until: torch.Tensor, T: int, window: int, cache_size: int, block: 
     """``(B, H, ceil(T / block), M)`` int64: for each query block b, the pairs s < b C - w still cached
     at its first query (j_s > b C - w; at most M), in position order, then P (an empty slot). They are
     compacted by counting (a pair's slot is how many such pairs come before it), the rest thrown into
-    a spare slot: no sort."""
+    a spare slot: no sort. Blocks are taken in groups of at most ``SLOT_ENTRIES`` (block, pair)
+    comparisons, so memory stays O(T M / C + SLOT_ENTRIES) at any length (the comparisons, T^2 / C,
+    are cheap beside the attention)."""
     B, H, P = until.shape
-    w, M, C = window, cache_size, block
+    w, M, C, dev = window, cache_size, block, until.device
     nb = -(-T // C)
-    first = torch.arange(nb, device=until.device) * C
-    s = torch.arange(P, device=until.device)
-    old = (s < first[:, None] - w)[None, None] & (until[:, :, None, :] > first[:, None] - w)  # (B, H, nb, P)
-    slot = torch.where(old, old.cumsum(-1, dtype=torch.int32) - 1, M).long()
-    pick = torch.full((B, H, nb, M + 1), P, dtype=torch.long, device=until.device)
-    return pick.scatter_(-1, slot, s.expand(B, H, nb, P))[..., :M]
+    pick = torch.full((B, H, nb, M + 1), P, dtype=torch.long, device=dev)
+    group = max(1, SLOT_ENTRIES // max(1, B * H * P))
+    for b0 in range(0, nb, group):
+        b1 = min(nb, b0 + group)
+        first = torch.arange(b0, b1, device=dev) * C
+        n = min(P, max(0, (b1 - 1) * C - w))  # only pairs before the group's last block start can be old
+        s = torch.arange(n, device=dev)
+        old = (s < first[:, None] - w)[None, None] & (until[:, :, None, :n] > first[:, None] - w)  # (B, H, g, n)
+        slot = torch.where(old, old.cumsum(-1, dtype=torch.int32) - 1, M).long()
+        pick[:, :, b0:b1].scatter_(-1, slot, s.expand(B, H, b1 - b0, n))
+    return pick[..., :M]
 
 
 def live_attend(q, k, v, cache_q, leave_k, until, pos0, sink_logits, sink_k, sink_v, *, window: int,
