@@ -307,22 +307,38 @@ def test_the_state_keeps_its_pairs_in_the_inputs_dtypes(form):
     assert torch.equal(step(st16, nxt), step(st32, [x.float() for x in nxt]).bfloat16())
 
 
-def test_the_form_is_picked_by_device_and_state(monkeypatch):
-    """None picks the live form on a GPU from a fresh state, else the span loop; both give the
-    sorting reference's outputs."""
+def test_the_form_is_picked_by_device_length_and_state(monkeypatch):
+    """None picks the live form on a GPU from a fresh state up to ``TORCH_LIVE_MAX`` tokens (in
+    batched torch), else the span loop; both give the sorting reference's outputs."""
     T, C, w, M = 20, 4, 3, 2
     q, k, v, score, sinks = inputs(T, seed=14)
     kw = {"window": w, "cache_size": M, "sink_logits": sinks, "chunk_size": C}
     ref = reference(q, k, v, score, sinks, w, M)
     given = shifted(score, w)
-    for device_type, state, spans in (("cpu", None, T // C), ("cuda", None, 1),  # 1: the scan
-                                      ("cuda", "carried", T // C)):
+    for device_type, limit, state, spans in (("cpu", T, None, T // C), ("cuda", T, None, 1),  # 1: the scan
+                                             ("cuda", T - 1, None, T // C), ("cuda", T, "carried", T // C)):
+        monkeypatch.setattr(chunk, "TORCH_LIVE_MAX", limit)
         monkeypatch.setattr(chunk, "on_gpu", lambda x, d=device_type: d == "cuda")
         st = fresh_state(B, H, D, D, w, M, dtype=torch.float64) if state else None
         with count_chunk_steps() as steps:
             o = sparse_window_attn_chunk(q, k, v, given, state=st, **kw)[0]
-        assert steps["spans"] == spans, (device_type, state)
+        assert steps["spans"] == spans, (device_type, limit, state)
         torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_the_live_form_on_its_kernels_has_no_length_limit(monkeypatch):
+    """Past ``TORCH_LIVE_MAX`` the live form still pays where its kernels run (their memory is linear
+    in T); not on the CPU, and not in batched torch."""
+    q = torch.zeros(1, 1, 40, 8)
+    args = (q, q, q, None, None, None, None, None, 16)
+    monkeypatch.setattr(chunk, "TORCH_LIVE_MAX", 32)
+    for gpu, kernels, pays in ((True, True, True), (True, False, False), (False, True, False)):
+        monkeypatch.setattr(chunk, "on_gpu", lambda x, g=gpu: g)
+        monkeypatch.setattr(chunk, "live_kernel_applies", lambda *a, on=kernels: on)
+        assert chunk.live_pays(*args) == pays, (gpu, kernels)
+    monkeypatch.setattr(chunk, "on_gpu", lambda x: True)
+    monkeypatch.setattr(chunk, "live_kernel_applies", lambda *a: False)
+    assert chunk.live_pays(q[:, :, :32], q, q, None, None, None, None, None, 16)
 
 
 def test_old_slots_in_groups_of_blocks_are_the_same(monkeypatch):

@@ -11,8 +11,9 @@ the inputs, the output and the rows' log-sum-exp.
 From a fresh state (no state, or ``fresh_state``) the spans can also run all at once (``live``:
 each pair's stay in the cache is an interval, found by a scan of rank comparisons), the same outputs
 and state with no loop over query spans. ``form`` picks: "spans", "live", or None: live where it
-pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span),
-at any length; a CPU loops, where the batched form is no faster. Where the kernels run,
+pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span):
+on its kernels at any length, in batched torch up to ``TORCH_LIVE_MAX`` tokens; a CPU loops, where
+the batched form is no faster. Where the kernels run,
 the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
 """
 
@@ -29,6 +30,8 @@ from ..backend.dispatch import kernels_enabled, on_kernel_device
 from .live import cache_until, final_state, live_attend, old_slots, pair_keys
 from .naive import SparseWindowState, check_inputs, span_step, stored
 
+# beyond, the live form's batched torch (scores of (T / C) blocks x C x (M + w + 2C)) outgrows the span loop's
+TORCH_LIVE_MAX = 16384
 FORMS = ("spans", "live")
 
 
@@ -68,6 +71,13 @@ def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap,
             and len({x.dtype for x in xs}) == 1 and kernels_enabled() and on_kernel_device(*xs, *extra))
 
 
+def live_pays(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size: int) -> bool:
+    """Where ``form=None`` takes the live form from a fresh state: on a GPU, on its kernels at any
+    length, in batched torch up to ``TORCH_LIVE_MAX`` tokens."""
+    return on_gpu(q) and (q.shape[2] <= TORCH_LIVE_MAX or live_kernel_applies(
+        q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size))
+
+
 def sparse_window_attn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: torch.Tensor, *, window: int, cache_size: int,
     scale: Optional[float] = None, sink_logits: Optional[torch.Tensor] = None,
@@ -83,7 +93,7 @@ def sparse_window_attn_chunk(
     ``form``: "spans", "live" (needs a fresh state) or None (see the module)."""
     fresh = state is None or fresh_state
     if form is None:
-        live = fresh and on_gpu(q)
+        live = fresh and live_pays(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size)
     elif form in FORMS:
         if form == "live" and not fresh:
             raise ValueError("form='live' needs a fresh state: state=None, or fresh_state=True for one that has "
