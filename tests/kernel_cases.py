@@ -1087,6 +1087,9 @@ INTERPRETER_CASES = {
                                                    cache_qk=False), F32),
     "sparse f32 many slots wide blocks": (sparse_case, dict(T=150, D=8, DV=16, W=16, M=200, C=128, nsink=4), F32),
     "sparse layer lizard-recall f32": (sparse_layer_case, dict(), F32),
+    # a window wider than the key passes' query tiles, and pairs leaving the small cache all along
+    "sparse f32 wide window short stays": (sparse_case, dict(T=300, D=16, DV=16, W=100, M=4, C=32, nsink=2, pad=5),
+                                           F32),
     "sparse bf16 cache q and k": (sparse_case, dict(T=70, D=16, DV=16, W=8, M=6, C=16, nsink=2, pad=2), BF16),
 }
 

@@ -9,6 +9,7 @@
    torch, and with the span loop, beside lizard-gdn (no cache) and the teacher + LoRA.
 
     python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model] [--profile] [--compiled]
+        [--alt NAME=FILE]   (another ops/sparse_window/triton.py, e.g. an earlier commit's, timed as "live C64 NAME")
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import json
 from pathlib import Path
 
 import torch
-from probe_common import kernel_table, timed
+from probe_common import alt_modules, kernel_table, timed
 
 from linearize.ops.sparse_window import chunk, live, sparse_window_attn_chunk
+from linearize.ops.sparse_window import triton as sparse_triton
 
 H, D, W, M, SINKS = 9, 64, 128, 256, 4
 
 
-def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: bool = False) -> dict:
+def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: bool = False,
+             alts: dict | None = None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = lambda: torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()  # noqa: E731
     leaves = [x() for _ in range(5)] + [torch.zeros(H, SINKS, device="cuda")]
@@ -35,8 +38,11 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
     eager, compiled = live.live_attend, torch.compile(live.live_attend, dynamic=False)
     forms = [("spans C256", "spans", 256), ("live C64", "live", 64), ("live C128", "live", 128),
              ("live C64 torch", "live", 64), ("live C128 torch", "live", 128)]
-    kernel_switch = chunk.live_kernel_applies
-    for name, form, C in forms + ([("live C64 compiled", "live", 64)] if compiled else []):
+    kernel_switch, kernels = chunk.live_kernel_applies, sparse_triton.sparse_live_triton
+    alts = {n: m for n, m in (alts or {}).items() if n != "current"}
+    for name, form, C in (forms + ([("live C64 compiled", "live", 64)] if compiled else [])
+                          + [(f"live C64 {n}", "live", 64) for n in alts]):
+        sparse_triton.sparse_live_triton = alts[name[9:]].sparse_live_triton if name[9:] in alts else kernels
         xs = [t.clone().requires_grad_(True) for t in leaves]
         chunk.live_attend = compiled if name.endswith("compiled") else eager
         torch_only = name.endswith("torch") or name.endswith("compiled")
@@ -54,7 +60,7 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False, compiled: 
         if name == "live C64" and profile:
             out["profile_live"] = kernel_table(run)
             print(out["profile_live"], flush=True)
-    chunk.live_attend, chunk.live_kernel_applies = eager, kernel_switch
+    chunk.live_attend, chunk.live_kernel_applies, sparse_triton.sparse_live_triton = eager, kernel_switch, kernels
     ref = outputs["spans C256"]
     out["max_abs_diff_vs_spans"] = {n: float((o.detach() - ref.detach()).abs().max()) for n, o in outputs.items()}
     return out
@@ -99,11 +105,13 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="the live form's CUDA kernels, one forward + backward")
     p.add_argument("--compiled", action="store_true",
                    help="also the live form under torch.compile (its backward crashed inductor's CPU code once)")
+    p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another ops/sparse_window/triton.py")
     a = p.parse_args()
+    alts = alt_modules(sparse_triton, a.alt)
     cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
     for B, T in cells:
-        result["op"].append(op_times(B, T, profile=a.profile, compiled=a.compiled))
+        result["op"].append(op_times(B, T, profile=a.profile, compiled=a.compiled, alts=alts))
         print({k: v for k, v in result["op"][-1].items() if k != "profile_live"}, flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
     def save(rows):

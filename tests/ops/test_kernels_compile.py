@@ -414,7 +414,8 @@ def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     o = sparse_live_triton(q, k, v, cq, lk[:, :, W:], sinks, until, pick, torch.zeros(B, dtype=torch.int32),
                            window=W, cache_size=M, scale=D ** -0.5, block=C)
     _backward(o, q, k, v, cq, lk, sinks)
-    assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel"}
+    assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel", "_sparse_bwd_window_kernel",
+                                               "_sparse_bwd_cache_kernel"}
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
 
 

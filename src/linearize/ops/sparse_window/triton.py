@@ -10,10 +10,12 @@ Block b (queries t0 = b BM .. t0 + BM - 1; BM is the live form's block C):
     window  keys t - w < s <= t at s >= kmin (the row's left padding), q against k
 
 and the sink logits (zero values) start the softmax, as in ``window_attn.triton`` (base 2; the row's
-log-sum-exp is kept for the backward). The backward is one pass per query block: dq and d cache_q in
-registers, and each tile's dk (or d cache-key) and dv added with atomics (a cached pair is read by
-many blocks), fp32 accumulators, then cast. Restrictions (the torch live form runs otherwise): no
-soft-cap, no key/value sinks, D and Dv <= 256.
+log-sum-exp is kept for the backward). The backward takes three passes, each program owning what
+it writes (no atomics; a cached pair is read by many query blocks): per query block dq, d cache_q,
+the sinks' part and D_t = do_t . o_t; per tile of window keys their dk and dv, from the query blocks
+that see them; per tile of pairs their d cache-key and their part of dv, from the query blocks of
+their stay in the cache (t - w in [s, j_s)); fp32 accumulators, then cast. Restrictions (the torch
+live form runs otherwise): no soft-cap, no key/value sinks, D and Dv <= 256.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from ..window_attn.triton import block_offsets, load_kmin, online_step, sink_sta
 patch_interpreter()
 
 LOG2E = 1.4426950408889634
-NEVER = -(1 << 30)
+NEVER = tl.constexpr(-(1 << 30))  # the j_s of no pair (live.NEVER)
 BN = 64  # keys a tile
+KEY_PASS_BM = 64  # queries a tile of the backward's key passes
 
 
 @triton.jit
@@ -70,7 +73,7 @@ def _tile_args(i_m, j, kind: tl.constexpr, PICK, UNTIL, pick_off, until_off, T, 
     if kind == 2:
         jj = idx
     else:
-        jj = tl.load(UNTIL + until_off + idx, mask=valid, other=-1073741824)
+        jj = tl.load(UNTIL + until_off + idx, mask=valid, other=NEVER)
     return idx, valid, jj
 
 
@@ -135,13 +138,13 @@ def _sparse_fwd_kernel(
 
 @triton.jit
 def _sparse_bwd_kernel(
-    Q, CQ, K, LK, V, UNTIL, PICK, SINK, KMIN, O, DO, LSE, DQ, DCQ, DK, DLK, DV_, DSINK,
+    Q, CQ, K, LK, V, UNTIL, PICK, SINK, KMIN, O, DO, LSE, DQ, DCQ, DELTA, DSINK,
     T, P, H, NB, NSINK, qk_scale, sm_scale,
     W: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, NOLD: tl.constexpr, NNEW: tl.constexpr,
     NWIN: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMIN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (query blocks, B*H): dq, d cache_q; dk, d cache-keys and dv added (fp32 atomics); the
+    """Grid (query blocks, B*H): dq, d cache_q, D_t = do_t . o_t (for the key passes) and the
     block's part of the sink logits' gradient into DSINK[(bh, block), :BS]."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -157,6 +160,7 @@ def _sparse_bwd_kernel(
     do = tl.load(DO + ooff, mask=mrow[:, None] & mdv[None, :], other=0.0).to(tl.float32)
     o = tl.load(O + ooff, mask=mrow[:, None] & mdv[None, :], other=0.0).to(tl.float32)
     delta = tl.sum(do * o, 1)
+    tl.store(DELTA + bh * T + rows, delta, mask=mrow)
     lse = tl.load(LSE + bh * T + rows, mask=mrow, other=float("inf"))
     do_c = do.to(dt)
     kmin = load_kmin(KMIN, i_b, HAS_KMIN)
@@ -169,23 +173,106 @@ def _sparse_bwd_kernel(
             p = tl.where(vis & mrow[:, None], tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do_c, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
-            dv = tl.dot(tl.trans(p.to(dt)), do_c, input_precision=PREC)
-            tl.atomic_add(DV_ + bh * T * DV + idx[:, None].to(tl.int64) * DV + odv[None, :], dv,
-                          mask=valid[:, None] & mdv[None, :])
             if kind == 2:
                 dq += tl.dot(ds.to(dt), k, input_precision=PREC)
-                dk = tl.dot(tl.trans(ds.to(dt)), q, input_precision=PREC) * sm_scale
-                tl.atomic_add(DK + bh * T * D + idx[:, None].to(tl.int64) * D + od[None, :], dk,
-                              mask=valid[:, None] & md[None, :])
             else:
                 dcq += tl.dot(ds.to(dt), k, input_precision=PREC)
-                dk = tl.dot(tl.trans(ds.to(dt)), cq, input_precision=PREC) * sm_scale
-                tl.atomic_add(DLK + bh * P * D + idx[:, None].to(tl.int64) * D + od[None, :], dk,
-                              mask=valid[:, None] & md[None, :])
     tl.store(DQ + qoff, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     tl.store(DCQ + qoff, (dcq * sm_scale).to(DCQ.dtype.element_ty), mask=mrow[:, None] & md[None, :])
     if HAS_SINK:
         store_sink_grad(SINK, DSINK, i_h, i_bh * NB + i_m, NSINK, tl.where(mrow, lse, float("inf")), delta, BS)
+
+
+@triton.jit
+def _key_tile_grads(QS, DO, LSE, DELTA, k, v, cols, mcol, jj, bh, T, q_lo, q_hi, kmin, qk_scale,
+                    od, md, odv, mdv, CACHE: tl.constexpr, W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """One tile of keys k (BN, BD) with values v against query blocks q_lo .. q_hi - 1 of QS (q for
+    window keys; cache_q for pairs, ``CACHE``): their (dk / scale, dv) in fp32. Visible: the window
+    (t - w < s <= t, s >= kmin), or a pair's stay in the cache (s <= t - w < j_s)."""
+    dt = k.dtype
+    dk = tl.zeros([BN, BD], dtype=tl.float32)
+    dv = tl.zeros([BN, BDV], dtype=tl.float32)
+    for qb in range(q_lo, q_hi):
+        rows = qb * BM + tl.arange(0, BM)
+        mrow = rows < T
+        qoff = bh * T * D + rows[:, None].to(tl.int64) * D + od[None, :]
+        q = tl.load(QS + qoff, mask=mrow[:, None] & md[None, :], other=0.0)
+        do = tl.load(DO + bh * T * DV + rows[:, None].to(tl.int64) * DV + odv[None, :],
+                     mask=mrow[:, None] & mdv[None, :], other=0.0)
+        lse = tl.load(LSE + bh * T + rows, mask=mrow, other=float("inf"))
+        delta = tl.load(DELTA + bh * T + rows, mask=mrow, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if CACHE:
+            tw = rows[:, None] - W
+            vis = (cols[None, :] <= tw) & (tw < jj[None, :])
+        else:
+            vis = tile_visible(rows, cols, kmin, W)
+        p = tl.where(vis & mrow[:, None] & mcol[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(dt)), do, input_precision=PREC)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(dt)), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _sparse_bwd_window_kernel(
+    Q, K, V, DO, LSE, DELTA, KMIN, DK, DV_, T, H, qk_scale, sm_scale,
+    W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, HAS_KMIN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (tiles of BN keys, B*H): the window keys' dk and dv (fp32), from the query blocks that see
+    them (t in [s, s + w))."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    bh = i_bh.to(tl.int64)
+    cols = i_n * BN + tl.arange(0, BN)
+    mcol = cols < T
+    od, odv = tl.arange(0, BD), tl.arange(0, BDV)
+    md, mdv = od < D, odv < DV
+    k = tl.load(K + bh * T * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
+                other=0.0)
+    v = tl.load(V + bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :],
+                mask=mcol[:, None] & mdv[None, :], other=0.0)
+    kmin = load_kmin(KMIN, i_bh // H, HAS_KMIN)
+    q_lo = i_n * BN // BM
+    q_hi = tl.minimum(tl.cdiv(i_n * BN + BN - 1 + W, BM), tl.cdiv(T, BM))
+    dk, dv = _key_tile_grads(Q, DO, LSE, DELTA, k, v, cols, mcol, cols, bh, T, q_lo, q_hi, kmin, qk_scale,
+                             od, md, odv, mdv, False, W, D, DV, BD, BDV, BM, BN, PREC)
+    tl.store(DK + bh * T * D + cols[:, None].to(tl.int64) * D + od[None, :], dk * sm_scale,
+             mask=mcol[:, None] & md[None, :])
+    tl.store(DV_ + bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :], dv,
+             mask=mcol[:, None] & mdv[None, :])
+
+
+@triton.jit
+def _sparse_bwd_cache_kernel(
+    CQ, LK, V, UNTIL, DO, LSE, DELTA, DLK, DV_, T, P, qk_scale, sm_scale,
+    W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (tiles of BN pairs, B*H): the pairs' d cache-key (fp32) and their part of dv, added to the
+    window's in DV_ (this program owns those rows), from the query blocks of their stay in the cache."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    bh = i_bh.to(tl.int64)
+    cols = i_n * BN + tl.arange(0, BN)
+    mcol = cols < P
+    od, odv = tl.arange(0, BD), tl.arange(0, BDV)
+    md, mdv = od < D, odv < DV
+    lk = tl.load(LK + bh * P * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
+                 other=0.0)
+    voff = bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :]
+    v = tl.load(V + voff, mask=mcol[:, None] & mdv[None, :], other=0.0)
+    jj = tl.load(UNTIL + bh * P + cols, mask=mcol, other=NEVER)
+    q_lo = (i_n * BN + W) // BM
+    q_hi = tl.minimum(tl.cdiv(tl.max(jj, 0) + W, BM), tl.cdiv(T, BM))
+    dk, dv = _key_tile_grads(CQ, DO, LSE, DELTA, lk, v, cols, mcol, jj, bh, T, q_lo, q_hi, 0, qk_scale,
+                             od, md, odv, mdv, True, W, D, DV, BD, BDV, BM, BN, PREC)
+    tl.store(DLK + bh * P * D + cols[:, None].to(tl.int64) * D + od[None, :], dk * sm_scale,
+             mask=mcol[:, None] & md[None, :])
+    dv += tl.load(DV_ + voff, mask=mcol[:, None] & mdv[None, :], other=0.0)
+    tl.store(DV_ + voff, dv, mask=mcol[:, None] & mdv[None, :])
 
 
 def _launch_args(q, v, sinks, kmin, window: int, cache_size: int, block: int) -> dict:
@@ -222,15 +309,25 @@ class _SparseLive(torch.autograd.Function):
         DV, P, nb = v.shape[-1], lk.shape[2], pick.shape[2]
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dcq = torch.empty_like(q), torch.empty_like(cq)
-        dk, dlk, dv = torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, P, D, **f32), torch.zeros(B, H, T, DV, **f32)
+        # every row written by the one program that owns it (the cache pass adds to the window's dv)
+        dk, dlk, dv = torch.empty(B, H, T, D, **f32), torch.empty(B, H, P, D, **f32), torch.empty(B, H, T, DV, **f32)
+        delta = torch.empty(B * H, T, **f32)
         kw = _launch_args(q, v, sinks, kmin, window, cache_size, block)
         nsink = sinks.shape[1] if kw["HAS_SINK"] else 0
         dsink = torch.empty(B * H * nb, kw["BS"], **f32) if nsink else None
         dummy = lse
+        do = do.to(v.dtype).contiguous()
         _sparse_bwd_kernel[(nb, B * H)](
             q, cq, k, lk, v, until, pick, sinks if nsink else dummy, kmin if kw["HAS_KMIN"] else dummy, o,
-            do.to(v.dtype).contiguous(), lse, dq, dcq, dk, dlk, dv, dsink if nsink else dummy,
+            do, lse, dq, dcq, delta, dsink if nsink else dummy,
             T, P, H, nb, max(nsink, 1), scale * LOG2E, scale, **kw)
+        keys = dict(W=window, D=D, DV=DV, BD=kw["BD"], BDV=kw["BDV"], BM=KEY_PASS_BM, BN=BN, PREC=kw["PREC"])
+        _sparse_bwd_window_kernel[(triton.cdiv(T, BN), B * H)](
+            q, k, v, do, lse, delta, kmin if kw["HAS_KMIN"] else dummy, dk, dv, T, H, scale * LOG2E, scale,
+            HAS_KMIN=kw["HAS_KMIN"], **keys)
+        if P:
+            _sparse_bwd_cache_kernel[(triton.cdiv(P, BN), B * H)](
+                cq, lk, v, until, do, lse, delta, dlk, dv, T, P, scale * LOG2E, scale, **keys)
         d_sinks = None
         if nsink:
             d_sinks = dsink.view(B, H, nb, -1).sum((0, 2))[:, :nsink].to(sinks.dtype)
