@@ -216,6 +216,23 @@ def _key_tile_grads(QS, DO, LSE, DELTA, k, v, cols, mcol, jj, bh, T, q_lo, q_hi,
 
 
 @triton.jit
+def _key_tile(KEYS, V, i_n, bh, NK, T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              BN: tl.constexpr):
+    """Tile i_n of NK keys of head bh (KEYS (B*H, NK, D): the window's k, NK = T, or the pairs' cache
+    keys, NK = P) with their values (rows of V (B*H, T, DV)): indices, which exist, column offsets
+    and masks, keys, values, and the values' offsets."""
+    cols = i_n * BN + tl.arange(0, BN)
+    mcol = cols < NK
+    od, odv = tl.arange(0, BD), tl.arange(0, BDV)
+    md, mdv = od < D, odv < DV
+    k = tl.load(KEYS + bh * NK * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
+                other=0.0)
+    voff = bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :]
+    v = tl.load(V + voff, mask=mcol[:, None] & mdv[None, :], other=0.0)
+    return cols, mcol, od, odv, md, mdv, k, v, voff
+
+
+@triton.jit
 def _sparse_bwd_window_kernel(
     Q, K, V, DO, LSE, DELTA, KMIN, DK, DV_, T, H, qk_scale, sm_scale,
     W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
@@ -226,14 +243,7 @@ def _sparse_bwd_window_kernel(
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     bh = i_bh.to(tl.int64)
-    cols = i_n * BN + tl.arange(0, BN)
-    mcol = cols < T
-    od, odv = tl.arange(0, BD), tl.arange(0, BDV)
-    md, mdv = od < D, odv < DV
-    k = tl.load(K + bh * T * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
-                other=0.0)
-    v = tl.load(V + bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :],
-                mask=mcol[:, None] & mdv[None, :], other=0.0)
+    cols, mcol, od, odv, md, mdv, k, v, voff = _key_tile(K, V, i_n, bh, T, T, D, DV, BD, BDV, BN)
     kmin = load_kmin(KMIN, i_bh // H, HAS_KMIN)
     q_lo = i_n * BN // BM
     q_hi = tl.minimum(tl.cdiv(i_n * BN + BN - 1 + W, BM), tl.cdiv(T, BM))
@@ -241,8 +251,7 @@ def _sparse_bwd_window_kernel(
                              od, md, odv, mdv, False, W, D, DV, BD, BDV, BM, BN, PREC)
     tl.store(DK + bh * T * D + cols[:, None].to(tl.int64) * D + od[None, :], dk * sm_scale,
              mask=mcol[:, None] & md[None, :])
-    tl.store(DV_ + bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :], dv,
-             mask=mcol[:, None] & mdv[None, :])
+    tl.store(DV_ + voff, dv, mask=mcol[:, None] & mdv[None, :])
 
 
 @triton.jit
@@ -254,16 +263,8 @@ def _sparse_bwd_cache_kernel(
     """Grid (tiles of BN pairs, B*H): the pairs' d cache-key (fp32) and their part of dv, added to the
     window's in DV_ (this program owns those rows), from the query blocks of their stay in the cache."""
     i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    bh = i_bh.to(tl.int64)
-    cols = i_n * BN + tl.arange(0, BN)
-    mcol = cols < P
-    od, odv = tl.arange(0, BD), tl.arange(0, BDV)
-    md, mdv = od < D, odv < DV
-    lk = tl.load(LK + bh * P * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
-                 other=0.0)
-    voff = bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :]
-    v = tl.load(V + voff, mask=mcol[:, None] & mdv[None, :], other=0.0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols, mcol, od, odv, md, mdv, lk, v, voff = _key_tile(LK, V, i_n, bh, P, T, D, DV, BD, BDV, BN)
     jj = tl.load(UNTIL + bh * P + cols, mask=mcol, other=NEVER)
     q_lo = (i_n * BN + W) // BM
     q_hi = tl.minimum(tl.cdiv(tl.max(jj, 0) + W, BM), tl.cdiv(T, BM))
