@@ -372,16 +372,22 @@ class HybridAttention(nn.Module):
 
     def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
-        "leaving": the last w key features and values, and keys without RoPE when ``sparse_distance``
-        is set) and returns y_w. The pair leaving the window at query t is scored by the global
+        "leaving": the last w key features, and keys without RoPE when ``sparse_distance`` is set;
+        the last w values are the window's, in "local") and returns y_w. The pair leaving the window at query t is scored by the global
         memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))|| (the raw read: before any
         output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
         c = self.config
         w, T = c.window, fk.shape[2]
-        parts = (fk, v_lin) + ((k,) if c.sparse_far_rope else ())
+        local = state.get("local")
+        fresh = local is None
+        parts = (fk,) + ((k,) if c.sparse_far_rope else ())
         hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
-        fk_ext, v_ext, *k_ext = (torch.cat([h, x], 2) for h, x in zip(hist, parts))
-        state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, v_ext, *k_ext))
+        fk_ext, *k_ext = (torch.cat([h, x], 2) for h, x in zip(hist, parts))
+        state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, *k_ext))
+        # the leaving values are the window's own (the op's state holds the last w; they differ from
+        # v_lin only at left padding, whose pairs are never cached, so their scores go unread)
+        v_held = v_lin.new_zeros(*v_lin.shape[:2], w, v_lin.shape[-1]) if fresh else local.v.to(v_lin.dtype)
+        v_ext = torch.cat([v_held, v_lin], 2)
         # A cached pair is read as if sparse_distance back: (R_D q) . k without RoPE, the same at any
         # context length, where its own distance would soon pass any the teacher was trained on.
         far = {}
@@ -396,8 +402,6 @@ class HybridAttention(nn.Module):
             score = (v_out - recall.to(acc)).norm(dim=-1)  # (B, H, T)
             if c.sparse_score == "relative":  # the share of the value lost, whatever its norm
                 score = score / v_out.norm(dim=-1).clamp_min(torch.finfo(acc).tiny)
-        local = state.get("local")
-        fresh = local is None
         if fresh:  # rows start at minus their left padding, as the window's
             _, pos = self._fresh_window_state(lk, valid)
             B, H, _, d = lk.shape
