@@ -16,12 +16,8 @@ process, side by side:
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
-from probe_common import kernel_table, timed
+from probe_common import cells_parser, kernel_table, parse_shape, probe_record, timed
 
 from linearize.ops.delta import chunk as delta_chunk
 from linearize.ops.delta import delta_rule_chunk
@@ -94,23 +90,13 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--cells", nargs="+", default=["8x2048", "1x16384"])
-    p.add_argument("--skip-model", action="store_true")
-    p.add_argument("--profile", action="store_true", help="the op's CUDA kernels, one forward + backward, each way")
-    a = p.parse_args()
-    cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
-
-    def save(rows):
-        result["model"] = rows
-        Path(a.out).write_text(json.dumps(result, indent=1))
-
+    a = cells_parser(["8x2048", "1x16384"], "the op's CUDA kernels, one forward + backward, each way").parse_args()
+    cells = [parse_shape(c) for c in a.cells]
+    result, save = probe_record(a.out)
     for B, T in cells:
         result["op"].append(op_times(B, T, profile=a.profile))
         print({k: v for k, v in result["op"][-1].items() if not k.startswith("profile")}, flush=True)
-        save([])
+        save()
     if not a.skip_model:
         model_cells(cells, save)
 

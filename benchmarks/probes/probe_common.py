@@ -8,7 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 from linearize.bench.kernels import _env
 
@@ -53,6 +53,33 @@ def probe_args(kernel_file: str, shapes: list[str], rounds: int) -> argparse.Nam
     a = p.parse_args()
     a.shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape or shapes]
     return a
+
+
+def cells_parser(cells: list[str], profile: str) -> argparse.ArgumentParser:
+    """What the op-and-model probes take: --out, --cells BxT ... (default ``cells``), --skip-model
+    and --profile (``profile``: its help)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", nargs="+", default=cells)
+    p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--profile", action="store_true", help=profile)
+    return p
+
+
+def probe_record(out: str) -> tuple[dict, Callable[[Optional[list]], None]]:
+    """An op-and-model probe's JSON record (the card, torch, "op" and "model" rows) and its
+    ``save(model_rows=None)``, which writes it to ``out`` (with those model rows, where given), so
+    that a call cut short keeps the cells done."""
+    import torch
+
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
+
+    def save(model_rows: Optional[list] = None) -> None:
+        if model_rows is not None:
+            record["model"] = model_rows
+        Path(out).write_text(json.dumps(record, indent=1))
+
+    return record, save
 
 
 def host_probe_parser(calls: int, rounds: Optional[int] = 5) -> argparse.ArgumentParser:

@@ -14,12 +14,8 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
-from probe_common import alt_modules, kernel_table, timed
+from probe_common import alt_modules, cells_parser, kernel_table, parse_shape, probe_record, timed
 
 from linearize.ops.sparse_window import chunk, live, sparse_window_attn_chunk
 from linearize.ops.sparse_window import triton as sparse_triton
@@ -96,28 +92,20 @@ def model_cells(cells: list[tuple[int, int]], save, forms: tuple[str, ...]) -> l
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--cells", nargs="+", default=["8x2048", "4x4096"])
-    p.add_argument("--skip-model", action="store_true")
+    p = cells_parser(["8x2048", "4x4096"], "the live form's CUDA kernels, one forward + backward")
     p.add_argument("--forms", nargs="+", default=["live", "live-torch", "spans"],
                    help="lizard-recall's step on the live form's kernels, its batched torch, the span loop")
-    p.add_argument("--profile", action="store_true", help="the live form's CUDA kernels, one forward + backward")
     p.add_argument("--compiled", action="store_true",
                    help="also the live form under torch.compile (its backward crashed inductor's CPU code once)")
     p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another ops/sparse_window/triton.py")
     a = p.parse_args()
     alts = alt_modules(sparse_triton, a.alt)
-    cells = [tuple(int(v) for v in c.split("x")) for c in a.cells]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "op": [], "model": []}
+    cells = [parse_shape(c) for c in a.cells]
+    result, save = probe_record(a.out)
     for B, T in cells:
         result["op"].append(op_times(B, T, profile=a.profile, compiled=a.compiled, alts=alts))
         print({k: v for k, v in result["op"][-1].items() if k != "profile_live"}, flush=True)
-        Path(a.out).write_text(json.dumps(result, indent=1))
-    def save(rows):
-        result["model"] = rows
-        Path(a.out).write_text(json.dumps(result, indent=1))
-
+        save()
     if not a.skip_model:
         save(model_cells(cells, save, tuple(a.forms)))
 
