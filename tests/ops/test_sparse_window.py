@@ -330,15 +330,12 @@ def test_the_live_form_on_its_kernels_has_no_length_limit(monkeypatch):
     """Past ``TORCH_LIVE_MAX`` the live form still pays where its kernels run (their memory is linear
     in T); not on the CPU, and not in batched torch."""
     q = torch.zeros(1, 1, 40, 8)
-    args = (q, q, q, None, None, None, None, None, 16)
     monkeypatch.setattr(chunk, "TORCH_LIVE_MAX", 32)
     for gpu, kernels, pays in ((True, True, True), (True, False, False), (False, True, False)):
         monkeypatch.setattr(chunk, "on_gpu", lambda x, g=gpu: g)
-        monkeypatch.setattr(chunk, "live_kernel_applies", lambda *a, on=kernels: on)
-        assert chunk.live_pays(*args) == pays, (gpu, kernels)
+        assert chunk.live_pays(q, kernels) == pays, (gpu, kernels)
     monkeypatch.setattr(chunk, "on_gpu", lambda x: True)
-    monkeypatch.setattr(chunk, "live_kernel_applies", lambda *a: False)
-    assert chunk.live_pays(q[:, :, :32], q, q, None, None, None, None, None, 16)
+    assert chunk.live_pays(q[:, :, :32], False)
 
 
 def test_old_slots_in_groups_of_blocks_are_the_same(monkeypatch):

@@ -373,9 +373,9 @@ class HybridAttention(nn.Module):
     def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
         "leaving": the last w key features, and keys without RoPE when ``sparse_distance`` is set;
-        the last w values are the window's, in "local") and returns y_w. The pair leaving the window at query t is scored by the global
-        memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))|| (the raw read: before any
-        output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
+        the last w values are the window's, in "local") and returns y_w. The pair leaving the window
+        at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))||
+        (the raw read: before any output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
         c = self.config
         w, T = c.window, fk.shape[2]
         local = state.get("local")

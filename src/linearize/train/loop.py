@@ -119,7 +119,7 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
 
 def autocast(device: torch.device, precision: str):
     dtype = autocast_dtype(device, precision)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype is not None)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def _save_state(path: Path, stage: Stage, optimizer, scheduler, loop: LoopState, best: dict | None,

@@ -13,8 +13,8 @@ each pair's stay in the cache is an interval, found by a scan of rank comparison
 and state with no loop over query spans. ``form`` picks: "spans", "live", or None: live where it
 pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span):
 on its kernels at any length, in batched torch up to ``TORCH_LIVE_MAX`` tokens; a CPU loops, where
-the batched form is no faster. Where the kernels run,
-the live form's attention is one Triton kernel each way (``triton.py``), else batched torch.
+the batched form is no faster. Where the kernels run, the live form's attention is one Triton kernel
+forward and three backward (``triton.py``), else batched torch.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap,
             and len({x.dtype for x in xs}) == 1 and kernels_enabled() and on_kernel_device(*xs, *extra))
 
 
-def live_pays(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size: int) -> bool:
-    """Where ``form=None`` takes the live form from a fresh state: on a GPU, on its kernels at any
-    length, in batched torch up to ``TORCH_LIVE_MAX`` tokens."""
-    return on_gpu(q) and (q.shape[2] <= TORCH_LIVE_MAX or live_kernel_applies(
-        q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size))
+def live_pays(q: torch.Tensor, kernels: bool) -> bool:
+    """Where ``form=None`` takes the live form from a fresh state: on a GPU, on its kernels
+    (``kernels``: ``live_kernel_applies``) at any length, in batched torch up to ``TORCH_LIVE_MAX``
+    tokens."""
+    return on_gpu(q) and (q.shape[2] <= TORCH_LIVE_MAX or kernels)
 
 
 def sparse_window_attn_chunk(
@@ -92,24 +92,23 @@ def sparse_window_attn_chunk(
     before the first position, as ``fresh_state()`` makes it), so the live form may run.
     ``form``: "spans", "live" (needs a fresh state) or None (see the module)."""
     fresh = state is None or fresh_state
-    if form is None:
-        live = fresh and live_pays(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size)
-    elif form in FORMS:
-        if form == "live" and not fresh:
-            raise ValueError("form='live' needs a fresh state: state=None, or fresh_state=True for one that has "
-                             "seen nothing")
-        live = form == "live"
-    else:
+    if form is not None and form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    if form == "live" and not fresh:
+        raise ValueError("form='live' needs a fresh state: state=None, or fresh_state=True for one that has "
+                         "seen nothing")
     dt, state = check_inputs(q, k, v, score, window, cache_size, sink_logits, sink_k, sink_v, state, cache_q, leave_k)
     scale, softcap = common.softmax_scale(scale, q.shape[-1]), check_softcap(softcap)
     grad = recompute and torch.is_grad_enabled()
+    kernels = fresh and form != "spans" and live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k,
+                                                                softcap, chunk_size)
+    live = form == "live" or (form is None and fresh and live_pays(q, kernels))
     if live:
         P = max(q.shape[2] - window, 0)
         score = score.to(dt)
         pair_pos = state.pos[:, None] + torch.arange(P, device=q.device)
         until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
-        if live_kernel_applies(q, k, v, cache_q, leave_k, sink_logits, sink_k, softcap, chunk_size):
+        if kernels:
             from .triton import sparse_live_triton  # the kernels read the inputs as they come
             block = kernel_block(chunk_size, q.dtype)
             slots = old_slots(until, q.shape[2], window, cache_size, block).int()

@@ -29,11 +29,12 @@ import triton.language as tl
 
 from ..backend.dispatch import patch_interpreter, pow2
 from ..window_attn.triton import block_offsets, load_kmin, online_step, sink_start, store_sink_grad, tile_visible
+from . import live
 
 patch_interpreter()
 
 LOG2E = 1.4426950408889634
-NEVER = tl.constexpr(-(1 << 30))  # the j_s of no pair (live.NEVER)
+NEVER = tl.constexpr(live.NEVER)  # the j_s of no pair
 BN = 64  # keys a tile
 KEY_PASS_BM = 64  # queries a tile of the backward's key passes
 
