@@ -675,9 +675,10 @@ def _delta_gates(g: torch.Generator, B: int, H: int, T: int, extreme: bool) -> t
 def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, order: int | None = None,
                gated: bool = True, state: bool = False, extreme: bool = False, chunk: int = 16, B: int = 1,
                H: int = 2, seed: int = 0) -> dict[str, float]:
-    """delta_rule_chunk (``order`` None) or delta_product_chunk of that order, with the Triton
-    scan and the chunks' inverses (each asserted to run once), vs the fp64 parallel form on the same rounded inputs: o, final
-    state and d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev})."""
+    """delta_rule_chunk (``order`` None) or delta_product_chunk of that order on the kernels (the
+    delta rule's whole chunk form, or DeltaProduct's scan and chunks' inverses: each asserted to
+    run once), vs the fp64 parallel form on the same rounded inputs: o, final state and
+    d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev})."""
     from linearize.ops import delta as D
     from linearize.ops.delta import triton as kdelta
 
@@ -716,15 +717,22 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     kdelta._DeltaScanFunction.apply = lambda *a: calls.append(a[0].shape[3]) or apply(*a)  # W's chunk length
     inverse, inverses = kdelta.unit_lower_inverse_triton, []
     kdelta.unit_lower_inverse_triton = lambda n: inverses.append(n.shape[-1]) or inverse(n)
+    fused, chunks = kdelta._DeltaChunkFunction.apply, []
+    kdelta._DeltaChunkFunction.apply = lambda *a: chunks.append(a[-1]) or fused(*a)  # its chunk size
     try:
         o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32
         ((o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()).backward()
     finally:
         kdelta._DeltaScanFunction.apply, kdelta.unit_lower_inverse_triton = apply, inverse
+        kdelta._DeltaChunkFunction.apply = fused
+    if n == 1:
+        ran = len(chunks) == 1 and chunks[0] <= kdelta.FUSED_MAX_CHUNK and not calls and not inverses
+    else:
+        ran = len(calls) == 1 and calls[0] <= 128 and inverses == calls and not chunks
     err = {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S),
-           "one triton scan and inverse, chunks of <= 128 virtual tokens":
-           0.0 if len(calls) == 1 and calls[0] <= 128 and inverses == calls else float("inf")}
+           "the kernels ran once (order 1: the whole chunk form; else the scan and inverse)":
+           0.0 if ran else float("inf")}
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dlog_alpha"), k_in, ref_in):
         err[name] = rel_rms(a.grad.cpu(), b.grad)
     for name, a, b in zip(("dS0", "dk_prev", "dv_prev"), k_st, ref_st):
@@ -736,7 +744,8 @@ def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int 
     """HybridAttention as liza configures it (the delta rule, or DeltaProduct of ``order``, beside a
     window, mixed by mu; no parameters of its own) with the kernels on vs LINEARIZE_KERNELS=0:
     output, the delta state and the input gradients (those of q_rope, k_rope and v: the others
-    do not reach the output); the Triton scan runs once with the kernels on, never off."""
+    do not reach the output); the kernels (the delta rule's chunk form, or DeltaProduct's scan) run
+    once with the kernels on, never off."""
     from linearize.layers.hybrid import HybridAttention
     from linearize.methods import method_config
     from linearize.ops.delta import triton as kdelta
@@ -749,14 +758,16 @@ def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int 
     x = torch.randn(B, T, hidden, generator=g).to(device=device, dtype=dtype)
     dy = torch.randn(B, H, T, d, generator=g).to(device=device, dtype=dtype)
     calls = {"0": 0, "1": 0}
-    apply = kdelta._DeltaScanFunction.apply
+    apply, fused = kdelta._DeltaScanFunction.apply, kdelta._DeltaChunkFunction.apply
 
-    def counting(*args):
-        calls[flag] += 1
-        return apply(*args)
+    def counting(fn):
+        def call(*args):
+            calls[flag] += 1
+            return fn(*args)
+        return call
 
     outs, before = {}, os.environ.get("LINEARIZE_KERNELS")
-    kdelta._DeltaScanFunction.apply = counting
+    kdelta._DeltaScanFunction.apply, kdelta._DeltaChunkFunction.apply = counting(apply), counting(fused)
     try:
         for flag in ("0", "1"):
             os.environ["LINEARIZE_KERNELS"] = flag
@@ -766,7 +777,7 @@ def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int 
             (y.float() * dy.float()).sum().backward()
             outs[flag] = (y.detach(), state["global"].S.detach(), [t.grad for t in ins])
     finally:
-        kdelta._DeltaScanFunction.apply = apply
+        kdelta._DeltaScanFunction.apply, kdelta._DeltaChunkFunction.apply = apply, fused
         if before is None:
             os.environ.pop("LINEARIZE_KERNELS", None)
         else:
@@ -1068,6 +1079,7 @@ INTERPRETER_CASES = {
     "delta f32 ungated": (delta_case, dict(T=37, DK=16, DV=16, gated=False), F32),
     "delta f32 extreme gates": (delta_case, dict(T=45, DK=16, DV=16, extreme=True), F32),
     "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
+    "delta f32 chunks cut to 64, odd widths": (delta_case, dict(T=150, DK=24, DV=40, chunk=128, state=True), F32),
     "delta product2 f32 gated state": (delta_case, dict(T=29, DK=16, DV=16, order=2, state=True, chunk=8), F32),
     "delta product2 bf16 extreme gates": (delta_case, dict(T=29, DK=16, DV=16, order=2, extreme=True, chunk=8), BF16),
     # order 3 at chunk_size 64: the scan takes chunks of 42 tokens (126 virtual ones)

@@ -1,15 +1,13 @@
-"""Probe (issue 42): where does the delta rule's chunk algebra (``ops.delta.chunk``'s ``chunk_prep``:
-A, the chunks' inverses, W, U0, Kd; ``chunk_read``: the reads and the output; the scan between them
-on its Triton kernels) spend its time, and do the inverse's kernel or torch.compile shorten the gated
-delta rule and the training steps of lizard-gdn (the shipped student's base) and liza? One GPU, one
-process, side by side:
+"""Probe (issue 42): the delta rule's whole chunk form on its kernels (``ops.delta.triton``'s prep,
+scan and read, forward and backward: "chunk kernels") against the batched-torch chunk algebra around
+the scan's kernel ("scan kernels", what ran before), for the gated delta rule and the training steps
+of lizard-gdn (the shipped student's base) and liza, beside Lizard's step. One GPU, one process:
 
 1. ``delta_rule_chunk`` forward + backward at lizard-gdn's shapes (9 heads of 64, chunks of 64, a
-   decay and betas), bf16 inputs: medians of CUDA-event times with the inverses on the kernel
-   ("eager"), by torch's batched triangular solve ("torch inverse") and compiled, and their largest
-   output difference from "eager";
-2. ``bench train``'s cells (graphed step, compiled feature maps) for lizard-gdn and liza, stage 2,
-   the same three ways.
+   decay and betas), bf16 inputs: medians of CUDA-event times both ways, and the largest output
+   difference between them;
+2. ``bench train``'s cells (graphed step, compiled feature maps), stage 2: lizard, then lizard-gdn
+   and liza both ways.
 
     PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile]
 """
@@ -23,16 +21,24 @@ from linearize.ops.delta import chunk as delta_chunk
 from linearize.ops.delta import delta_rule_chunk
 from linearize.ops.delta import triton as delta_triton
 
-EAGER = (delta_chunk.chunk_prep, delta_chunk.chunk_read)
-KERNEL_INVERSE = delta_triton.unit_lower_inverse_triton
+CHUNK_KERNELS = delta_triton.delta_chunk_triton
 
 
-def compiled(on: bool) -> None:
-    if on:
-        delta_chunk.chunk_prep = torch.compile(EAGER[0], dynamic=False)
-        delta_chunk.chunk_read = torch.compile(EAGER[1], dynamic=False)
-    else:
-        delta_chunk.chunk_prep, delta_chunk.chunk_read = EAGER
+def scan_kernels(q, k, v, beta, log_alpha, S0, chunk_size):
+    """The chunk form as it ran before the chunk kernels: batched torch around the scan's kernel."""
+    f32 = torch.float32
+    la = None if log_alpha is None else log_alpha.to(f32)
+    o, S = delta_chunk.chunk_form(q.to(f32), k.to(f32), v.to(f32), beta.to(f32), S0, 1,
+                                  delta_chunk.kernel_chunk(chunk_size, 1), la, delta_triton.delta_scan_triton,
+                                  delta_triton.unit_lower_inverse_triton)
+    return o.to(v.dtype), S
+
+
+def use(variant: str) -> None:
+    delta_triton.delta_chunk_triton = scan_kernels if variant == "scan kernels" else CHUNK_KERNELS
+
+
+VARIANTS = ("chunk kernels", "scan kernels")
 
 
 def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
@@ -43,26 +49,29 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
     v = torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()
     beta = torch.rand(B, H, T, generator=g, device="cuda").bfloat16()
     log_alpha = -torch.rand(B, H, T, generator=g, device="cuda") * 0.1
-    out, outputs = {"B": B, "T": T}, {}
-    for name, on in (("eager", False), ("torch inverse", False), ("compiled", True)):
-        compiled(on)
-        delta_triton.unit_lower_inverse_triton = delta_chunk.inverse_torch if name == "torch inverse" \
-            else KERNEL_INVERSE
+    out, outputs, grads = {"B": B, "T": T}, {}, {}
+    for name in VARIANTS:
+        use(name)
         xs = [t.clone().requires_grad_(True) for t in (q, k, v, beta, log_alpha)]
 
         def run():
+            for x in xs:
+                x.grad = None
             o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
             o.float().sum().backward()
             return o.detach().float()
 
         outputs[name] = run()
+        grads[name] = [x.grad.float() for x in xs]
         out[name] = timed(run, rounds)
         if profile:
             out[f"profile_{name}"] = kernel_table(run)
             print(out[f"profile_{name}"], flush=True)
-    compiled(False)
-    delta_triton.unit_lower_inverse_triton = KERNEL_INVERSE
-    out["max_abs_diff"] = {n: float((o - outputs["eager"]).abs().max()) for n, o in outputs.items()}
+    use("chunk kernels")
+    ref = VARIANTS[1]
+    out["max_abs_diff_vs_scan_kernels"] = {"o": float((outputs[VARIANTS[0]] - outputs[ref]).abs().max())}
+    for n, a, b in zip(("dq", "dk", "dv", "dbeta", "dlog_alpha"), grads[VARIANTS[0]], grads[ref]):
+        out["max_abs_diff_vs_scan_kernels"][n] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
     return out
 
 
@@ -71,21 +80,18 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
 
     rows, kw = [], dict(steps=5, warmup=2, device=torch.device("cuda"), layers=None, ours=our_kernel_names())
     for B, T in cells:
-        for method in ("lizard-gdn", "liza"):
-            for variant in ("eager", "torch inverse", "compiled"):
-                compiled(variant == "compiled")
-                if variant == "torch inverse":
-                    delta_triton.unit_lower_inverse_triton = delta_chunk.inverse_torch
-                try:
-                    cell = run_cell("smollm2-135m-random", T, method, "stage2", "kernels", batch_size=B, graph=True, **kw)
-                finally:
-                    compiled(False)
-                    delta_triton.unit_lower_inverse_triton = KERNEL_INVERSE
-                cell["delta_variant"] = variant
-                rows.append(cell)
-                save(rows)
-                print({k: cell.get(k) for k in ("seq_len", "method", "delta_variant", "step_ms_median", "tokens_per_s",
-                                                "status", "graph_failed")}, flush=True)
+        runs = [("lizard", "chunk kernels")] + [(m, v) for m in ("lizard-gdn", "liza") for v in VARIANTS]
+        for method, variant in runs:
+            use(variant)
+            try:
+                cell = run_cell("smollm2-135m-random", T, method, "stage2", "kernels", batch_size=B, graph=True, **kw)
+            finally:
+                use("chunk kernels")
+            cell["delta_variant"] = variant
+            rows.append(cell)
+            save(rows)
+            print({k: cell.get(k) for k in ("seq_len", "method", "delta_variant", "step_ms_median", "tokens_per_s",
+                                            "status", "graph_failed")}, flush=True)
     return rows
 
 

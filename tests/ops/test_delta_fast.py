@@ -118,8 +118,8 @@ def test_triton_scan_rejects_bad_block():
         delta_scan_triton(W, W, W, None, torch.zeros(1, 1, 16, 16), bv=24)
 
 
-# the Triton scan against its torch twin, and the chunk forms with it against the fp64 parallel
-# form, under the interpreter (tests/ops/conftest.py, interpreter_results)
+# the Triton scan against its torch twin, and the chunk forms on the kernels against the fp64
+# parallel form, under the interpreter (tests/ops/conftest.py, interpreter_results)
 INTERPRETER_OP = "delta"
 
 
@@ -141,8 +141,8 @@ GPU_DELTA = {  # name -> delta_case arguments: liza's shapes (chunks of 64, Delt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(GPU_DELTA))
 def test_gpu_delta_fast_path_matches_reference(name, dtype):
-    """The public chunk ops on CUDA take the Triton scan (asserted by the case) and match the fp64
-    parallel form, forward and backward, at T = 2048 with extreme gates (alpha = 0, log -20,
+    """The public chunk ops on CUDA take the kernels (the delta rule's whole chunk form, DeltaProduct's
+    scan and inverses: asserted by the case) and match the fp64 parallel form, forward and backward, at T = 2048 with extreme gates (alpha = 0, log -20,
     exactly 1, near 1) and an initial state."""
     err = delta_case("cuda", dtype, T=2048, B=2, H=2, chunk=64, state=True,
                      extreme=GPU_DELTA[name].get("gated", True), **GPU_DELTA[name])
@@ -163,7 +163,7 @@ def test_chunk_form_ignores_autocast():
 @needs_cuda
 @pytest.mark.parametrize("order", [1, 2])
 def test_gpu_liza_layer_same_with_kernels_on_and_off(order):
-    """liza's layer (fp32, 1000 tokens in chunks of 8) takes the Triton scan on CUDA and gives
-    the torch scan's output, state and input gradients."""
+    """liza's layer (fp32, 1000 tokens in chunks of 8) takes the kernels on CUDA and gives the
+    torch path's output, state and input gradients."""
     err = delta_layer_case("cuda", torch.float32, order=order, T=1000)
     assert_errors(err, KTOL[torch.float32], f"liza layer order {order}")

@@ -52,11 +52,17 @@ def _aligned(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
+class _Compiled(list):
+    def __init__(self):
+        super().__init__()
+        self.ptx: list[str] = []
+
+
 @pytest.fixture()
 def compiled(monkeypatch):
     """Replaces kernel launches by compilation for sm_90a; yields the list of (kernel, constexprs,
-    shared memory in bytes)."""
-    done: list[tuple[str, dict, int]] = []
+    shared memory in bytes), whose ``ptx`` holds each compiled kernel's PTX in the same order."""
+    done = _Compiled()
     seen: set = set()
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
@@ -81,6 +87,7 @@ def compiled(monkeypatch):
             kernel = triton.compile(ASTSource(self, sig, constexprs=consts, attrs=attrs), target=HOPPER,
                                     options=options)
             done.append((self.fn.__name__, {params[i[0]].name: v for i, v in consts.items()}, kernel.metadata.shared))
+            done.ptx.append(kernel.asm["ptx"])
 
     monkeypatch.setattr(JITFunction, "run", compile_instead)
     yield done
@@ -129,6 +136,33 @@ def test_delta_scan_kernels_compile_for_hopper(compiled, L, DK, DV, gated):
     U, states, S = delta_scan_triton(W, U0, Kd, total, S0)
     _backward(U.sum() + states.sum() + S, W, U0, Kd, S0, *([total] if gated else []))
     assert {name for name, *_ in compiled} == {"_delta_scan_fwd_kernel", "_delta_scan_bwd_kernel"}
+
+
+@pytest.mark.parametrize("DK, DV, gated, dtype", [(64, 64, True, torch.bfloat16), (128, 128, False, torch.float32),
+                                                  (100, 72, True, torch.float32)])
+def test_delta_chunk_kernels_compile_for_hopper(compiled, DK, DV, gated, dtype, tmp_path):
+    """The delta rule's whole chunk form (prep, scan, read and their backwards; chunks of 64;
+    liza's widths, the widest, widths that are not powers of two): compiled for sm_90a within the
+    shared memory, and at liza's widths (bf16 inputs: tf32 products) ptxas assembles the chunk
+    kernels with at most 256 bytes of spills a thread (the prep's backward holds the most tiles)."""
+    from linearize.ops.delta.triton import delta_chunk_triton
+
+    B, H, T = 1, 2, 200
+    q, k = (torch.zeros(B, H, T, DK, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.zeros(B, H, T, DV, dtype=dtype, requires_grad=True)
+    beta = torch.zeros(B, H, T, dtype=dtype, requires_grad=True)
+    la = torch.zeros(B, H, T, dtype=dtype, requires_grad=True) if gated else None
+    S0 = torch.zeros(B, H, DK, DV, requires_grad=True)
+    o, S = delta_chunk_triton(q, k, v, beta, la, S0, 64)
+    _backward(o.float().sum() + S.sum(), q, k, v, beta, S0, *([la] if gated else []))
+    names = [name for name, *_ in compiled]
+    assert set(names) == {"_chunk_prep_kernel", "_chunk_read_kernel", "_chunk_read_bwd_kernel",
+                          "_chunk_prep_bwd_kernel", "_delta_scan_fwd_kernel", "_delta_scan_bwd_kernel"}, names
+    assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
+    if DK == DV == 64:
+        for name, ptx in zip(names, compiled.ptx):
+            if name.startswith("_chunk"):
+                assert _spill_bytes(_ptxas(ptx, tmp_path)) <= 256, name
 
 
 @pytest.mark.parametrize("L", [64, 126])

@@ -31,8 +31,9 @@ takes every decay factor as exp of a within-chunk segment sum of log_alpha, neve
 bf16 inputs with any gates in [-inf, 0] give no inf/NaN.
 
 The chunk form computes every chunk at once in batched torch around one sequential scan of the
-small state (``chunk``); ``delta_rule_chunk`` / ``delta_product_chunk`` run that scan on the
-Triton kernels (``triton``: forward and backward, one autograd Function) when ``delta_applies``
+small state (``chunk``); ``delta_rule_chunk`` / ``delta_product_chunk`` run on the Triton kernels
+(``triton``: forward and backward, one autograd Function) when ``delta_applies``: the whole chunk
+form for the (gated) delta rule, the scan and the chunks' inverses for DeltaProduct
 (bf16/fp16/fp32 inputs, Dk, Dv <= 128, on CUDA, kernels enabled: see ``ops.backend``), else in
 torch (``chunk.scan_torch``), which means the same. Triton is imported only when the kernels run.
 """

@@ -230,7 +230,13 @@ def delta_rule_chunk(
     Triton kernels where ``delta_applies``."""
     dt, S0 = check_delta_inputs(q, k, v, beta, state, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan, chunk, inverse = _plan(delta_applies(q, k, v, beta, log_alpha, (S0,)), chunk_size, 1)
+    applies = delta_applies(q, k, v, beta, log_alpha, (S0,))
+    if applies and q.shape[2]:
+        from .triton import delta_chunk_triton
+
+        o, S = delta_chunk_triton(q, k, v, beta, log_alpha, S0, chunk_size)
+        return o, DeltaState(S)
+    scan, chunk, inverse = _plan(applies, chunk_size, 1)
     la = None if log_alpha is None else log_alpha.to(dt)
     o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan, inverse)
     return o.to(v.dtype), DeltaState(S)
@@ -246,7 +252,14 @@ def delta_product_chunk(
     runs on the Triton kernels where ``delta_applies``, in chunks of ``kernel_chunk`` tokens."""
     dt, state = check_product_inputs(q, k, v, beta, order, state, eps, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
-    scan, chunk, inverse = _plan(delta_applies(q, k, v, beta, log_alpha, state, order), chunk_size, order)
+    applies = delta_applies(q, k, v, beta, log_alpha, state, order)
+    if applies and order == 1 and q.shape[2]:
+        from .triton import delta_chunk_triton
+
+        b = beta if beta.dim() == 3 else beta.squeeze(-1)
+        o, S = delta_chunk_triton(q, k, v, b, log_alpha, state.S, chunk_size)
+        return o, DeltaProductState(S, state.k_prev, state.v_prev)
+    scan, chunk, inverse = _plan(applies, chunk_size, order)
     kf, vf = k.to(dt), v.to(dt)
     # The differences only look back order-1 tokens, so expanding the whole sequence up front
     # gives each chunk exactly the virtual tokens it would get from the carried history.

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import patch_interpreter, pow2
+from ..backend.dispatch import patch_interpreter, pow2, strides_bht
 
 patch_interpreter()
 
@@ -113,18 +113,282 @@ def _delta_scan_bwd_kernel(
     _put(DS0 + state_off, dS, rk, rv, mk, mv, DV)
 
 
+# ---------------------------------------------------------------------------------------------
+# the whole chunk form of the delta rule (order 1), gated or not: prep, scan, read
+
+
+@triton.jit
+def _inverse_rows(n, r, BL: tl.constexpr, PREC: tl.constexpr):
+    """(I + n)^-1 of the (BL, BL) tile n, strictly lower triangular, in blocks of 16 rows: the
+    diagonal blocks' inverses D by forward substitution, row i of every block at once (row r of D
+    is e_r - sum_j n_rj D_j over the rows j before it in its block, already final), then the rows
+    below block by block, T_I = D_II (E_I - sum_{J < I} n_IJ T_J): 15 + 2 (BL / 16 - 1) products
+    instead of BL steps of two reductions each."""
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    blk = r // 16
+    nd = tl.where(blk[:, None] == blk[None, :], n, 0.0)
+    d = eye
+    for i in range(1, 16):
+        row = (r % 16) == i
+        d = tl.where(row[:, None], eye - tl.dot(tl.where(row[:, None], nd, 0.0), d, input_precision=PREC), d)
+    below = tl.where(blk[:, None] > blk[None, :], n, 0.0)
+    t = d
+    for b in range(1, BL // 16):
+        rhs = eye - tl.dot(below, t, input_precision=PREC)
+        t = tl.where((blk == b)[:, None], tl.dot(d, rhs, input_precision=PREC), t)
+    return t
+
+
+@triton.jit
+def _decay_pair(la, r):
+    """exp(b_t - b_s) for s <= t else 0 (BL, BL), from a chunk's log alphas la (BL,), padding 0.
+    Every exponent here and in ``_decay_ends`` is the sum of its own segment's log alphas (no
+    difference of two cumulative sums), as ``naive.log_decay_segments``."""
+    seg = tl.cumsum(tl.where(r[:, None] > r[None, :], la[:, None], 0.0), 0)  # [t, s]: la over (s, t]
+    return tl.where(r[:, None] >= r[None, :], tl.exp(seg), 0.0)
+
+
+@triton.jit
+def _decay_ends(la, r):
+    """start (BL,) exp(b_t - b_start), end (BL,) exp(b_end - b_s) and the total decay of a chunk."""
+    end = tl.exp(tl.sum(tl.where(r[:, None] > r[None, :], la[:, None], 0.0), 0))
+    return tl.exp(tl.cumsum(la, 0)), end, tl.exp(tl.sum(la, 0))
+
+
+@triton.jit
+def _decay(la, r):
+    """A chunk's decay factors: pair, start, end, total (``_decay_pair``, ``_decay_ends``)."""
+    start, end, total = _decay_ends(la, r)
+    return _decay_pair(la, r), start, end, total
+
+
+@triton.jit
+def _decay_grad(gp, gs, ge, gt, r):
+    """d log alpha (BL,) of one chunk from the gradients of the decay exponents: gp (BL, BL) of
+    pair's (la over (s, t]), gs (BL,) of start's (la over [0, t]), ge (BL,) of end's (la after s),
+    gt (scalar) of total's (all)."""
+    m = tl.cumsum(gp, 1) - gp + gs[:, None]  # [t, l]: sum_{s < l} gp[t, s], + gs[t]
+    return (tl.sum(tl.where(r[:, None] >= r[None, :], m, 0.0), 0)
+            + tl.sum(tl.where(r[:, None] < r[None, :], ge[:, None], 0.0), 0) + gt)
+
+
+@triton.jit
+def _rows_bht(ptr, b, h, tok, cols, mrow, mcol, s_b, s_h, s_t):
+    """A (rows, cols) tile of a (B, H, T, D) tensor (last axis contiguous), zero outside, fp32."""
+    p = ptr + b * s_b + h * s_h + tok[:, None] * s_t + cols[None, :]
+    return tl.load(p, mask=mrow[:, None] & mcol[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put_bht(ptr, x, b, h, tok, cols, mrow, mcol, s_b, s_h, s_t):
+    p = ptr + b * s_b + h * s_h + tok[:, None] * s_t + cols[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=mrow[:, None] & mcol[None, :])
+
+
+@triton.jit
+def _gates_bht(ptr, b, h, tok, mrow, s_b, s_h, s_t):
+    return tl.load(ptr + b * s_b + h * s_h + tok * s_t, mask=mrow, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    K, V, BETA, LA, W, U0, KD, TINV, TOT,
+    sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sb_b, sb_h, sb_t, sa_b, sa_h, sa_t,
+    H, T, NC, C,
+    DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per (batch*head, chunk): W = T diag(beta start) K, U0 = T diag(beta) V, Kd = diag(end) K with
+    T = (I + strict(diag(beta) (K K^T * pair)))^-1, stored with T and the chunk's total decay."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b, h = bh // H, bh % H
+    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
+    tok = c * C + r
+    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
+    k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
+    v = _rows_bht(V, b, h, tok, rv, ml, mv, sv_b, sv_h, sv_t)
+    beta = _gates_bht(BETA, b, h, tok, ml, sb_b, sb_h, sb_t)
+    g = tl.dot(k, tl.trans(k), input_precision=PREC)
+    bk = beta[:, None] * k
+    kd = k
+    if GATED:
+        pair, start, end, total = _decay(_gates_bht(LA, b, h, tok, ml, sa_b, sa_h, sa_t), r)
+        g = g * pair
+        bk = start[:, None] * bk
+        kd = end[:, None] * k
+        tl.store(TOT + bh * NC + c, total)
+    tinv = _inverse_rows(tl.where(r[:, None] > r[None, :], beta[:, None] * g, 0.0), r, BL, PREC)
+    chunk = (bh * NC + c) * C
+    mr = r < C
+    _put(TINV + chunk * C, tinv, r, r, mr, mr, C)
+    _put(W + chunk * DK, tl.dot(tinv, bk, input_precision=PREC), r, rk, mr, mk, DK)
+    _put(U0 + chunk * DV, tl.dot(tinv, beta[:, None] * v, input_precision=PREC), r, rv, mr, mv, DV)
+    _put(KD + chunk * DK, kd, r, rk, mr, mk, DK)
+
+
+@triton.jit
+def _chunk_read_kernel(
+    Q, K, LA, U, SC, O,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sa_b, sa_h, sa_t, so_b, so_h, so_t,
+    H, T, NC, C,
+    DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per (batch*head, chunk): O = diag(start) Q S_c + (causal(Q K^T) * pair) U."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b, h = bh // H, bh % H
+    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
+    tok = c * C + r
+    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
+    mr = r < C
+    q = _rows_bht(Q, b, h, tok, rk, ml, mk, sq_b, sq_h, sq_t)
+    k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
+    chunk = bh * NC + c
+    u = _tile(U + chunk * C * DV, r, rv, mr, mv, DV)
+    s = _tile(SC + chunk * DK * DV, rk, rv, mk, mv, DV)
+    reads = tl.dot(q, tl.trans(k), input_precision=PREC)
+    qs = tl.dot(q, s, input_precision=PREC)
+    if GATED:
+        pair, start, end, total = _decay(_gates_bht(LA, b, h, tok, ml, sa_b, sa_h, sa_t), r)
+        reads = reads * pair
+        qs = start[:, None] * qs
+    reads = tl.where(r[:, None] >= r[None, :], reads, 0.0)
+    _put_bht(O, tl.dot(reads, u, qs, input_precision=PREC), b, h, tok, rv, ml, mv, so_b, so_h, so_t)
+
+
+@triton.jit
+def _chunk_read_bwd_kernel(
+    Q, K, LA, U, SC, DO, DQ, DKR, DLAR, DU, DSC,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sa_b, sa_h, sa_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t,
+    H, T, NC, C,
+    DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, PREC: tl.constexpr,
+):
+    """The read's backward per (batch*head, chunk): dQ (final), the read's part of dK and of
+    d log alpha (fp32, (B*H, NC, C, .)), and dU, dS_c for the scan's backward."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b, h = bh // H, bh % H
+    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
+    tok = c * C + r
+    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
+    mr = r < C
+    q = _rows_bht(Q, b, h, tok, rk, ml, mk, sq_b, sq_h, sq_t)
+    k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
+    do = _rows_bht(DO, b, h, tok, rv, ml, mv, sdo_b, sdo_h, sdo_t)
+    chunk = bh * NC + c
+    u = _tile(U + chunk * C * DV, r, rv, mr, mv, DV)
+    s = _tile(SC + chunk * DK * DV, rk, rv, mk, mv, DV)
+    causal = r[:, None] >= r[None, :]
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    dread = tl.dot(do, tl.trans(u), input_precision=PREC)  # the gradient of reads (before the mask)
+    dos = do
+    if GATED:
+        pair, start, end, total = _decay(_gates_bht(LA, b, h, tok, ml, sa_b, sa_h, sa_t), r)
+        gs = tl.sum(do * tl.dot(q, s, input_precision=PREC), 1) * start
+        gp = tl.where(causal, dread * qk * pair, 0.0)
+        dla = _decay_grad(gp, gs, tl.zeros([BL], tl.float32), 0.0, r)
+        tl.store(DLAR + chunk * C + r, dla, mask=mr)
+        dread = dread * pair
+        qk = qk * pair
+        dos = start[:, None] * do
+    dread = tl.where(causal, dread, 0.0)
+    reads = tl.where(causal, qk, 0.0)
+    dq = tl.dot(dread, k, input_precision=PREC)
+    dq = tl.dot(dos, tl.trans(s), dq, input_precision=PREC)
+    _put_bht(DQ, dq, b, h, tok, rk, ml, mk, sdq_b, sdq_h, sdq_t)
+    _put(DKR + chunk * C * DK, tl.dot(tl.trans(dread), q, input_precision=PREC), r, rk, mr, mk, DK)
+    _put(DU + chunk * C * DV, tl.dot(tl.trans(reads), do, input_precision=PREC), r, rv, mr, mv, DV)
+    _put(DSC + chunk * DK * DV, tl.dot(tl.trans(q), dos, input_precision=PREC), rk, rv, mk, mv, DV)
+
+
+@triton.jit
+def _chunk_prep_bwd_kernel(
+    K, V, BETA, LA, TINV, TOT, U, SC, DUT, DSN, DKR, DLAR, DK_, DV_, DBETA, DLA,
+    sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sb_b, sb_h, sb_t, sa_b, sa_h, sa_t,
+    sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sdb_b, sdb_h, sdb_t, sda_b, sda_h, sda_t,
+    H, T, NC, C,
+    DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, PREC: tl.constexpr,
+):
+    """The prep's backward per (batch*head, chunk), from the scan's: dW = -dU~ S_c^T,
+    dKd = U dS_{c+1}^T, d total = <S_c, dS_{c+1}>, dU0 = dU~; then through T (dN = -T^T dT T^T)
+    to the final dK (with the read's part), dV, d beta and d log alpha (with the read's part)."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b, h = bh // H, bh % H
+    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
+    tok = c * C + r
+    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
+    mr = r < C
+    chunk = bh * NC + c
+    # ordered so that few (C, D) and (C, C) tiles are live at once (at 64 x 64 they fill the registers)
+    du0 = _tile(DUT + chunk * C * DV, r, rv, mr, mv, DV)
+    s = _tile(SC + chunk * DK * DV, rk, rv, mk, mv, DV)
+    dw = -tl.dot(du0, tl.trans(s), input_precision=PREC)
+    dsn = _tile(DSN + chunk * DK * DV, rk, rv, mk, mv, DV)
+    if GATED:
+        gt = tl.sum(tl.sum(s * dsn, 1), 0) * tl.load(TOT + chunk)
+    dkd = tl.dot(_tile(U + chunk * C * DV, r, rv, mr, mv, DV), tl.trans(dsn), input_precision=PREC)
+    k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
+    beta = _gates_bht(BETA, b, h, tok, ml, sb_b, sb_h, sb_t)
+    dk = _tile(DKR + chunk * C * DK, r, rk, mr, mk, DK)
+    bs = beta
+    if GATED:
+        la = _gates_bht(LA, b, h, tok, ml, sa_b, sa_h, sa_t)
+        start, end, total = _decay_ends(la, r)
+        ge = tl.sum(dkd * k, 1) * end
+        dkd = end[:, None] * dkd
+        bs = beta * start
+    dk += dkd
+    tinv = _tile(TINV + chunk * C * C, r, r, mr, mr, C)
+    dt = tl.dot(dw, tl.trans(bs[:, None] * k), input_precision=PREC)
+    dbk = tl.dot(tl.trans(tinv), dw, input_precision=PREC)  # d (diag(beta start) K)
+    dk += bs[:, None] * dbk
+    dkb = tl.sum(dbk * k, 1)  # d (beta start), per row
+    v = _rows_bht(V, b, h, tok, rv, ml, mv, sv_b, sv_h, sv_t)
+    dt = tl.dot(du0, tl.trans(beta[:, None] * v), dt, input_precision=PREC)
+    dbv = tl.dot(tl.trans(tinv), du0, input_precision=PREC)  # d (diag(beta) V)
+    dbeta = tl.sum(dbv * v, 1)
+    _put_bht(DV_, beta[:, None] * dbv, b, h, tok, rv, ml, mv, sdv_b, sdv_h, sdv_t)
+    tt = tl.trans(tinv)
+    dn = -tl.dot(tl.dot(tt, dt, input_precision=PREC), tt, input_precision=PREC)
+    dn = tl.where(r[:, None] > r[None, :], dn, 0.0)
+    g = tl.dot(k, tl.trans(k), input_precision=PREC)
+    if GATED:
+        pair = _decay_pair(la, r)
+        g = g * pair
+    dbeta += tl.sum(dn * g, 1)
+    dg = beta[:, None] * dn
+    if GATED:
+        dbeta += dkb * start
+        gs = dkb * beta * start
+        dla = _decay_grad(dg * g, gs, ge, gt, r) + tl.load(DLAR + chunk * C + r, mask=mr, other=0.0)
+        tl.store(DLA + b * sda_b + h * sda_h + tok * sda_t, dla.to(DLA.dtype.element_ty), mask=ml)
+        dg = dg * pair
+    else:
+        dbeta += dkb
+    dk = tl.dot(dg + tl.trans(dg), k, dk, input_precision=PREC)
+    _put_bht(DK_, dk, b, h, tok, rk, ml, mk, sdk_b, sdk_h, sdk_t)
+    tl.store(DBETA + b * sdb_b + h * sdb_h + tok * sdb_t, dbeta.to(DBETA.dtype.element_ty), mask=ml)
+
+
 @triton.jit
 def _unit_lower_inverse_kernel(N, T, L, BL: tl.constexpr):
     """One matrix a program: T = (I + N)^-1 for N strictly lower triangular (L x L, fp32), by forward
-    substitution row by row in registers: T_i = e_i - sum_j N_ij T_j (rows j < i already final)."""
+    substitution row by row in registers, T_i = e_i - sum_j N_ij T_j (DeltaProduct's chunks of up
+    to 128 virtual tokens, whose products in ``_inverse_rows`` would need 256 KB of shared memory)."""
     base = tl.program_id(0).to(tl.int64) * L * L
     r = tl.arange(0, BL)
     m = r < L
     # N transposed (nt[j, i] = N_ij), so that row i of N comes out along the axis T's rows run on
-    nt = tl.load(N + base + r[None, :] * L + r[:, None], mask=m[:, None] & m[None, :], other=0.0)
+    nt = tl.load(N + base + r[None, :] * L + r[:, None], mask=m[:, None] & m[None, :] & (r[None, :] > r[:, None]),
+                 other=0.0)
     t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in range(1, L):
-        n_i = tl.sum(tl.where(r[None, :] == i, nt, 0.0), 1)        # N_ij over j
+        n_i = tl.sum(tl.where(r[None, :] == i, nt, 0.0), 1)
         t = tl.where(r[:, None] == i, t - tl.sum(n_i[:, None] * t, 0)[None, :], t)
     tl.store(T + base + r[:, None] * L + r[None, :], t, mask=m[:, None] & m[None, :])
 
@@ -165,28 +429,59 @@ def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int]) -> tuple[int, int, int,
     return BL, BK, BV, 8 if big else 4, 2 if tile_bytes <= 96 * 1024 else 1
 
 
+def _scan_forward(W, U0, Kd, total, S0, bv):
+    """The scan's forward kernel: U, S_c (B*H, NC, L, .), S_final (B*H, Dk, Dv), fp32."""
+    B, H, NC, L, Dk = W.shape
+    Dv = U0.shape[-1]
+    f32 = torch.float32
+    w, *sw = _rows(W)
+    u0, *su0 = _rows(U0)
+    kd, *skd = _rows(Kd)
+    gated = total is not None
+    tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w  # unread when not gated
+    S0c = S0.reshape(B * H, Dk, Dv).to(f32).contiguous()
+    U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
+    SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
+    ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
+    _delta_scan_fwd_kernel[(B * H, triton.cdiv(Dv, BV))](
+        w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
+        GATED=gated, PREC=PREC, num_warps=warps, num_stages=stages)
+    return U, SC, ST
+
+
+def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv):
+    """The scan's backward kernel: dU~ (B*H, NC, L, Dv), the leaving states' dS (B*H, NC, Dk, Dv)
+    and dS0 (B*H, Dk, Dv), fp32; dU, dSC, dST may be None (no gradient)."""
+    B, H, NC, L, Dk = W.shape
+    f32 = torch.float32
+    w, *sw = _rows(W)
+    kd, *skd = _rows(Kd)
+    gated = total is not None
+    # w stands in for what the kernel does not read (no decay, outputs without a gradient)
+    tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w
+    du = dU.reshape(B * H, NC, L, Dv).to(f32).contiguous() if dU is not None else w
+    dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else w
+    dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else w
+    DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
+    DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
+    DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
+    _delta_scan_bwd_kernel[(B * H, triton.cdiv(Dv, BV))](
+        w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
+        GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
+        num_warps=warps, num_stages=stages)
+    return DUT, DSN, DS0
+
+
 class _DeltaScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, W, U0, Kd, total, S0, bv):
         B, H, NC, L, Dk = W.shape
         Dv = U0.shape[-1]
-        f32 = torch.float32
-        w, *sw = _rows(W)
-        u0, *su0 = _rows(U0)
-        kd, *skd = _rows(Kd)
-        gated = total is not None
-        tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w  # unread when not gated
-        S0c = S0.reshape(B * H, Dk, Dv).to(f32).contiguous()
-        U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
-        SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-        ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-        BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
-        grid = (B * H, triton.cdiv(Dv, BV))
-        _delta_scan_fwd_kernel[grid](w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv,
-                                     BL=BL, BK=BK, BV=BV, GATED=gated, PREC=PREC, num_warps=warps,
-                                     num_stages=stages)
+        U, SC, ST = _scan_forward(W, U0, Kd, total, S0, bv)
         U, SC, ST = U.view(B, H, NC, L, Dv), SC.view(B, H, NC, Dk, Dv), ST.view(B, H, Dk, Dv)
-        ctx.save_for_backward(W, Kd, total if gated else None, U, SC)
+        ctx.save_for_backward(W, Kd, total, U, SC)
         ctx.bv, ctx.s0_dtype = bv, S0.dtype
         ctx.set_materialize_grads(False)
         return U, SC, ST
@@ -196,27 +491,11 @@ class _DeltaScanFunction(torch.autograd.Function):
         W, Kd, total, U, SC = ctx.saved_tensors
         B, H, NC, L, Dk = W.shape
         Dv = U.shape[-1]
-        f32 = torch.float32
-        w, *sw = _rows(W)
-        kd, *skd = _rows(Kd)
-        gated = total is not None
-        # w stands in for what the kernel does not read (no decay, outputs without a gradient)
-        tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w
-        du = dU.reshape(B * H, NC, L, Dv).to(f32).contiguous() if dU is not None else w
-        dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else w
-        dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else w
-        DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
-        DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-        DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-        BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, ctx.bv)
-        grid = (B * H, triton.cdiv(Dv, BV))
-        _delta_scan_bwd_kernel[grid](w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv,
-                                     BL=BL, BK=BK, BV=BV, GATED=gated, HAS_DU=dU is not None,
-                                     HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
-                                     num_warps=warps, num_stages=stages)
+        DUT, DSN, DS0 = _scan_backward(W, Kd, total, dU, dSC, dST, Dv, ctx.bv)
         dUt, dSn = DUT.view(B, H, NC, L, Dv), DSN.view(B, H, NC, Dk, Dv)
         dW = -(dUt @ SC.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
         dKd = U @ dSn.transpose(-1, -2) if ctx.needs_input_grad[2] else None
+        gated = total is not None
         dtot = (SC * dSn).sum((-1, -2)).to(total.dtype) if gated and ctx.needs_input_grad[3] else None
         dS0 = DS0.view(B, H, Dk, Dv).to(ctx.s0_dtype) if ctx.needs_input_grad[4] else None
         return dW, dUt if ctx.needs_input_grad[1] else None, dKd, dtot, dS0, None
@@ -234,3 +513,95 @@ def delta_scan_triton(
     if bv is not None and (bv < 16 or bv & (bv - 1)):
         raise ValueError(f"bv must be a power of two >= 16, got {bv}")
     return _DeltaScanFunction.apply(W, U0, Kd, total, S0, bv)
+
+
+FUSED_MAX_CHUNK = 64  # the chunk kernels hold (C, C) and (C, D) fp32 tiles of a whole chunk
+# warps of the chunk kernels (their fp32 tiles of 64 x 64 at liza's widths: fewer spill registers)
+CHUNK_WARPS = {"prep": 8, "read": 4, "read_bwd": 8, "prep_bwd": 8}
+
+
+def _bht(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T[, D]) with its last axis contiguous (a view where it already is)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _chunk_precision(*xs: torch.Tensor) -> str:
+    """The chunk kernels' products: tf32 where q, k and v are 16-bit (the model under autocast: their
+    rounding is far above tf32's), else tf32x3 (about fp32's accuracy, as the scan's)."""
+    return "tf32" if all(x.dtype in (torch.bfloat16, torch.float16) for x in xs) else PREC
+
+
+class _DeltaChunkFunction(torch.autograd.Function):
+    """The delta rule's chunk form (order 1, gated or not) on four kernels and the scan's:
+    prep (W, U0, Kd, T per chunk) -> scan -> read, and back: read -> scan -> prep."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, log_alpha, S0, C):
+        B, H, T, Dk = q.shape
+        Dv = v.shape[-1]
+        NC = triton.cdiv(T, C)
+        f32, dev = torch.float32, q.device
+        gated = log_alpha is not None
+        la = log_alpha if gated else beta  # unread when not gated
+        W = torch.empty(B, H, NC, C, Dk, dtype=f32, device=dev)
+        U0 = torch.empty(B, H, NC, C, Dv, dtype=f32, device=dev)
+        Kd = torch.empty_like(W)
+        Tinv = torch.empty(B * H, NC, C, C, dtype=f32, device=dev)
+        total = torch.empty(B, H, NC, dtype=f32, device=dev) if gated else None
+        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=_chunk_precision(q, k, v))
+        grid = (B * H, NC)
+        _chunk_prep_kernel[grid](k, v, beta, la, W, U0, Kd, Tinv, total if gated else W,
+                                 *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
+                                 H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep"])
+        U, SC, ST = _scan_forward(W, U0, Kd, total, S0, None)
+        o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=dev)
+        _chunk_read_kernel[grid](q, k, la, U, SC, o, *strides_bht(q), *strides_bht(k), *strides_bht(la),
+                                 *strides_bht(o), H, T, NC, C, **meta, num_warps=CHUNK_WARPS["read"])
+        ctx.save_for_backward(q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC)
+        ctx.C, ctx.s0_dtype = C, S0.dtype
+        ctx.set_materialize_grads(False)
+        return o, ST.view(B, H, Dk, Dv)
+
+    @staticmethod
+    def backward(ctx, do, dST):
+        q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC = ctx.saved_tensors
+        B, H, T, Dk = q.shape
+        Dv, C, NC = v.shape[-1], ctx.C, W.shape[2]
+        f32, dev = torch.float32, q.device
+        gated = log_alpha is not None
+        la = log_alpha if gated else beta
+        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=_chunk_precision(q, k, v))
+        grid = (B * H, NC)
+        dq = torch.empty_like(q)
+        dU = torch.empty(B * H, NC, C, Dv, dtype=f32, device=dev)
+        dSC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=dev)
+        dk_read = torch.empty(B * H, NC, C, Dk, dtype=f32, device=dev)
+        dla_read = torch.empty(B * H, NC, C, dtype=f32, device=dev) if gated else dU
+        if do is None:
+            do = torch.zeros(B, H, T, Dv, dtype=v.dtype, device=dev)
+        do = _bht(do)
+        _chunk_read_bwd_kernel[grid](q, k, la, U, SC, do, dq, dk_read, dla_read, dU, dSC,
+                                     *strides_bht(q), *strides_bht(k), *strides_bht(la), *strides_bht(do),
+                                     *strides_bht(dq), H, T, NC, C, **meta, num_warps=CHUNK_WARPS["read_bwd"])
+        dUt, dSn, dS0 = _scan_backward(W, Kd, total, dU, dSC, dST, Dv, None)
+        dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+        dla = torch.empty_like(log_alpha) if gated else dbeta
+        _chunk_prep_bwd_kernel[grid](k, v, beta, la, Tinv, total if gated else Tinv, U, SC, dUt, dSn, dk_read,
+                                     dla_read, dk, dv, dbeta, dla,
+                                     *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
+                                     *strides_bht(dk), *strides_bht(dv), *strides_bht(dbeta), *strides_bht(dla),
+                                     H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep_bwd"])
+        return (dq, dk, dv, dbeta, dla if gated else None, dS0.view(B, H, Dk, Dv).to(ctx.s0_dtype), None)
+
+
+def delta_chunk_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_alpha: Optional[torch.Tensor],
+    S0: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's chunk form (``chunk.chunk_form`` of order 1) on the kernels, differentiable:
+    q, k (B, H, T, Dk), v (B, H, T, Dv), beta and log_alpha (or None) (B, H, T) in bf16, fp16 or
+    fp32 (read as they are, computed in fp32), S0 (B, H, Dk, Dv) fp32; chunks of at most
+    ``FUSED_MAX_CHUNK`` tokens. Returns o (B, H, T, Dv) in v's dtype and the final state (fp32)."""
+    C = max(1, min(chunk_size, FUSED_MAX_CHUNK, q.shape[2]))
+    q, k, v = _bht(q), _bht(k), _bht(v)
+    return _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C)
