@@ -718,7 +718,7 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     inverse, inverses = kdelta.unit_lower_inverse_triton, []
     kdelta.unit_lower_inverse_triton = lambda n: inverses.append(n.shape[-1]) or inverse(n)
     fused, chunks = kdelta._DeltaChunkFunction.apply, []
-    kdelta._DeltaChunkFunction.apply = lambda *a: chunks.append(a[-1]) or fused(*a)  # its chunk size
+    kdelta._DeltaChunkFunction.apply = lambda *a: chunks.append(a[6]) or fused(*a)  # its chunk size
     try:
         o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32

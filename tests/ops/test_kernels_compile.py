@@ -139,6 +139,7 @@ def test_delta_scan_kernels_compile_for_hopper(compiled, L, DK, DV, gated):
 
 
 @pytest.mark.parametrize("DK, DV, gated, dtype", [(64, 64, True, torch.bfloat16), (128, 128, False, torch.float32),
+                                                  (128, 128, True, torch.bfloat16), (100, 72, True, torch.bfloat16),
                                                   (100, 72, True, torch.float32)])
 def test_delta_chunk_kernels_compile_for_hopper(compiled, DK, DV, gated, dtype, tmp_path):
     """The delta rule's whole chunk form (prep, scan, read and their backwards; chunks of 64;

@@ -52,7 +52,8 @@ STEM = "train"
 BACKENDS = ("kernels", "torch")
 TOP_KERNELS = 25  # the profiled step's kernels listed, most launched first
 KERNEL_MODULES = ("gla.triton", "window_attn.triton", "lizard_attn.fused", "gla.gluon", "window_attn.gluon",
-                  "lizard_attn.gluon", "lizard_attn.decode")
+                  "lizard_attn.gluon", "lizard_attn.decode", "delta.triton", "sparse_window.triton",
+                  "lolcats_attn.triton")
 
 
 def our_kernel_names() -> set[str]:
@@ -162,10 +163,13 @@ def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
         if evt.name in ours:
             mine += us
             mine_launches += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    def table(key):
+        top = sorted(by_name.items(), key=key)[:TOP_KERNELS]
+        return [{"name": n[:160], "launches": c, "ms": us / 1e3} for n, (us, c) in top]
+
     return {"profiled_step_ms": wall * 1e3, "gpu_kernel_ms": total / 1e3, "gpu_launches": launches,
             "our_kernel_ms": mine / 1e3, "our_launches": mine_launches,
-            "top_kernels_by_launches": [{"name": n[:160], "launches": c, "ms": us / 1e3} for n, (us, c) in top]}
+            "top_kernels_by_launches": table(lambda kv: -kv[1][1]), "top_kernels_by_time": table(lambda kv: -kv[1][0])}
 
 
 def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, batch_size: int, steps: int,

@@ -515,7 +515,7 @@ def delta_scan_triton(
     return _DeltaScanFunction.apply(W, U0, Kd, total, S0, bv)
 
 
-FUSED_MAX_CHUNK = 64  # the chunk kernels hold (C, C) and (C, D) fp32 tiles of a whole chunk
+FUSED_MAX_CHUNK = 64  # the chunk kernels hold (C, C) and (C, D) fp32 tiles of a whole chunk (C * D <= 64 * 64)
 # warps of the chunk kernels (their fp32 tiles of 64 x 64 at liza's widths: fewer spill registers)
 CHUNK_WARPS = {"prep": 8, "read": 4, "read_bwd": 8, "prep_bwd": 8}
 
@@ -526,9 +526,18 @@ def _bht(x: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_precision(*xs: torch.Tensor) -> str:
-    """The chunk kernels' products: tf32 where q, k and v are 16-bit (the model under autocast: their
-    rounding is far above tf32's), else tf32x3 (about fp32's accuracy, as the scan's)."""
-    return "tf32" if all(x.dtype in (torch.bfloat16, torch.float16) for x in xs) else PREC
+    """The chunk kernels' products: tf32 for a model in 16 bits (an input in bf16 / fp16, or CUDA
+    autocast on: the features arrive in fp32 from bf16 projections, whose rounding is far above
+    tf32's), else tf32x3 (about fp32's accuracy, as the scan's). The scan is tf32x3 either way."""
+    half = any(x.dtype in (torch.bfloat16, torch.float16) for x in xs)
+    return "tf32" if half or torch.is_autocast_enabled("cuda") else PREC
+
+
+def fused_chunk(chunk_size: int, Dk: int, Dv: int, T: int) -> int:
+    """The chunk kernels' tokens per chunk: ``chunk_size`` cut to ``FUSED_MAX_CHUNK``, to 32 for
+    heads wider than 64 (their (C, D) tiles), and to T. The result does not depend on it."""
+    wide = max(pow2(Dk), pow2(Dv)) > 64
+    return max(1, min(chunk_size, 32 if wide else FUSED_MAX_CHUNK, T))
 
 
 class _DeltaChunkFunction(torch.autograd.Function):
@@ -536,7 +545,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
     prep (W, U0, Kd, T per chunk) -> scan -> read, and back: read -> scan -> prep."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, log_alpha, S0, C):
+    def forward(ctx, q, k, v, beta, log_alpha, S0, C, prec):
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]
         NC = triton.cdiv(T, C)
@@ -548,7 +557,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
         Kd = torch.empty_like(W)
         Tinv = torch.empty(B * H, NC, C, C, dtype=f32, device=dev)
         total = torch.empty(B, H, NC, dtype=f32, device=dev) if gated else None
-        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=_chunk_precision(q, k, v))
+        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=prec)
         grid = (B * H, NC)
         _chunk_prep_kernel[grid](k, v, beta, la, W, U0, Kd, Tinv, total if gated else W,
                                  *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
@@ -558,7 +567,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
         _chunk_read_kernel[grid](q, k, la, U, SC, o, *strides_bht(q), *strides_bht(k), *strides_bht(la),
                                  *strides_bht(o), H, T, NC, C, **meta, num_warps=CHUNK_WARPS["read"])
         ctx.save_for_backward(q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC)
-        ctx.C, ctx.s0_dtype = C, S0.dtype
+        ctx.C, ctx.prec, ctx.s0_dtype = C, prec, S0.dtype
         ctx.set_materialize_grads(False)
         return o, ST.view(B, H, Dk, Dv)
 
@@ -570,7 +579,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
         f32, dev = torch.float32, q.device
         gated = log_alpha is not None
         la = log_alpha if gated else beta
-        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=_chunk_precision(q, k, v))
+        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=ctx.prec)
         grid = (B * H, NC)
         dq = torch.empty_like(q)
         dU = torch.empty(B * H, NC, C, Dv, dtype=f32, device=dev)
@@ -591,7 +600,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
                                      *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
                                      *strides_bht(dk), *strides_bht(dv), *strides_bht(dbeta), *strides_bht(dla),
                                      H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep_bwd"])
-        return (dq, dk, dv, dbeta, dla if gated else None, dS0.view(B, H, Dk, Dv).to(ctx.s0_dtype), None)
+        return (dq, dk, dv, dbeta, dla if gated else None, dS0.view(B, H, Dk, Dv).to(ctx.s0_dtype), None, None)
 
 
 def delta_chunk_triton(
@@ -600,8 +609,8 @@ def delta_chunk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule's chunk form (``chunk.chunk_form`` of order 1) on the kernels, differentiable:
     q, k (B, H, T, Dk), v (B, H, T, Dv), beta and log_alpha (or None) (B, H, T) in bf16, fp16 or
-    fp32 (read as they are, computed in fp32), S0 (B, H, Dk, Dv) fp32; chunks of at most
-    ``FUSED_MAX_CHUNK`` tokens. Returns o (B, H, T, Dv) in v's dtype and the final state (fp32)."""
-    C = max(1, min(chunk_size, FUSED_MAX_CHUNK, q.shape[2]))
+    fp32 (read as they are, computed in fp32), S0 (B, H, Dk, Dv) fp32; chunks of ``fused_chunk``
+    tokens. Returns o (B, H, T, Dv) in v's dtype and the final state (fp32)."""
+    C = fused_chunk(chunk_size, q.shape[-1], v.shape[-1], q.shape[2])
     q, k, v = _bht(q), _bht(k), _bht(v)
-    return _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C)
+    return _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C, _chunk_precision(q, k, v))
