@@ -986,6 +986,30 @@ def sparse_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
     return err
 
 
+def sparse_slots_case(device: str, dtype: torch.dtype, *, T: int, W: int, M: int, C: int, pad: int = 0,
+                      ties: bool = False, B: int = 2, H: int = 3, seed: int = 0) -> dict[str, float]:
+    """The live form's selection on its kernels (``cache_until_triton``, ``old_slots_triton``) vs the torch
+    scan and lists (``live.cache_until``, ``live.old_slots``): every j_s and every block's slots, exactly
+    (0 or inf). Row 1's first ``pad`` pairs are no candidates (left padding); ``ties``: scores in {0, 1, 2}."""
+    from linearize.ops.sparse_window import live
+    from linearize.ops.sparse_window import triton as ksparse
+
+    g = _gen(seed)
+    P = T - W
+    score = (torch.randint(0, 3, (B, H, P), generator=g).to(dtype) if ties
+             else torch.rand(B, H, P, generator=g).to(dtype))
+    candidate = torch.ones(B, P, dtype=torch.bool)
+    candidate[1, :pad] = False
+    until = live.cache_until(score, candidate, M)
+    slots = live.old_slots(until, T, W, M, C)
+    dev = torch.device(device)
+    until2 = ksparse.cache_until_triton(score.to(dev), candidate.to(dev), M)
+    slots2 = ksparse.old_slots_triton(until2, T, W, M, C)
+    exact = lambda a, b: 0.0 if a.dtype == torch.int32 and torch.equal(a.cpu().long(), b.long()) else float("inf")  # noqa: E731
+    return {"until": exact(until2, until), "slots": exact(slots2, slots),
+            "slots from the torch until": exact(ksparse.old_slots_triton(until.to(dev), T, W, M, C), slots)}
+
+
 INTERPRETER_CASES = {
     "gla f32 norm log": (gla_case, dict(normalize=True, log_space=True, T=45, DK=16, DV=24, dstate_bv=16), F32),
     "gla f32 norm plain": (gla_case, dict(normalize=True, log_space=False, T=45, DK=16, DV=24), F32),
@@ -1099,6 +1123,10 @@ INTERPRETER_CASES = {
                                                    cache_qk=False), F32),
     "sparse f32 many slots wide blocks": (sparse_case, dict(T=150, D=8, DV=16, W=16, M=200, C=128, nsink=4), F32),
     "sparse layer lizard-recall f32": (sparse_layer_case, dict(), F32),
+    "sparse slots f32 padded": (sparse_slots_case, dict(T=300, W=16, M=20, C=32, pad=37), F32),
+    "sparse slots f32 ties, cache wider than the pairs": (sparse_slots_case, dict(T=90, W=8, M=100, C=16, ties=True),
+                                                          F32),
+    "sparse slots bf16 ties, one slot": (sparse_slots_case, dict(T=200, W=4, M=1, C=64, ties=True, pad=5), BF16),
     # a window wider than the key passes' query tiles, and pairs leaving the small cache all along
     "sparse f32 wide window short stays": (sparse_case, dict(T=300, D=16, DV=16, W=100, M=4, C=32, nsink=2, pad=5),
                                            F32),

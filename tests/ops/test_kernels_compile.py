@@ -436,21 +436,20 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
 def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     """The sparse window's live form (lizard-recall's shapes: window 128, 256 cached pairs read with
     their own q and k, 4 sink logits, the largest query blocks the chunk op gives them), forward and
-    backward."""
+    backward, and the selection (every pair's j_s, the blocks' slot lists)."""
     from linearize.ops.sparse_window.chunk import kernel_block
-    from linearize.ops.sparse_window.live import old_slots
-    from linearize.ops.sparse_window.triton import sparse_live_triton
+    from linearize.ops.sparse_window.triton import cache_until_triton, old_slots_triton, sparse_live_triton
 
     B, H, T, D, W, M, C = 1, 2, 512, 64, 128, 256, kernel_block(1024, dtype)
     q, k, v, cq, lk = (torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(5))
     sinks = torch.zeros(H, 4, requires_grad=True)
-    until = torch.zeros(B, H, T - W, dtype=torch.int32)
-    pick = old_slots(until, T, W, M, C).int()
+    until = cache_until_triton(torch.zeros(B, H, T - W), torch.ones(B, T - W, dtype=torch.bool), M)
+    pick = old_slots_triton(until, T, W, M, C)
     o = sparse_live_triton(q, k, v, cq, lk[:, :, W:], sinks, until, pick, torch.zeros(B, dtype=torch.int32),
                            window=W, cache_size=M, scale=D ** -0.5, block=C)
     _backward(o, q, k, v, cq, lk, sinks)
     assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel", "_sparse_bwd_window_kernel",
-                                               "_sparse_bwd_cache_kernel"}
+                                               "_sparse_bwd_cache_kernel", "_cache_until_kernel", "_old_slots_kernel"}
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
 
 

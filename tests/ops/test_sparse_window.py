@@ -412,6 +412,16 @@ def test_gpu_live_form_equals_the_span_loop(dtype):
         assert ((a.float() - b.float()).abs().max() / scale) < (2e-2 if dtype == torch.bfloat16 else 1e-5), name
 
 
+@needs_cuda
+def test_gpu_selection_kernels_equal_the_torch_scan():
+    """On CUDA at an evaluation's length (8K tokens, window 128, 256 pairs, tied scores, left padding):
+    every pair's j_s and every query block's slots from the kernels equal the torch scan's, exactly."""
+    from kernel_cases import sparse_slots_case
+
+    err = sparse_slots_case("cuda", torch.float32, T=8192, W=128, M=256, C=128, pad=300, ties=True)
+    assert max(err.values()) == 0.0, err
+
+
 def test_bad_inputs_are_named():
     q, k, v, score, _ = inputs(5)
     with pytest.raises(ValueError, match=r"score must have shape \(B, H, T\) = \(2, 3, 5\), got \(2, 3, 4\)"):

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import common
 from ..window_attn.naive import check_softcap
 from ..backend.dispatch import kernels_enabled, on_kernel_device
-from .live import cache_until, final_state, live_attend, old_slots, pair_keys
+from .live import cache_until, final_state, live_attend, pair_keys
 from .naive import SparseWindowState, check_inputs, span_step, stored
 
 # beyond, the live form's batched torch (scores of (T / C) blocks x C x (M + w + 2C)) outgrows the span loop's
@@ -107,15 +107,18 @@ def sparse_window_attn_chunk(
         P = max(q.shape[2] - window, 0)
         score = score.to(dt)
         pair_pos = state.pos[:, None] + torch.arange(P, device=q.device)
-        until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
         if kernels:
-            from .triton import sparse_live_triton  # the kernels read the inputs as they come
+            # the kernels read the inputs as they come
+            from .triton import cache_until_triton, old_slots_triton, sparse_live_triton
+
+            until = cache_until_triton(score[:, :, window:], pair_pos >= 0, cache_size)
             block = kernel_block(chunk_size, q.dtype)
-            slots = old_slots(until, q.shape[2], window, cache_size, block).int()
+            slots = old_slots_triton(until, q.shape[2], window, cache_size, block)
             o = sparse_live_triton(q, k, v, q if cache_q is None else cache_q, pair_keys(k, leave_k, window),
                                    sink_logits, until, slots, (-state.pos).clamp_min(0).int(), window=window,
                                    cache_size=cache_size, scale=scale, block=block)
         else:
+            until = cache_until(score[:, :, window:], pair_pos >= 0, cache_size)
             cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
             args = (*(cast(x) for x in (q, k, v, cache_q, leave_k)), until, state.pos, sink_logits, sink_k, sink_v)
             kw = dict(window=window, cache_size=cache_size, scale=scale, softcap=softcap, block=chunk_size)

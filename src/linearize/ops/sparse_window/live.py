@@ -30,6 +30,19 @@ NEVER = -(1 << 30)  # the j_s of a pair that is not there (padding of a band): t
 
 
 @torch.no_grad()
+def pair_ranks(pair_score: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """``(B, H, P)`` int32: each pair's rank, 0 the best (ties: the newer pair); a pair that is no
+    candidate ranks P (after every candidate), so that "s' ranks above s" is one comparison of ranks."""
+    B, H, P = pair_score.shape
+    idx = torch.arange(P, device=pair_score.device)
+    newer = idx.flip(0).expand(B, H, P)
+    order = newer.gather(-1, torch.argsort(pair_score.gather(-1, newer), dim=-1, descending=True, stable=True))
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand(B, H, P))
+    # in int32: the (B, H, M + K, K) counts of the scan are its largest tensors
+    return torch.where(candidate[:, None, :], rank, P).int()
+
+
+@torch.no_grad()
 def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: int) -> torch.Tensor:
     """``(B, H, P)`` int32: j_s for pairs s = 0 .. P - 1 (see the module).
 
@@ -43,13 +56,7 @@ def cache_until(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: i
     B, H, P = pair_score.shape
     M, dev = cache_size, pair_score.device
     idx = torch.arange(P, device=dev)
-    # one rank a pair, 0 the best (ties: the newer pair); a pair that is no candidate ranks last, so
-    # that "s' ranks above s" is one comparison of ranks
-    newer = idx.flip(0).expand(B, H, P)
-    order = newer.gather(-1, torch.argsort(pair_score.gather(-1, newer), dim=-1, descending=True, stable=True))
-    rank = torch.empty_like(order).scatter_(-1, order, idx.expand(B, H, P))
-    # ranks and counts in int32 (the (B, H, M + K, K) counts are the scan's largest tensors)
-    rank = torch.where(candidate[:, None, :], rank, P).int()
+    rank = pair_ranks(pair_score, candidate)
     until = torch.full((B, H, P + 1), P, dtype=torch.long, device=dev)  # slot P: where empty slots write
     kept_rank = torch.full((B, H, M), P + 1, dtype=torch.int32, device=dev)  # empty: below every pair
     kept_idx = torch.full((B, H, M), P, dtype=torch.long, device=dev)

@@ -277,6 +277,70 @@ def _sparse_bwd_cache_kernel(
     tl.store(DV_ + voff, dv, mask=mcol[:, None] & mdv[None, :])
 
 
+@triton.jit
+def _cache_until_kernel(RANK, UNTIL, P, M, BS: tl.constexpr, BJ: tl.constexpr):
+    """Per (batch*head, block of BS pairs s): j_s = the first j >= s at which M pairs s' <= j rank above
+    s, else P (``live.cache_until``), by one pass over the pairs in blocks of BJ, counting."""
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    ms = s < P
+    r_s = tl.load(RANK + bh * P + s, mask=ms, other=0)
+    count = tl.zeros([BS], dtype=tl.int32)
+    until = tl.zeros([BS], dtype=tl.int32) + P
+    for j0 in range(0, P, BJ):
+        j = j0 + tl.arange(0, BJ)
+        mj = j < P
+        r_j = tl.load(RANK + bh * P + j, mask=mj, other=0)
+        above = ((r_j[None, :] < r_s[:, None]) & mj[None, :]).to(tl.int32)
+        hit = ((count[:, None] + tl.cumsum(above, 1)) >= M) & (j[None, :] >= s[:, None]) & mj[None, :]
+        until = tl.minimum(until, tl.min(tl.where(hit, j[None, :], P), 1))
+        count += tl.sum(above, 1)
+    tl.store(UNTIL + bh * P + s, until, mask=ms)
+
+
+@triton.jit
+def _old_slots_kernel(UNTIL, PICK, P, NB, C, W, M, BP: tl.constexpr):
+    """Per (batch*head, query block b): the pairs s < b C - w still cached at its first query
+    (j_s > b C - w) into its M slots in position order (``live.old_slots``; the rest stay P)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    t0 = b * C - W
+    base = PICK + (bh * NB + b) * M
+    taken = 0
+    for s0 in range(0, tl.minimum(tl.maximum(t0, 0), P), BP):
+        s = s0 + tl.arange(0, BP)
+        old = (s < t0) & (tl.load(UNTIL + bh * P + s, mask=s < P, other=0) > t0)
+        slot = taken + tl.cumsum(old.to(tl.int32), 0) - 1
+        tl.store(base + slot, s, mask=old & (slot < M))
+        taken += tl.sum(old.to(tl.int32), 0)
+
+
+@torch.no_grad()
+def cache_until_triton(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: int) -> torch.Tensor:
+    """``live.cache_until`` (B, H, P) int32 on a kernel: the ranks in torch (``live.pair_ranks``), then
+    every pair's j_s counted directly, O(P^2) comparisons in one launch, where the scan takes
+    ceil(P / 256) steps of a dozen launches each."""
+    B, H, P = pair_score.shape
+    rank = live.pair_ranks(pair_score, candidate).contiguous()
+    until = torch.empty_like(rank)
+    if rank.numel():
+        _cache_until_kernel[(B * H, triton.cdiv(P, 64))](rank, until, P, cache_size, BS=64, BJ=64, num_warps=4)
+    idx = torch.arange(P, device=rank.device, dtype=torch.int32)
+    return torch.where(candidate[:, None, :], until, idx)
+
+
+@torch.no_grad()
+def old_slots_triton(until: torch.Tensor, T: int, window: int, cache_size: int, block: int) -> torch.Tensor:
+    """``live.old_slots`` (B, H, ceil(T / block), M) as int32, one launch: a program a query block."""
+    B, H, P = until.shape
+    nb = triton.cdiv(T, block)
+    pick = torch.full((B, H, nb, cache_size), P, dtype=torch.int32, device=until.device)
+    if B * H and nb and P:
+        _old_slots_kernel[(B * H, nb)](until.int().contiguous(), pick, P, nb, block, window, cache_size, BP=128,
+                                       num_warps=4)
+    return pick
+
+
 def _launch_args(q, v, sinks, kmin, window: int, cache_size: int, block: int) -> dict:
     """The kernels' constexprs, the same for the forward and the backward."""
     D, DV = q.shape[-1], v.shape[-1]
