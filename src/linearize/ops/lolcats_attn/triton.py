@@ -13,7 +13,8 @@ with c_t) and keeps c_t, the denominator and the ties for the backward. c_t belo
 parts, as ``amax``'s does. With D'_t = den_t + eps, dnum = dy / D', dden = -(dy.y) / D' and
 dw_s = dnum.v_s + dden, the backward (one program per chunk, two passes) forms dq, dfq, d(S_j),
 d(z_j) and the head's df in registers and adds dk, dfk, dv into the band's keys with atomics (a
-key is in two chunks' bands).
+key is in two chunks' bands; relaxed: only the sums after the kernel are read, and acq_rel atomics
+fence every add).
 Inputs: q, fq (B, H, T, .), the joined keys, key features and values (B, H, L + NC C, .) (cache ++
 input ++ zero padding), their positions (B, L + NC C), S_j (B, H, NC, F, Dv), z_j (B, H, NC, F),
 f (H,), all in one float dtype (the compute dtype); D, F, Dv <= 256.
@@ -172,11 +173,11 @@ def _lolcats_bwd_kernel(
         dfq += tl.dot(gl.to(fk.dtype), fk, input_precision=PREC)
         base = bh * NK + idx[:, None].to(tl.int64)
         dk = tl.dot(tl.trans(g.to(q.dtype)), q, input_precision=PREC) * scale
-        tl.atomic_add(DK + base * D + od[None, :], dk, mask=ok[:, None] & md[None, :])
+        tl.atomic_add(DK + base * D + od[None, :], dk, mask=ok[:, None] & md[None, :], sem="relaxed")
         dfk = tl.dot(tl.trans(gl.to(fq.dtype)), fq, input_precision=PREC)
-        tl.atomic_add(DFK + base * F + of[None, :], dfk, mask=ok[:, None] & mf[None, :])
+        tl.atomic_add(DFK + base * F + of[None, :], dfk, mask=ok[:, None] & mf[None, :], sem="relaxed")
         dv = tl.dot(tl.trans(wt.to(v.dtype)), dn, input_precision=PREC)
-        tl.atomic_add(DV_ + base * DV + odv[None, :], dv, mask=ok[:, None] & mdv[None, :])
+        tl.atomic_add(DV_ + base * DV + odv[None, :], dv, mask=ok[:, None] & mdv[None, :], sem="relaxed")
     st = (bh * NC + j)
     S = tl.load(SJ + st * F * DV + of[:, None] * DV + odv[None, :], mask=mf[:, None] & mdv[None, :], other=0.0)
     z = tl.load(ZJ + st * F + of, mask=mf, other=0.0).to(tl.float32)
