@@ -287,14 +287,18 @@ def _cache_until_kernel(RANK, UNTIL, P, M, BS: tl.constexpr, BJ: tl.constexpr):
     r_s = tl.load(RANK + bh * P + s, mask=ms, other=0)
     count = tl.zeros([BS], dtype=tl.int32)
     until = tl.zeros([BS], dtype=tl.int32) + P
+    rj = tl.arange(0, BJ)
+    through = (rj[:, None] <= rj[None, :]).to(tl.int8)  # [j', j]: j' <= j, so that above @ through counts to j
     for j0 in range(0, P, BJ):
-        j = j0 + tl.arange(0, BJ)
+        j = j0 + rj
         mj = j < P
         r_j = tl.load(RANK + bh * P + j, mask=mj, other=0)
-        above = ((r_j[None, :] < r_s[:, None]) & mj[None, :]).to(tl.int32)
-        hit = ((count[:, None] + tl.cumsum(above, 1)) >= M) & (j[None, :] >= s[:, None]) & mj[None, :]
+        above = ((r_j[None, :] < r_s[:, None]) & mj[None, :]).to(tl.int8)
+        # the running counts as an int8 product on the tensor cores (a scan along the tile is slower)
+        hit = ((count[:, None] + tl.dot(above, through, out_dtype=tl.int32)) >= M) & (j[None, :] >= s[:, None]) \
+            & mj[None, :]
         until = tl.minimum(until, tl.min(tl.where(hit, j[None, :], P), 1))
-        count += tl.sum(above, 1)
+        count += tl.sum(above.to(tl.int32), 1)
     tl.store(UNTIL + bh * P + s, until, mask=ms)
 
 
