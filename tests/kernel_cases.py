@@ -740,6 +740,25 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     return err
 
 
+def delta_extra_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, gated: bool = True,
+                     chunk: int = 16, B: int = 1, H: int = 2, seed: int = 0) -> dict[str, float]:
+    """``delta_rule_chunk``'s ``extra_queries`` on the kernels (one chunk-form call) vs a second call
+    with them as the queries; o and the state unchanged by them (exactly)."""
+    from linearize.ops import delta as D
+
+    g = _gen(seed)
+    q, q2 = (torch.randn(B, H, T, DK, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    k = F.normalize(torch.randn(B, H, T, DK, generator=g), dim=-1).to(device=device, dtype=dtype)
+    v = torch.randn(B, H, T, DV, generator=g).to(device=device, dtype=dtype)
+    beta = (0.1 + 0.9 * torch.rand(B, H, T, generator=g)).to(device=device, dtype=dtype)
+    la = _delta_gates(g, B, H, T, False).to(device=device, dtype=dtype) if gated else None
+    call = lambda queries, **kw: D.delta_rule_chunk(queries, k, v, beta, log_alpha=la, chunk_size=chunk, **kw)  # noqa: E731
+    o, st, extra = call(q, extra_queries=q2)
+    o1, st1 = call(q)
+    same = torch.equal(o, o1) and torch.equal(st.S, st1.S)
+    return {"extra": rel_rms(extra.cpu(), call(q2)[0].cpu()), "o and S unchanged": 0.0 if same else float("inf")}
+
+
 def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int = 40, seed: int = 0) -> dict[str, float]:
     """HybridAttention as liza configures it (the delta rule, or DeltaProduct of ``order``, beside a
     window, mixed by mu; no parameters of its own) with the kernels on vs LINEARIZE_KERNELS=0:
@@ -1103,6 +1122,8 @@ INTERPRETER_CASES = {
     "delta f32 ungated": (delta_case, dict(T=37, DK=16, DV=16, gated=False), F32),
     "delta f32 extreme gates": (delta_case, dict(T=45, DK=16, DV=16, extreme=True), F32),
     "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
+    "delta f32 extra queries": (delta_extra_case, dict(T=45, DK=16, DV=24), F32),
+    "delta bf16 extra queries ungated": (delta_extra_case, dict(T=45, DK=16, DV=16, gated=False), BF16),
     "delta f32 chunks cut to 64, odd widths": (delta_case, dict(T=150, DK=24, DV=40, chunk=128, state=True), F32),
     "delta product2 f32 gated state": (delta_case, dict(T=29, DK=16, DV=16, order=2, state=True, chunk=8), F32),
     "delta product2 bf16 extreme gates": (delta_case, dict(T=29, DK=16, DV=16, order=2, extreme=True, chunk=8), BF16),

@@ -24,14 +24,15 @@ from linearize.ops.delta import triton as delta_triton
 CHUNK_KERNELS = delta_triton.delta_chunk_triton
 
 
-def scan_kernels(q, k, v, beta, log_alpha, S0, chunk_size):
+def scan_kernels(q, k, v, beta, log_alpha, S0, chunk_size, extra_queries=None):
     """The chunk form as it ran before the chunk kernels: batched torch around the scan's kernel."""
     f32 = torch.float32
     la = None if log_alpha is None else log_alpha.to(f32)
-    o, S = delta_chunk.chunk_form(q.to(f32), k.to(f32), v.to(f32), beta.to(f32), S0, 1,
-                                  delta_chunk.kernel_chunk(chunk_size, 1), la, delta_triton.delta_scan_triton,
-                                  delta_triton.unit_lower_inverse_triton)
-    return o.to(v.dtype), S
+    xq = None if extra_queries is None else extra_queries.to(f32)
+    o, S, *extra = delta_chunk.chunk_form(q.to(f32), k.to(f32), v.to(f32), beta.to(f32), S0, 1,
+                                          delta_chunk.kernel_chunk(chunk_size, 1), la, delta_triton.delta_scan_triton,
+                                          delta_triton.unit_lower_inverse_triton, xq)
+    return o.to(v.dtype), S, extra[0].to(v.dtype) if extra else None
 
 
 def use(variant: str) -> None:

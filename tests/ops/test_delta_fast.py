@@ -43,6 +43,30 @@ def test_batched_chunk_form_equals_parallel_reference(order, gated, chunk_size):
     assert_rel_close(S, ref_st.S, TOL[torch.float64], "S")
 
 
+@pytest.mark.parametrize("order", [1, 2])
+def test_extra_queries_read_the_same_memory(order):
+    """``extra_queries``: their reads equal a second call with them as the queries (the same prep and
+    scan), carry no gradient, and leave o, the state and the gradients of the first read as they are."""
+    q, k, v, beta, la, S0 = _inputs(23)
+    q2 = torch.randn_like(q)
+    call = lambda queries, **kw: D.delta_product_chunk(queries, k, v, beta, order=order, log_alpha=la,  # noqa: E731
+                                                       state=D.DeltaProductState(S0, k[:, :, :order - 1],
+                                                                                 v[:, :, :order - 1]),
+                                                       chunk_size=7, **kw)
+    qa = q.clone().requires_grad_(True)
+    o, st, extra = call(qa, extra_queries=q2)
+    ref, ref_st = call(q)
+    assert torch.equal(o.detach(), ref) and torch.equal(st.S, ref_st.S)
+    assert_rel_close(extra, call(q2)[0], TOL[torch.float64], "extra")
+    assert not extra.requires_grad
+    (dq,) = torch.autograd.grad(o.sum(), qa)
+    qb = q.clone().requires_grad_(True)
+    (ref_dq,) = torch.autograd.grad(call(qb)[0].sum(), qb)
+    assert torch.equal(dq, ref_dq)
+    with pytest.raises(ValueError, match=r"extra_queries must have q's shape \(2, 2, 23, 5\) and dtype torch.float64"):
+        call(q, extra_queries=q2[:, :, :5])
+
+
 def test_batched_chunk_form_gradcheck():
     """DeltaProduct of order 2 with a decay (alpha = 0 at one token) and an initial state, three
     chunks of which the last is short: gradients through the batched solve, the scan and the reads."""

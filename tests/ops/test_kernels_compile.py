@@ -154,7 +154,7 @@ def test_delta_chunk_kernels_compile_for_hopper(compiled, DK, DV, gated, dtype, 
     beta = torch.zeros(B, H, T, dtype=dtype, requires_grad=True)
     la = torch.zeros(B, H, T, dtype=dtype, requires_grad=True) if gated else None
     S0 = torch.zeros(B, H, DK, DV, requires_grad=True)
-    o, S = delta_chunk_triton(q, k, v, beta, la, S0, 64)
+    o, S, _ = delta_chunk_triton(q, k, v, beta, la, S0, 64)
     _backward(o.float().sum() + S.sum(), q, k, v, beta, S0, *([la] if gated else []))
     names = [name for name, *_ in compiled]
     assert set(names) == {"_chunk_prep_kernel", "_chunk_read_kernel", "_chunk_read_bwd_kernel",

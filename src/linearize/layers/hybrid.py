@@ -303,7 +303,9 @@ class HybridAttention(nn.Module):
             return y, state
 
         # global branch; `read(queries)` runs the same op from the same state with other queries
+        # (the sparse cache's recall of the leaving pairs; given as `recall` where computed already)
         g0 = state.get("global")
+        recall = None
         if c.global_rule == "delta":
             fq, fk = self._global_features(gq, gk, x, valid)
             k_hist = state.get("k_hist")
@@ -316,7 +318,14 @@ class HybridAttention(nn.Module):
             fn = delta_product_recurrent if step else delta_product_chunk
             read = lambda queries, fn=fn: fn(queries, fk, v_lin, beta, order=c.delta_order, state=g0,  # noqa: E731
                                       log_alpha=log_alpha, **({} if step else chunk))
-            y_g, state["global"] = read(fq)
+            if c.sparse_cache and not step:
+                # the cache's scores read the memory with the leaving keys: one prep and scan for both reads
+                leaving = self._behind_history((fk,), state)[0][:, :, :fk.shape[2]]
+                y_g, state["global"], recall = delta_product_chunk(
+                    fq, fk, v_lin, beta, order=c.delta_order, state=g0, log_alpha=log_alpha, extra_queries=leaving,
+                    **chunk)
+            else:
+                y_g, state["global"] = read(fq)
             if c.delta_norm:
                 acc = torch.promote_types(y_g.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
                 y_g = F.rms_norm(y_g.to(acc), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
@@ -344,7 +353,7 @@ class HybridAttention(nn.Module):
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
         elif c.sparse_cache:
-            y_w = self._sparse_window(q, k, lq, lk, v, v_lin, fk, read, state, valid, step, q_far)
+            y_w = self._sparse_window(q, k, lq, lk, v, v_lin, fk, read, state, valid, step, q_far, recall)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -370,19 +379,27 @@ class HybridAttention(nn.Module):
             y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
         return y.to(v.dtype), state
 
-    def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far):
+    def _behind_history(self, parts: tuple, state: dict) -> tuple:
+        """Each of ``parts`` (B, H, T, .) behind the last w of its tokens before this call (the state's
+        "leaving", in the same order; zeros for a fresh state): (B, H, w + T, .) each."""
+        w = self.config.window
+        hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
+        return tuple(torch.cat([h, x], 2) for h, x in zip(hist, parts))
+
+    def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far,
+                       recall: torch.Tensor | None = None):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
         "leaving": the last w key features, and keys without RoPE when ``sparse_distance`` is set;
         the last w values are the window's, in "local") and returns y_w. The pair leaving the window
         at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))||
-        (the raw read: before any output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative"."""
+        (the raw read: before any output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative";
+        ``recall``: that read where the global branch made it already, else ``read`` makes it."""
         c = self.config
         w, T = c.window, fk.shape[2]
         local = state.get("local")
         fresh = local is None
         parts = (fk,) + ((k,) if c.sparse_far_rope else ())
-        hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
-        fk_ext, *k_ext = (torch.cat([h, x], 2) for h, x in zip(hist, parts))
+        fk_ext, *k_ext = self._behind_history(parts, state)
         state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, *k_ext))
         # the leaving values are the window's own (the op's state holds the last w; they differ from
         # v_lin only at left padding, whose pairs are never cached, so their scores go unread)
@@ -396,7 +413,8 @@ class HybridAttention(nn.Module):
                 raise ValueError(f"sparse_distance={c.sparse_distance} needs q_far, q with RoPE at that position")
             far = {"cache_q": q if q_far is None else q_far, "leave_k": k_ext[0][:, :, :T]}
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
-            recall, _ = read(fk_ext[:, :, :T])
+            if recall is None:
+                recall, _ = read(fk_ext[:, :, :T])
             acc = torch.promote_types(v.dtype, torch.float32)
             v_out = v_ext[:, :, :T].to(acc)
             score = (v_out - recall.to(acc)).norm(dim=-1)  # (B, H, T)

@@ -135,34 +135,42 @@ def _pad_time(x: torch.Tensor, n: int) -> torch.Tensor:
 def chunk_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
     chunk_size: int, log_alpha: Optional[torch.Tensor] = None, scan: Scan = scan_torch,
-    inverse: Inverse = inverse_torch,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    inverse: Inverse = inverse_torch, extra_queries: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, ...]:
     """The chunked rule, all chunks at once around ``scan`` (and ``inverse``, see the module).
 
     q (B, H, T, Dk) real queries; k (B, H, nT, Dk), v (B, H, nT, Dv), beta (B, H, nT), log_alpha
     (B, H, nT) or None over the n*T virtual tokens; S0 (B, H, Dk, Dv); all in the compute dtype.
-    Returns o (B, H, T, Dv) and the final state. T is padded to whole chunks with tokens of zero
-    key, value, beta and log alpha, which leave the state as it is and are cut from o. Autocast
-    is off inside: every product runs in the compute dtype (a model trained under bf16 autocast
-    would otherwise get bf16 products of the fp32 state and of the triangular systems).
+    Returns o (B, H, T, Dv) and the final state, and with ``extra_queries`` (q's shape and dtype)
+    their reads too, without a gradient (the memory read with other queries: one prep and scan for
+    both). T is padded to whole chunks with tokens of zero key, value, beta and log alpha, which
+    leave the state as it is and are cut from o. Autocast is off inside: every product runs in the
+    compute dtype (a model trained under bf16 autocast would otherwise get bf16 products of the fp32
+    state and of the triangular systems).
     """
     with torch.autocast(q.device.type, enabled=False):
-        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan, inverse)
+        return _chunk_form(q, k, v, beta, S0, order, chunk_size, log_alpha, scan, inverse, extra_queries)
 
 
 def _chunk_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S0: torch.Tensor, order: int,
     chunk_size: int, log_alpha: Optional[torch.Tensor], scan: Scan, inverse: Inverse,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    extra_queries: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, ...]:
     B, H, T, Dk = q.shape
     NC = len(common.chunk_spans(T, chunk_size))
     if NC == 0:
-        return q.new_zeros(B, H, 0, v.shape[-1]), S0
+        o = q.new_zeros(B, H, 0, v.shape[-1])
+        return (o, S0) if extra_queries is None else (o, S0, o.clone())
     C = min(chunk_size, T)  # one short chunk needs no padding up to chunk_size
     d = None if log_alpha is None else decay_factors(_chunks(log_alpha, order, C, NC), order)
     W, U0, kd = chunk_prep(k, v, beta, d, order, C, NC, inverse)
     u, states, S = scan(W, U0, kd, None if d is None else d.total, S0)
-    return chunk_read(q, k, d, u, states, order, C, NC), S
+    o = chunk_read(q, k, d, u, states, order, C, NC)
+    if extra_queries is None:
+        return o, S
+    with torch.no_grad():
+        return o, S, chunk_read(extra_queries, k, d, u, states, order, C, NC)
 
 
 def _chunks(x: torch.Tensor, n: int, C: int, NC: int) -> torch.Tensor:
@@ -221,50 +229,67 @@ def _plan(applies: bool, chunk_size: int, order: int) -> tuple[Scan, int, Invers
     return delta_scan_triton, kernel_chunk(chunk_size, order), unit_lower_inverse_triton
 
 
+def _check_extra(q: torch.Tensor, extra_queries: Optional[torch.Tensor]) -> None:
+    if extra_queries is not None and (extra_queries.shape != q.shape or extra_queries.dtype != q.dtype):
+        raise ValueError(f"extra_queries must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                         f"{tuple(extra_queries.shape)} in {extra_queries.dtype}")
+
+
+def _outputs(o: torch.Tensor, state, extra: Optional[torch.Tensor], dtype: torch.dtype) -> tuple:
+    return (o.to(dtype), state) if extra is None else (o.to(dtype), state, extra.to(dtype))
+
+
 def delta_rule_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
     state: Optional[DeltaState] = None, chunk_size: int = 64, log_alpha: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, DeltaState]:
+    extra_queries: Optional[torch.Tensor] = None,
+) -> tuple:
     """The delta rule, ``chunk_size`` tokens per sequential step; ``log_alpha`` (B, H, T) in
-    [-inf, 0] gives the gated delta rule (see ``delta_rule_parallel``). The scan runs on the
-    Triton kernels where ``delta_applies``."""
+    [-inf, 0] gives the gated delta rule (see ``delta_rule_parallel``). Returns (o, state), and
+    with ``extra_queries`` (q's shape and dtype) (o, state, their reads) where the reads, without a
+    gradient, come from the same prep and scan. On the Triton kernels where ``delta_applies``."""
     dt, S0 = check_delta_inputs(q, k, v, beta, state, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
+    _check_extra(q, extra_queries)
     applies = delta_applies(q, k, v, beta, log_alpha, (S0,))
     if applies and q.shape[2]:
         from .triton import delta_chunk_triton
 
-        o, S = delta_chunk_triton(q, k, v, beta, log_alpha, S0, chunk_size)
-        return o, DeltaState(S)
+        o, S, extra = delta_chunk_triton(q, k, v, beta, log_alpha, S0, chunk_size, extra_queries)
+        return _outputs(o, DeltaState(S), extra, v.dtype)
     scan, chunk, inverse = _plan(applies, chunk_size, 1)
     la = None if log_alpha is None else log_alpha.to(dt)
-    o, S = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan, inverse)
-    return o.to(v.dtype), DeltaState(S)
+    xq = None if extra_queries is None else extra_queries.to(dt)
+    o, S, *extra = chunk_form(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), S0, 1, chunk, la, scan, inverse, xq)
+    return _outputs(o, DeltaState(S), extra[0] if extra else None, v.dtype)
 
 
 def delta_product_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, order: int,
     state: Optional[DeltaProductState] = None, chunk_size: int = 64, eps: float = DEFAULT_EPS,
-    log_alpha: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, DeltaProductState]:
+    log_alpha: Optional[torch.Tensor] = None, extra_queries: Optional[torch.Tensor] = None,
+) -> tuple:
     """Chunks over real tokens (``chunk_size`` of them, so order*chunk_size virtual tokens each);
-    ``log_alpha`` (B, H, T) decays once per real token (see ``delta_product_parallel``). The scan
-    runs on the Triton kernels where ``delta_applies``, in chunks of ``kernel_chunk`` tokens."""
+    ``log_alpha`` (B, H, T) decays once per real token (see ``delta_product_parallel``);
+    ``extra_queries`` as in ``delta_rule_chunk``. On the Triton kernels where ``delta_applies``: order
+    1, the whole chunk form; else the scan, in chunks of ``kernel_chunk`` tokens."""
     dt, state = check_product_inputs(q, k, v, beta, order, state, eps, log_alpha)
     common.check_positive_int("chunk_size", chunk_size)
+    _check_extra(q, extra_queries)
     applies = delta_applies(q, k, v, beta, log_alpha, state, order)
     if applies and order == 1 and q.shape[2]:
         from .triton import delta_chunk_triton
 
         b = beta if beta.dim() == 3 else beta.squeeze(-1)
-        o, S = delta_chunk_triton(q, k, v, b, log_alpha, state.S, chunk_size)
-        return o, DeltaProductState(S, state.k_prev, state.v_prev)
+        o, S, extra = delta_chunk_triton(q, k, v, b, log_alpha, state.S, chunk_size, extra_queries)
+        return _outputs(o, DeltaProductState(S, state.k_prev, state.v_prev), extra, v.dtype)
     scan, chunk, inverse = _plan(applies, chunk_size, order)
     kf, vf = k.to(dt), v.to(dt)
     # The differences only look back order-1 tokens, so expanding the whole sequence up front
     # gives each chunk exactly the virtual tokens it would get from the carried history.
     kv, vv, bv = virtual_sequence(kf, vf, beta.to(dt), state, order, eps)
     la = virtual_log_alpha(None if log_alpha is None else log_alpha.to(dt), order)
-    o, S = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan, inverse)
+    xq = None if extra_queries is None else extra_queries.to(dt)
+    o, S, *extra = chunk_form(q.to(dt), kv, vv, bv, state.S, order, chunk, la, scan, inverse, xq)
     new = DeltaProductState(S, last_tokens(state.k_prev, kf, order - 1), last_tokens(state.v_prev, vf, order - 1))
-    return o.to(v.dtype), new
+    return _outputs(o, new, extra[0] if extra else None, v.dtype)

@@ -545,7 +545,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
     prep (W, U0, Kd, T per chunk) -> scan -> read, and back: read -> scan -> prep."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, log_alpha, S0, C, prec):
+    def forward(ctx, q, k, v, beta, log_alpha, S0, C, prec, extra_q):
         B, H, T, Dk = q.shape
         Dv = v.shape[-1]
         NC = triton.cdiv(T, C)
@@ -564,15 +564,23 @@ class _DeltaChunkFunction(torch.autograd.Function):
                                  H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep"])
         U, SC, ST = _scan_forward(W, U0, Kd, total, S0, None)
         o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=dev)
-        _chunk_read_kernel[grid](q, k, la, U, SC, o, *strides_bht(q), *strides_bht(k), *strides_bht(la),
-                                 *strides_bht(o), H, T, NC, C, **meta, num_warps=CHUNK_WARPS["read"])
+        def read(queries, out):
+            _chunk_read_kernel[grid](queries, k, la, U, SC, out, *strides_bht(queries), *strides_bht(k),
+                                     *strides_bht(la), *strides_bht(out), H, T, NC, C, **meta,
+                                     num_warps=CHUNK_WARPS["read"])
+            return out
+
+        read(q, o)
+        # the extra queries' reads: no gradient (an empty stand-in where there are none)
+        extra = torch.empty(0, dtype=v.dtype, device=dev) if extra_q is None else read(extra_q, torch.empty_like(o))
+        ctx.mark_non_differentiable(extra)
         ctx.save_for_backward(q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC)
         ctx.C, ctx.prec, ctx.s0_dtype = C, prec, S0.dtype
         ctx.set_materialize_grads(False)
-        return o, ST.view(B, H, Dk, Dv)
+        return o, ST.view(B, H, Dk, Dv), extra
 
     @staticmethod
-    def backward(ctx, do, dST):
+    def backward(ctx, do, dST, _):
         q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC = ctx.saved_tensors
         B, H, T, Dk = q.shape
         Dv, C, NC = v.shape[-1], ctx.C, W.shape[2]
@@ -600,17 +608,20 @@ class _DeltaChunkFunction(torch.autograd.Function):
                                      *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
                                      *strides_bht(dk), *strides_bht(dv), *strides_bht(dbeta), *strides_bht(dla),
                                      H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep_bwd"])
-        return (dq, dk, dv, dbeta, dla if gated else None, dS0.view(B, H, Dk, Dv).to(ctx.s0_dtype), None, None)
+        return (dq, dk, dv, dbeta, dla if gated else None, dS0.view(B, H, Dk, Dv).to(ctx.s0_dtype), None, None, None)
 
 
 def delta_chunk_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_alpha: Optional[torch.Tensor],
-    S0: torch.Tensor, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    S0: torch.Tensor, chunk_size: int, extra_queries: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule's chunk form (``chunk.chunk_form`` of order 1) on the kernels, differentiable:
     q, k (B, H, T, Dk), v (B, H, T, Dv), beta and log_alpha (or None) (B, H, T) in bf16, fp16 or
     fp32 (read as they are, computed in fp32), S0 (B, H, Dk, Dv) fp32; chunks of ``fused_chunk``
-    tokens. Returns o (B, H, T, Dv) in v's dtype and the final state (fp32)."""
+    tokens. Returns o (B, H, T, Dv) in v's dtype, the final state (fp32) and, for ``extra_queries``
+    (q's shape), their reads (no gradient; one more read kernel) or None."""
     C = fused_chunk(chunk_size, q.shape[-1], v.shape[-1], q.shape[2])
     q, k, v = _bht(q), _bht(k), _bht(v)
-    return _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C, _chunk_precision(q, k, v))
+    xq = None if extra_queries is None else _bht(extra_queries.detach())
+    o, S, extra = _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C, _chunk_precision(q, k, v), xq)
+    return o, S, None if extra_queries is None else extra
