@@ -1,6 +1,7 @@
-"""Triton kernels for the delta rule's inter-chunk scan, the one sequential part of the chunk form.
+"""Triton kernels of the delta rule's chunk form: the inter-chunk scan (the one sequential part) and,
+for the (gated) delta rule of order 1, the parallel parts around it (``delta_chunk_triton``).
 
-Same meaning and layout as ``chunk.scan_torch`` (its reference): W, Kd (B, H, NC, L, Dk),
+The scan has the same meaning and layout as ``chunk.scan_torch`` (its reference): W, Kd (B, H, NC, L, Dk),
 U0 (B, H, NC, L, Dv), total (B, H, NC) or None, S0 (B, H, Dk, Dv), all fp32 (the chunk form's
 compute dtype for bf16/fp16/fp32 inputs); Dk, Dv <= 128. Per (batch*head) and chunk c:
 
@@ -22,6 +23,16 @@ Products are tf32x3 (three tf32 tensor-core products per product, about fp32's a
 tf32 would put 5e-4 relative errors into a state that carries them over the sequence, and exact
 fp32 products (``"ieee"``) lower to FMA loops that spilled 7 KB a thread on sm_90a. The
 interpreter computes every precision in fp32, so only the GPU tests see the tf32 rounding.
+
+The chunk kernels (``chunk.chunk_form``'s algebra, one program per (batch*head, chunk), its tiles in
+registers): the prep forms A's strict part N = strict(diag(beta) (K K^T * pair)), T = (I + N)^-1 in
+blocks of 16 rows, W = T diag(beta start) K, U0 = T diag(beta) V and Kd = diag(end) K, storing T
+for the backward; the read forms O = diag(start) Q S_c + (causal(Q K^T) * pair) U. Backward: the
+read's (dQ, its part of dK and d log alpha, dU and dS_c for the scan), the scan's, then the prep's
+(dW, dKd, d total from the scan's outputs; dN = -T^T dT T^T; dK, dV, d beta, d log alpha). Every
+decay factor is exp of a sum of its own segment's log alphas, as in ``naive``; their gradients
+come back through those sums. Products are tf32 for a model in 16 bits, tf32x3 otherwise
+(``_chunk_precision``). DeltaProduct keeps the batched torch algebra around the scan.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import patch_interpreter, pow2, strides_bht
+from ..backend.dispatch import patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -191,6 +202,18 @@ def _gates_bht(ptr, b, h, tok, mrow, s_b, s_h, s_t):
 
 
 @triton.jit
+def _chunk_coords(H, T, C, DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr):
+    """A chunk program's (batch*head, chunk), (batch, head), its rows, key and value columns, tokens
+    and masks (rows that are tokens, key and value columns, rows of the chunk)."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
+    tok = c * C + r
+    return bh, c, bh // H, bh % H, r, rk, rv, tok, (r < C) & (tok < T), rk < DK, rv < DV, r < C
+
+
+@triton.jit
 def _chunk_prep_kernel(
     K, V, BETA, LA, W, U0, KD, TINV, TOT,
     sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sb_b, sb_h, sb_t, sa_b, sa_h, sa_t,
@@ -200,12 +223,7 @@ def _chunk_prep_kernel(
 ):
     """Per (batch*head, chunk): W = T diag(beta start) K, U0 = T diag(beta) V, Kd = diag(end) K with
     T = (I + strict(diag(beta) (K K^T * pair)))^-1, stored with T and the chunk's total decay."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b, h = bh // H, bh % H
-    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
-    tok = c * C + r
-    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
+    bh, c, b, h, r, rk, rv, tok, ml, mk, mv, mr = _chunk_coords(H, T, C, DK, DV, BL, BK, BV)
     k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
     v = _rows_bht(V, b, h, tok, rv, ml, mv, sv_b, sv_h, sv_t)
     beta = _gates_bht(BETA, b, h, tok, ml, sb_b, sb_h, sb_t)
@@ -220,7 +238,6 @@ def _chunk_prep_kernel(
         tl.store(TOT + bh * NC + c, total)
     tinv = _inverse_rows(tl.where(r[:, None] > r[None, :], beta[:, None] * g, 0.0), r, BL, PREC)
     chunk = (bh * NC + c) * C
-    mr = r < C
     _put(TINV + chunk * C, tinv, r, r, mr, mr, C)
     _put(W + chunk * DK, tl.dot(tinv, bk, input_precision=PREC), r, rk, mr, mk, DK)
     _put(U0 + chunk * DV, tl.dot(tinv, beta[:, None] * v, input_precision=PREC), r, rv, mr, mv, DV)
@@ -236,13 +253,7 @@ def _chunk_read_kernel(
     GATED: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per (batch*head, chunk): O = diag(start) Q S_c + (causal(Q K^T) * pair) U."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b, h = bh // H, bh % H
-    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
-    tok = c * C + r
-    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
-    mr = r < C
+    bh, c, b, h, r, rk, rv, tok, ml, mk, mv, mr = _chunk_coords(H, T, C, DK, DV, BL, BK, BV)
     q = _rows_bht(Q, b, h, tok, rk, ml, mk, sq_b, sq_h, sq_t)
     k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
     chunk = bh * NC + c
@@ -268,13 +279,7 @@ def _chunk_read_bwd_kernel(
 ):
     """The read's backward per (batch*head, chunk): dQ (final), the read's part of dK and of
     d log alpha (fp32, (B*H, NC, C, .)), and dU, dS_c for the scan's backward."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b, h = bh // H, bh % H
-    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
-    tok = c * C + r
-    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
-    mr = r < C
+    bh, c, b, h, r, rk, rv, tok, ml, mk, mv, mr = _chunk_coords(H, T, C, DK, DV, BL, BK, BV)
     q = _rows_bht(Q, b, h, tok, rk, ml, mk, sq_b, sq_h, sq_t)
     k = _rows_bht(K, b, h, tok, rk, ml, mk, sk_b, sk_h, sk_t)
     do = _rows_bht(DO, b, h, tok, rv, ml, mv, sdo_b, sdo_h, sdo_t)
@@ -316,13 +321,7 @@ def _chunk_prep_bwd_kernel(
     """The prep's backward per (batch*head, chunk), from the scan's: dW = -dU~ S_c^T,
     dKd = U dS_{c+1}^T, d total = <S_c, dS_{c+1}>, dU0 = dU~; then through T (dN = -T^T dT T^T)
     to the final dK (with the read's part), dV, d beta and d log alpha (with the read's part)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b, h = bh // H, bh % H
-    r, rk, rv = tl.arange(0, BL), tl.arange(0, BK), tl.arange(0, BV)
-    tok = c * C + r
-    ml, mk, mv = (r < C) & (tok < T), rk < DK, rv < DV
-    mr = r < C
+    bh, c, b, h, r, rk, rv, tok, ml, mk, mv, mr = _chunk_coords(H, T, C, DK, DV, BL, BK, BV)
     chunk = bh * NC + c
     # ordered so that few (C, D) and (C, C) tiles are live at once (at 64 x 64 they fill the registers)
     du0 = _tile(DUT + chunk * C * DV, r, rv, mr, mv, DV)
@@ -520,11 +519,6 @@ FUSED_MAX_CHUNK = 64  # the chunk kernels hold (C, C) and (C, D) fp32 tiles of a
 CHUNK_WARPS = {"prep": 8, "read": 4, "read_bwd": 8, "prep_bwd": 8}
 
 
-def _bht(x: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T[, D]) with its last axis contiguous (a view where it already is)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
-
-
 def _chunk_precision(*xs: torch.Tensor) -> str:
     """The chunk kernels' products: tf32 for a model in 16 bits (an input in bf16 / fp16, or CUDA
     autocast on: the features arrive in fp32 from bf16 projections, whose rounding is far above
@@ -596,7 +590,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
         dla_read = torch.empty(B * H, NC, C, dtype=f32, device=dev) if gated else dU
         if do is None:
             do = torch.zeros(B, H, T, Dv, dtype=v.dtype, device=dev)
-        do = _bht(do)
+        do = unit_last(do)
         _chunk_read_bwd_kernel[grid](q, k, la, U, SC, do, dq, dk_read, dla_read, dU, dSC,
                                      *strides_bht(q), *strides_bht(k), *strides_bht(la), *strides_bht(do),
                                      *strides_bht(dq), H, T, NC, C, **meta, num_warps=CHUNK_WARPS["read_bwd"])
@@ -621,7 +615,7 @@ def delta_chunk_triton(
     tokens. Returns o (B, H, T, Dv) in v's dtype, the final state (fp32) and, for ``extra_queries``
     (q's shape), their reads (no gradient; one more read kernel) or None."""
     C = fused_chunk(chunk_size, q.shape[-1], v.shape[-1], q.shape[2])
-    q, k, v = _bht(q), _bht(k), _bht(v)
-    xq = None if extra_queries is None else _bht(extra_queries.detach())
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
+    xq = None if extra_queries is None else unit_last(extra_queries.detach())
     o, S, extra = _DeltaChunkFunction.apply(q, k, v, beta, log_alpha, S0, C, _chunk_precision(q, k, v), xq)
     return o, S, None if extra_queries is None else extra
