@@ -282,14 +282,18 @@ def _cache_until_kernel(RANK, UNTIL, P, M, BS: tl.constexpr, BJ: tl.constexpr):
     """Per (batch*head, block of BS pairs s): j_s = the first j >= s at which M pairs s' <= j rank above
     s, else P (``live.cache_until``), by one pass over the pairs in blocks of BJ, counting."""
     bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    s0 = tl.program_id(1) * BS
+    s = s0 + tl.arange(0, BS)
     ms = s < P
     r_s = tl.load(RANK + bh * P + s, mask=ms, other=0)
     count = tl.zeros([BS], dtype=tl.int32)
     until = tl.zeros([BS], dtype=tl.int32) + P
     rj = tl.arange(0, BJ)
+    for j0 in range(0, s0 - s0 % BJ, BJ):  # pairs before the block's first: they count, no j_s is among them
+        r_j = tl.load(RANK + bh * P + j0 + rj)
+        count += tl.sum((r_j[None, :] < r_s[:, None]).to(tl.int32), 1)
     through = (rj[:, None] <= rj[None, :]).to(tl.int8)  # [j', j]: j' <= j, so that above @ through counts to j
-    for j0 in range(0, P, BJ):
+    for j0 in range(s0 - s0 % BJ, P, BJ):
         j = j0 + rj
         mj = j < P
         r_j = tl.load(RANK + bh * P + j, mask=mj, other=0)
