@@ -9,7 +9,10 @@ of lizard-gdn (the shipped student's base) and liza, beside Lizard's step. One G
 2. ``bench train``'s cells (graphed step, compiled feature maps), stage 2: lizard, then lizard-gdn
    and liza both ways.
 
-    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile]
+    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile] [--sweep-warps]
+
+``--sweep-warps``: the op (chunk kernels) again with each chunk kernel's warps set to 2, 4, 8 and 16 in
+turn, the others at their defaults (``ops.delta.triton.CHUNK_WARPS``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,35 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
     return out
 
 
+def warps_sweep(B: int, T: int, rounds: int = 10) -> dict:
+    """The op's forward + backward (chunk kernels) with one kernel's warps changed at a time."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, D = 9, 64
+    xs = [torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g, device="cuda"), dim=-1).bfloat16()
+          for _ in range(2)] + [torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16(),
+                                torch.rand(B, H, T, generator=g, device="cuda").bfloat16(),
+                                -torch.rand(B, H, T, generator=g, device="cuda") * 0.1]
+    xs = [t.requires_grad_(True) for t in xs]
+
+    def run():
+        o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
+        o.float().sum().backward()
+
+    default = dict(delta_triton.CHUNK_WARPS)
+    out = {"B": B, "T": T, "default": default, "default_ms": timed(run, rounds)["fwd_bwd_ms_median"]}
+    for kernel in default:
+        for warps in (2, 4, 8, 16):
+            delta_triton.CHUNK_WARPS[kernel] = warps
+            try:
+                out[f"{kernel} {warps}"] = timed(run, rounds)["fwd_bwd_ms_median"]
+            except Exception as e:  # a launch that does not fit (registers, shared memory)
+                out[f"{kernel} {warps}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            finally:
+                delta_triton.CHUNK_WARPS.update(default)
+    print(out, flush=True)
+    return out
+
+
 def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
     from linearize.bench.train import our_kernel_names, run_cell
 
@@ -97,12 +129,16 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
 
 
 def main() -> None:
-    a = cells_parser(["8x2048", "1x16384"], "the op's CUDA kernels, one forward + backward, each way").parse_args()
+    parser = cells_parser(["8x2048", "1x16384"], "the op's CUDA kernels, one forward + backward, each way")
+    parser.add_argument("--sweep-warps", action="store_true", help="each chunk kernel's warps in turn (see above)")
+    a = parser.parse_args()
     cells = [parse_shape(c) for c in a.cells]
     result, save = probe_record(a.out)
     for B, T in cells:
         result["op"].append(op_times(B, T, profile=a.profile))
         print({k: v for k, v in result["op"][-1].items() if not k.startswith("profile")}, flush=True)
+        if a.sweep_warps:
+            result["op"][-1]["warps"] = warps_sweep(B, T)
         save()
     if not a.skip_model:
         model_cells(cells, save)
