@@ -14,7 +14,8 @@ and state with no loop over query spans. ``form`` picks: "spans", "live", or Non
 pays, on a GPU (one batch of kernels for the whole input instead of a few dozen small ones a span):
 on its kernels at any length, in batched torch up to ``TORCH_LIVE_MAX`` tokens; a CPU loops, where
 the batched form is no faster. Where the kernels run, the live form's attention is one Triton kernel
-forward and three backward (``triton.py``), else batched torch.
+forward and three backward (``triton.py``) and its selection (every pair's interval, each block's
+slots) two more, else batched torch.
 """
 
 from __future__ import annotations
