@@ -45,26 +45,36 @@ def use(variant: str) -> None:
 VARIANTS = ("chunk kernels", "scan kernels")
 
 
-def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
+def op_inputs(B: int, T: int) -> list[torch.Tensor]:
+    """q, k, v, beta (bf16) and log alpha (fp32) at lizard-gdn's shapes (9 heads of 64), the same each call."""
     g = torch.Generator(device="cuda").manual_seed(0)
     H, D = 9, 64
     q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g, device="cuda"), dim=-1).bfloat16()
             for _ in range(2))
     v = torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16()
     beta = torch.rand(B, H, T, generator=g, device="cuda").bfloat16()
-    log_alpha = -torch.rand(B, H, T, generator=g, device="cuda") * 0.1
+    return [q, k, v, beta, -torch.rand(B, H, T, generator=g, device="cuda") * 0.1]
+
+
+def op_run(xs: list[torch.Tensor]):
+    """One forward + backward of the gated delta rule on ``xs`` (``op_inputs``, requiring grad); the output."""
+    def run():
+        for x in xs:
+            x.grad = None
+        o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
+        o.float().sum().backward()
+        return o.detach().float()
+
+    return run
+
+
+def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
+    inputs = op_inputs(B, T)
     out, outputs, grads = {"B": B, "T": T}, {}, {}
     for name in VARIANTS:
         use(name)
-        xs = [t.clone().requires_grad_(True) for t in (q, k, v, beta, log_alpha)]
-
-        def run():
-            for x in xs:
-                x.grad = None
-            o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
-            o.float().sum().backward()
-            return o.detach().float()
-
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        run = op_run(xs)
         outputs[name] = run()
         grads[name] = [x.grad.float() for x in xs]
         out[name] = timed(run, rounds)
@@ -81,18 +91,7 @@ def op_times(B: int, T: int, rounds: int = 10, profile: bool = False) -> dict:
 
 def warps_sweep(B: int, T: int, rounds: int = 10) -> dict:
     """The op's forward + backward (chunk kernels) with one kernel's warps changed at a time."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    H, D = 9, 64
-    xs = [torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g, device="cuda"), dim=-1).bfloat16()
-          for _ in range(2)] + [torch.randn(B, H, T, D, generator=g, device="cuda").bfloat16(),
-                                torch.rand(B, H, T, generator=g, device="cuda").bfloat16(),
-                                -torch.rand(B, H, T, generator=g, device="cuda") * 0.1]
-    xs = [t.requires_grad_(True) for t in xs]
-
-    def run():
-        o, _ = delta_rule_chunk(*xs[:4], log_alpha=xs[4], chunk_size=64)
-        o.float().sum().backward()
-
+    run = op_run([t.requires_grad_(True) for t in op_inputs(B, T)])
     default = dict(delta_triton.CHUNK_WARPS)
     out = {"B": B, "T": T, "default": default, "default_ms": timed(run, rounds)["fwd_bwd_ms_median"]}
     for kernel in default:

@@ -558,6 +558,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
                                  H, T, NC, C, **meta, num_warps=CHUNK_WARPS["prep"])
         U, SC, ST = _scan_forward(W, U0, Kd, total, S0, None)
         o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=dev)
+
         def read(queries, out):
             _chunk_read_kernel[grid](queries, k, la, U, SC, out, *strides_bht(queries), *strides_bht(k),
                                      *strides_bht(la), *strides_bht(out), H, T, NC, C, **meta,
@@ -569,7 +570,7 @@ class _DeltaChunkFunction(torch.autograd.Function):
         extra = torch.empty(0, dtype=v.dtype, device=dev) if extra_q is None else read(extra_q, torch.empty_like(o))
         ctx.mark_non_differentiable(extra)
         ctx.save_for_backward(q, k, v, beta, log_alpha, W, Kd, Tinv, total, U, SC)
-        ctx.C, ctx.prec, ctx.s0_dtype = C, prec, S0.dtype
+        ctx.C, ctx.meta, ctx.s0_dtype = C, meta, S0.dtype
         ctx.set_materialize_grads(False)
         return o, ST.view(B, H, Dk, Dv), extra
 
@@ -579,9 +580,8 @@ class _DeltaChunkFunction(torch.autograd.Function):
         B, H, T, Dk = q.shape
         Dv, C, NC = v.shape[-1], ctx.C, W.shape[2]
         f32, dev = torch.float32, q.device
-        gated = log_alpha is not None
+        gated, meta = log_alpha is not None, ctx.meta
         la = log_alpha if gated else beta
-        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=ctx.prec)
         grid = (B * H, NC)
         dq = torch.empty_like(q)
         dU = torch.empty(B * H, NC, C, Dv, dtype=f32, device=dev)
