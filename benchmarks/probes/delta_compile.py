@@ -118,8 +118,8 @@ def scan_sweep(B: int, T: int, rounds: int = 10) -> dict:
     for p in ("tf32x3", "tf32"):
         for bv in (16, 32, 64):
             for stages in (1, 2, 3):
-                def pick(L, Dk, Dv, _bv, rows, sms, bv=bv, stages=stages):
-                    BL, BK, _, warps, _ = blocks(L, Dk, Dv, bv, rows, sms)
+                def pick(L, Dk, Dv, _bv, bv=bv, stages=stages):
+                    BL, BK, _, warps, _ = blocks(L, Dk, Dv, bv)
                     return BL, BK, bv, warps, stages
                 delta_triton.PREC, delta_triton._blocks = p, pick
                 try:

@@ -43,11 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import device_sms, patch_interpreter, pow2, strides_bht, unit_last
+from ..backend.dispatch import patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
 PREC = "tf32x3"  # see the module docstring
+# The smallest tile side of the scan's and the chunk kernels' products: heads of 16 faulted on an
+# H200 (illegal memory access; 32 and wider ran), so narrower widths and short chunks are masked
+# tiles of 32 (docs/results/train-methods-h200.md)
+MIN_TILE = 32
 
 
 @triton.jit
@@ -415,20 +419,16 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, x.stride(0), x.stride(1), x.stride(2)
 
 
-def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int], rows: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(BL, BK, BV, warps, stages) for ``rows`` (batch*head) on ``sms`` multiprocessors. A program
-    holds a whole chunk and the whole key width, and value columns in blocks of 32 (64 spilled more
-    registers at every width, compiled for sm_90a), 16 where that leaves multiprocessors idle: with
-    few long rows the walk is a chain of latencies, and more programs run more chains at once
-    (op forward + backward at 1 x 16K, 9 heads of 64: 10% faster). 8 warps where the W and Kd tiles
-    are large. The next chunk's tiles are loaded during this one's products (2 stages) where two
-    sets of them fit in shared memory beside the products' own (at most 115 KB at chunks of 64
-    and 128 virtual tokens), else one."""
-    BL, BK = pow2(L), pow2(Dk)
+def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int]) -> tuple[int, int, int, int, int]:
+    """(BL, BK, BV, warps, stages). A program holds a whole chunk and the whole key width, and
+    value columns in blocks of 32 (64 spilled more registers at every width, compiled for sm_90a);
+    no tile side below ``MIN_TILE`` (masked). 8 warps where the W and Kd tiles are large. The next
+    chunk's tiles are loaded during this one's products (2 stages) where two sets of them fit in
+    shared memory beside the products' own (at most 115 KB at chunks of 64 and 128 virtual
+    tokens), else one."""
+    BL, BK = max(pow2(L), MIN_TILE), max(pow2(Dk), MIN_TILE)
     big = BL * BK > 64 * 64
-    BV = bv if bv is not None else min(pow2(Dv), 32)
-    if bv is None and BV > 16 and rows * triton.cdiv(Dv, BV) < sms:
-        BV = 16
+    BV = bv if bv is not None else MIN_TILE
     tile_bytes = 4 * BL * (2 * BK + BV)
     return BL, BK, BV, 8 if big else 4, 2 if tile_bytes <= 96 * 1024 else 1
 
@@ -447,7 +447,7 @@ def _scan_forward(W, U0, Kd, total, S0, bv):
     U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
     ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
     _delta_scan_fwd_kernel[(B * H, triton.cdiv(Dv, BV))](
         w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
         GATED=gated, PREC=PREC, num_warps=warps, num_stages=stages)
@@ -470,7 +470,7 @@ def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv):
     DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
     DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
     _delta_scan_bwd_kernel[(B * H, triton.cdiv(Dv, BV))](
         w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
         GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
@@ -556,7 +556,10 @@ class _DeltaChunkFunction(torch.autograd.Function):
         Kd = torch.empty_like(W)
         Tinv = torch.empty(B * H, NC, C, C, dtype=f32, device=dev)
         total = torch.empty(B, H, NC, dtype=f32, device=dev) if gated else None
-        meta = dict(DK=Dk, DV=Dv, BL=pow2(C), BK=pow2(Dk), BV=pow2(Dv), GATED=gated, PREC=prec)
+        # rows: the tile of a whole chunk at these widths (a shorter C, at short T, is masked)
+        rows = fused_chunk(FUSED_MAX_CHUNK, Dk, Dv, FUSED_MAX_CHUNK)
+        meta = dict(DK=Dk, DV=Dv, BL=rows, BK=max(pow2(Dk), MIN_TILE), BV=max(pow2(Dv), MIN_TILE), GATED=gated,
+                    PREC=prec)
         grid = (B * H, NC)
         _chunk_prep_kernel[grid](k, v, beta, la, W, U0, Kd, Tinv, total if gated else W,
                                  *strides_bht(k), *strides_bht(v), *strides_bht(beta), *strides_bht(la),
