@@ -80,7 +80,7 @@ class TrainConfig:
     progress: bool = True
     shard: str = "auto"                  # several processes: fsdp (FSDP2, each rank 1/N of the weights) | replicate (each rank a whole copy, gradients all-reduced after the step; CUDA graphs and compile as on one GPU) | auto: replicate on CUDA where the model takes at most 1/8 of a GPU's memory, else fsdp (CPU ranks: fsdp)
     cuda_graph: bool = True              # on CUDA: each micro-batch's forward+backward replayed as one CUDA graph
-    compile: bool = True                 # on CUDA: the feature maps and gates fused by torch.compile
+    compile: bool = True                 # on CUDA: the feature maps, gates and the layers' elementwise glue fused by torch.compile
 
     def validate(self) -> "TrainConfig":
         from ..methods import methods
