@@ -265,6 +265,55 @@ def gla_case(device: str, dtype: torch.dtype, *, normalize: bool, log_space: boo
     return err
 
 
+def gla_wide_values_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, B: int = 1, H: int = 2,
+                         state: bool = True, seed: int = 0) -> dict[str, float]:
+    """The public ``gla_chunk`` with values wider than the kernels take (Gemma's heads of 256): blocks
+    of 128 columns, each on the kernels (asserted: one kernel call a block), vs gla_parallel (fp64):
+    o, final state (S and z), d{q, k, v, log_g, S0, z0}. Hedgehog-like plain features, normalised."""
+    from linearize.ops import gla as G
+    from linearize.ops.gla import triton as kgla
+
+    g = _gen(seed)
+    q = torch.softmax(torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) * 2, -1)
+    k = torch.softmax(torch.randn(B, H, T, DK, generator=g, dtype=torch.float64) * 2, -1)
+    v = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64)
+    log_g = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) * 3 + 2)
+    st = (torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64),
+          torch.rand(B, H, DK, generator=g, dtype=torch.float64) * 3) if state else None
+    do = torch.randn(B, H, T, DV, generator=g, dtype=torch.float64).to(dtype).double()
+    dS = torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64)
+    dz = torch.randn(B, H, DK, generator=g, dtype=torch.float64)
+    ins = [x.to(dtype) for x in (q, k, v)] + [log_g.float()]
+
+    def run(xs, sts, fn):
+        o, s = fn(*xs, state=G.GLAState(*sts) if sts else None)
+        return o, s, (o.double() * do.to(o.device)).sum() + (s.S.double() * dS.to(o.device)).sum() \
+            + (s.z.double() * dz.to(o.device)).sum()
+
+    ref_in = [x.double().requires_grad_() for x in ins]
+    ref_st = [x.clone().requires_grad_() for x in st] if state else []
+    o, s, loss = run(ref_in, ref_st, G.gla_parallel)
+    loss.backward()
+    dev = torch.device(device)
+    k_in = [x.to(dev).requires_grad_() for x in ins]
+    k_st = [x.float().to(dev).requires_grad_() for x in st] if state else []
+    calls, real = [], kgla.gla_chunk_triton
+    kgla.gla_chunk_triton = lambda *a, **kw: calls.append(a[2].shape[-1]) or real(*a, **kw)
+    try:
+        o2, s2, loss2 = run(k_in, k_st, G.gla_chunk)
+        loss2.backward()
+    finally:
+        kgla.gla_chunk_triton = real
+    err = {"o": rel_rms(o2.cpu(), o), "S": rel_rms(s2.S.cpu(), s.S), "z": rel_rms(s2.z.cpu(), s.z),
+           "one kernel call a block of at most 128 columns": float(
+               calls != [min(128, DV - c0) for c0 in range(0, DV, 128)])}
+    for name, a, b in zip(("dq", "dk", "dv", "dlog_g"), k_in, ref_in):
+        err[name] = rel_rms(a.grad.cpu(), b.grad)
+    if state:
+        err["dS0"], err["dz0"] = rel_rms(k_st[0].grad.cpu(), ref_st[0].grad), rel_rms(k_st[1].grad.cpu(), ref_st[1].grad)
+    return err
+
+
 def window_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: int, nsink: int,
                 fuse: bool = False, pad: int | None = None, bm: int | None = 16, bn: int = 16, B: int = 2,
                 H: int = 2, seed: int = 0, kv: dict | None = None, bthd: bool = False,
@@ -1048,6 +1097,8 @@ INTERPRETER_CASES = {
                                                                      DV=16, state=True, seg_chunks=2, tma=False), F32),
     # a 40-byte row stride is no TMA stride: the kernels fall back to pointer loads by themselves
     "gla bf16 norm plain DK=20": (gla_case, dict(normalize=True, log_space=False, T=45, DK=20, DV=16), BF16),
+    "gla f32 wide values 136": (gla_wide_values_case, dict(T=45, DK=16, DV=136), F32),
+    "gla bf16 wide values 256 no state": (gla_wide_values_case, dict(T=30, DK=16, DV=256, state=False), BF16),
     "gla f32 norm plain T=1": (gla_case, dict(normalize=True, log_space=False, T=1, DK=16, DV=16, state=True), F32),
     "gla bf16 norm plain T=100 segments": (gla_case, dict(normalize=True, log_space=False, T=100, DK=16, DV=16,
                                                           seg_chunks=2, state=True), BF16),

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from helpers import TOL, assert_rel_close, assert_state_close, count_chunk_steps
 from linearize.ops.gla import GLAState, gla_chunk, gla_parallel, gla_recurrent
-from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, gla_case, rel_rms
+from kernel_cases import CASE_TOL, INTERPRETER_CASES, KTOL, cases_of, gla_case, gla_wide_values_case, rel_rms
 from kernel_checks import assert_interpreter_case, _LaunchRecorder, _needs_hopper_gluon, assert_errors, needs_cuda, needs_triton
 
 B, H, T, DK, DV = 2, 3, 37, 8, 5
@@ -345,6 +345,15 @@ def test_gpu_gla_matches_reference(name, T):
     dtype = torch.float32 if name.startswith("f32") else torch.bfloat16
     err = gla_case("cuda", dtype, T=T, DK=128, DV=128, B=2, H=3, chunk=None, **GPU_GLA[name])
     assert_errors(err, KTOL[dtype], f"gla {name} T={T}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_gla_values_wider_than_the_kernels_run_in_blocks(dtype):
+    """Gemma-3's heads of 256 with features of 128: gla_chunk runs the values in two blocks of 128
+    columns on the kernels and matches the fp64 reference, from a state, forward and backward."""
+    err = gla_wide_values_case("cuda", dtype, T=1000, DK=128, DV=256, B=2, H=4)
+    assert_errors(err, KTOL[dtype], f"gla wide values {dtype}")
 
 
 @needs_cuda

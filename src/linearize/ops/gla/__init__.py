@@ -12,9 +12,9 @@ feature). Layout: see ``ops.common``.
 
 ``gla_chunk`` is the public op and the one place that picks a backend: the Triton/Gluon kernels
 (``triton``, ``gluon``) when ``gla_applies`` (scalar gates (B, H, T), q/k/v in one dtype among
-bf16/fp16/fp32 with Dk, Dv <= 128, on CUDA, kernels enabled: see ``ops.backend``), else the torch
-chunk form (``chunk.gla_chunk``), which always exists and means the same. Triton is imported only
-when the kernels run.
+bf16/fp16/fp32 with Dk, Dv <= 128, on CUDA, kernels enabled: see ``ops.backend``; wider values in
+blocks of 128 columns, each on the kernels), else the torch chunk form (``chunk.gla_chunk``), which
+always exists and means the same. Triton is imported only when the kernels run.
 """
 
 from __future__ import annotations
@@ -47,6 +47,21 @@ def gla_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.
     return _gla.supports(q, k, v, log_g)
 
 
+VALUE_BLOCK = 128  # the widest values the kernels take (``triton.MAX_DIM``)
+
+
+def _value_blocks(q, k, v, log_g, state) -> list[tuple[int, int]]:
+    """Column ranges of v of at most VALUE_BLOCK where the kernels apply to each (values wider
+    than they take, keys within it), else []."""
+    if v.dim() != 4 or v.shape[-1] <= VALUE_BLOCK or (state is not None and not all_tensors(*state)):
+        return []
+    Dv = v.shape[-1]
+    blocks = [(c0, min(c0 + VALUE_BLOCK, Dv)) for c0 in range(0, Dv, VALUE_BLOCK)]
+    c0, c1 = blocks[0]
+    part = None if state is None else GLAState(state.S[..., c0:c1], state.z)
+    return blocks if gla_applies(q, k, v[..., c0:c1], log_g, part) else []
+
+
 def gla_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *, normalize: bool = True,
     log_space_features: bool = False, state: Optional[GLAState] = None, chunk_size: int = 64,
@@ -58,11 +73,19 @@ def gla_chunk(
     used by the torch path (the result does not depend on it). ``settings``: the kernels' user
     settings (default ``ops.backend.current_settings()``).
     """
+    kw = dict(normalize=normalize, log_space_features=log_space_features, eps=eps)
     if gla_applies(q, k, v, log_g, state):
         from ..common import check_positive_int
         from .triton import gla_chunk_triton
         check_positive_int("chunk_size", chunk_size)
-        return gla_chunk_triton(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
-                                state=state, eps=eps, settings=settings)
+        return gla_chunk_triton(q, k, v, log_g, state=state, settings=settings, **kw)
+    blocks = _value_blocks(q, k, v, log_g, state)
+    if blocks:
+        # values wider than the kernels take (Gemma's heads of 256): their columns never mix, so
+        # blocks of columns run on the kernels, each with the whole keys, and join exactly
+        outs = [gla_chunk(q, k, v[..., c0:c1], log_g, state=None if state is None else GLAState(
+            state.S[..., c0:c1], state.z), chunk_size=chunk_size, settings=settings, **kw) for c0, c1 in blocks]
+        return (torch.cat([o for o, _ in outs], -1),
+                GLAState(torch.cat([st.S for _, st in outs], -1), outs[0][1].z))
     return gla_chunk_torch(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
                             state=state, chunk_size=chunk_size, eps=eps)
