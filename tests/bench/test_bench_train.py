@@ -171,3 +171,23 @@ def test_kernels_switched_restores_the_switch(monkeypatch):
         with kernels_switched(True):
             raise RuntimeError("inside")
     assert os.environ[ENV_SWITCH] == "off"
+
+
+def test_bench_train_converts_with_the_overrides_and_builds_gemma3(tmp_path):
+    """``overrides`` reach the students (a feature width changes stage 1's trained parameters and
+    is recorded), and the Gemma-3 shape builds with its sliding/global pattern."""
+    from linearize.bench.train import make_stage
+
+    model = build_model("gemma3-270m-random", torch.float32, "cpu", layers=6)[0]
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert model.config.head_dim == 256
+    small = build_model("tiny-random", torch.float32, "cpu")[0]
+    _, params, _ = make_stage(small, "stage1", "lizard", torch.device("cpu"), {"feature_dim": 8})
+    assert small.model.layers[0].self_attn.hybrid.phi_q.feature_dim == 8
+    default = build_model("tiny-random", torch.float32, "cpu")[0]
+    _, params_default, _ = make_stage(default, "stage1", "lizard", torch.device("cpu"))
+    assert sum(p.numel() for p in params) != sum(p.numel() for p in params_default)
+    data = run_train_bench(tmp_path, models=("tiny-random",), seq_lens=(16,), methods=("lizard",), batch_size=1,
+                           steps=1, warmup=0, device="cpu", overrides={"feature_dim": 8})
+    assert data["settings"]["overrides"] == {"feature_dim": 8}
+    assert all(c["status"] == "ok" for c in data["cells"])

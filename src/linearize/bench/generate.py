@@ -52,6 +52,11 @@ SHAPES = {
     "llama3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
                       rope_theta=500000.0, tie_word_embeddings=False, head_dim=128),
+    # Gemma 3 (the bundled gemma3-270m's shape): heads of 256, five sliding-window layers to each global one
+    "gemma3-270m": dict(arch="gemma3", num_hidden_layers=18, hidden_size=640, num_attention_heads=4,
+                        num_key_value_heads=1, intermediate_size=2048, vocab_size=262144,
+                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True, head_dim=256,
+                        sliding_window=512, query_pre_attn_scalar=256),
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=128, max_position_embeddings=8192,
                  rope_theta=10000.0, tie_word_embeddings=False, head_dim=16),
@@ -111,14 +116,26 @@ def build_model(name: str, dtype: torch.dtype, device: str | torch.device, layer
         if layers is not None:
             spec["num_hidden_layers"] = layers
         theta = spec.pop("rope_theta")
-        config = LlamaConfig(**spec, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if spec.pop("arch", "llama") == "gemma3":
+            from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+            n = spec["num_hidden_layers"]
+            config = Gemma3TextConfig(
+                **spec, layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": theta},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                pad_token_id=0, bos_token_id=2, eos_token_id=1)
+            model_cls = Gemma3ForCausalLM
+        else:
+            config = LlamaConfig(**spec, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            model_cls = LlamaForCausalLM
         previous = torch.get_default_dtype()
         torch.manual_seed(0)
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):  # built in place: an 8B model never exists on the CPU
-                model = LlamaForCausalLM(config)
+                model = model_cls(config)
         finally:
             torch.set_default_dtype(previous)
         model.eval()

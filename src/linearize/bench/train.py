@@ -108,9 +108,9 @@ def random_batch(vocab: int, batch_size: int, seq_len: int, seed: int = 0) -> di
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def make_stage(model, stage: str, method: str, device: torch.device):
-    """(Stage, params, config) for one cell; converts ``model`` (in place) for the student stages, as
-    ``linearize train`` does."""
+def make_stage(model, stage: str, method: str, device: torch.device, overrides: dict | None = None):
+    """(Stage, params, config) for one cell; converts ``model`` (in place, with the method's
+    ``overrides``) for the student stages, as ``linearize train`` does."""
     import linearize
 
     from ..models.lora import add_lora, lora_parameters
@@ -121,7 +121,7 @@ def make_stage(model, stage: str, method: str, device: torch.device):
 
     config = TrainConfig(method=method, progress=False)
     if stage != "teacher":
-        linearize.convert(model, method)  # (the new modules on the device of the layers they replace)
+        linearize.convert(model, method, **(overrides or {}))  # (the new modules on their layers' device)
     for p in model.parameters():
         p.requires_grad_(False)
     if stage == "stage1":
@@ -173,7 +173,8 @@ def _profile_step(step, device: torch.device, ours: set[str]) -> dict:
 
 
 def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, batch_size: int, steps: int,
-             warmup: int, device: torch.device, layers: int | None, ours: set[str], graph: bool = False) -> dict:
+             warmup: int, device: torch.device, layers: int | None, ours: set[str], graph: bool = False,
+             overrides: dict | None = None) -> dict:
     """One (model, T, method, stage, backend, graph) cell: the timed steps' medians, memory, losses."""
     from ..train.graphs import compile_attention_modules
     from ..train.loop import optimizer_step, step_graphs
@@ -184,7 +185,7 @@ def run_cell(name: str, seq_len: int, method: str, stage: str, backend: str, *, 
     try:
         model, _ = build_model(name, torch.float32, device, layers=layers)
         with kernels_switched(backend == "kernels"):
-            st, params, config = make_stage(model, stage, method, device)
+            st, params, config = make_stage(model, stage, method, device, overrides)
             if not params:  # a method whose attention has nothing to learn (liger) skips stage 1
                 cell.update(status="nothing_to_train")
                 return cell
@@ -273,11 +274,13 @@ def _check_graphs(graphs: Sequence[bool], device: torch.device) -> tuple[bool, .
 def run_train_bench(out_dir, models: Sequence[str] = ("smollm2-135m-random",), seq_lens: Sequence[int] = (1024, 2048),
                     methods: Sequence[str] = ("lizard",), batch_size: int = 8, steps: int = 10, warmup: int = 3,
                     device: str = "cuda", *, backends: Sequence[str] | None = None, layers: int | None = None,
-                    graphs: Sequence[bool] | None = None, command: str | None = None) -> dict:
+                    graphs: Sequence[bool] | None = None, command: str | None = None,
+                    overrides: dict | None = None) -> dict:
     """Time the training steps side by side; write train.{json,png,md} to ``out_dir`` after every cell
     (a run cut short keeps what it timed). ``backends``: default both on CUDA, ``("torch",)`` elsewhere;
     ``graphs``: the teacher's and the kernels' cells eager (False) and graphed (True), default both on
-    CUDA, ``(False,)`` elsewhere (the torch path's cells run eagerly)."""
+    CUDA, ``(False,)`` elsewhere (the torch path's cells run eagerly); ``overrides``: AttentionConfig
+    settings for every student (``linearize train --set``), e.g. ``{"feature_dim": 128}``."""
     cuda = str(device).startswith("cuda")
     if backends is None:
         backends = BACKENDS if cuda else ("torch",)
@@ -294,14 +297,15 @@ def run_train_bench(out_dir, models: Sequence[str] = ("smollm2-135m-random",), s
     data = {"benchmark": "train",
             "settings": {"models": list(models), "seq_lens": list(seq_lens), "methods": list(methods),
                          "backends": list(backends), "graphs": list(graphs), "batch_size": batch_size,
-                         "steps": steps, "warmup": warmup, "device": str(dev), "layers": layers},
+                         "steps": steps, "warmup": warmup, "device": str(dev), "layers": layers,
+                         "overrides": dict(overrides or {})},
             "notes": __doc__.split("\n\n", 1)[1].strip(), "cells": [], "environment": env}
     from tqdm.auto import tqdm
 
     for name, T, stage, method, backend, graph in tqdm(plan, desc="bench train", dynamic_ncols=True):
         data["cells"].append(run_cell(name, T, method or methods[0], stage, backend, batch_size=batch_size,
                                       steps=steps, warmup=warmup, device=dev, layers=layers, ours=ours,
-                                      graph=graph))
+                                      graph=graph, overrides=overrides))
         write_outputs(out_dir, STEM, data, train_markdown, train_figure)
     return data
 
@@ -318,7 +322,8 @@ def train_markdown(data: dict) -> str:
     lines = [f"# Training step: teacher vs linearized students, kernels vs torch path, eager vs CUDA graph\n",
              f"{env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, transformers "
              f"{env.get('transformers')}. Batch {s['batch_size']}, median of {s['steps']} timed steps after "
-             f"{s['warmup']} warm-up steps" + (f"; the first {s['layers']} layers" if s.get("layers") else "") + ".\n",
+             f"{s['warmup']} warm-up steps" + (f"; the first {s['layers']} layers" if s.get("layers") else "")
+             + (f"; students converted with {s['overrides']}" if s.get("overrides") else "") + ".\n",
              f"Command: `{env.get('command')}`\n"]
     cells = data["cells"]
     for name in s["models"]:

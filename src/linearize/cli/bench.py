@@ -4,7 +4,8 @@ Parsers and handlers only; the work is in ``linearize.bench``."""
 from __future__ import annotations
 
 from .args import (
-    add_command, argtype, common_flags, finish, optional, parse_int, parse_int_list, parse_list, resolved_device,
+    add_command, argtype, common_flags, finish, optional, overrides, parse_int, parse_int_list, parse_list, parse_set,
+    resolved_device,
 )
 
 
@@ -37,7 +38,7 @@ def cmd_bench_train(args) -> int:
             raise ValueError(f"--graphs takes eager, graph or both, got {', '.join(bad)}")
         kwargs["graphs"] = tuple(g == "graph" for g in args.graphs)
     run_train_bench(args.out, batch_size=args.batch_size, steps=args.steps, device=resolved_device(args.device),
-                    layers=args.layers, **kwargs)
+                    layers=args.layers, overrides=overrides(args.set), **kwargs)
     return finish(args.out, "train")
 
 
@@ -84,6 +85,8 @@ def add_parser(sub) -> None:
                    help="keep the first N layers of each shape (default: all)")
     p.add_argument("--graphs", type=argtype(parse_list), default=None, metavar="eager,graph",
                    help="the teacher's and the kernels' steps eagerly and/or as CUDA graphs (default: both on CUDA)")
+    p.add_argument("--set", action="append", type=argtype(parse_set), metavar="KEY=VALUE",
+                   help="an AttentionConfig setting for every student, as in linearize train (e.g. feature_dim=128)")
     common_flags(p, "runs/bench", models=False)
     p.set_defaults(func=cmd_bench_train)
 
