@@ -19,6 +19,7 @@ always exists and means the same. Triton is imported only when the kernels run.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -87,5 +88,9 @@ def gla_chunk(
             state.S[..., c0:c1], state.z), chunk_size=chunk_size, settings=settings, **kw) for c0, c1 in blocks]
         return (torch.cat([o for o, _ in outs], -1),
                 GLAState(torch.cat([st.S for _, st in outs], -1), outs[0][1].z))
+    if q.is_cuda and kernels_enabled() and q.shape[-1] > VALUE_BLOCK:
+        warnings.warn(f"gla_chunk: features of width {q.shape[-1]} are wider than the kernels take ({VALUE_BLOCK}); "
+                      f"the torch chunk form runs instead, several times slower (a student with feature_dim <= "
+                      f"{VALUE_BLOCK} runs on the kernels)", stacklevel=2)
     return gla_chunk_torch(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
                             state=state, chunk_size=chunk_size, eps=eps)
