@@ -436,7 +436,7 @@ def test_gluon_window_backward_compiles_without_spills(window, model_layout, tmp
 def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     """The sparse window's live form (lizard-recall's shapes: window 128, 256 cached pairs read with
     their own q and k, 4 sink logits, the largest query blocks the chunk op gives them), forward and
-    backward, and the selection (every pair's j_s, the blocks' slot lists)."""
+    backward, and the selection (every pair's j_s by either kernel, the blocks' slot lists)."""
     from linearize.ops.sparse_window.chunk import kernel_block
     from linearize.ops.sparse_window.triton import cache_until_triton, old_slots_triton, sparse_live_triton
 
@@ -444,13 +444,28 @@ def test_sparse_live_kernels_compile_for_hopper(compiled, dtype):
     q, k, v, cq, lk = (torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(5))
     sinks = torch.zeros(H, 4, requires_grad=True)
     until = cache_until_triton(torch.zeros(B, H, T - W), torch.ones(B, T - W, dtype=torch.bool), M)
+    cache_until_triton(torch.zeros(B, H, T - W), torch.ones(B, T - W, dtype=torch.bool), M, scan=True)
     pick = old_slots_triton(until, T, W, M, C)
     o = sparse_live_triton(q, k, v, cq, lk[:, :, W:], sinks, until, pick, torch.zeros(B, dtype=torch.int32),
                            window=W, cache_size=M, scale=D ** -0.5, block=C)
     _backward(o, q, k, v, cq, lk, sinks)
     assert {name for name, *_ in compiled} == {"_sparse_fwd_kernel", "_sparse_bwd_kernel", "_sparse_bwd_window_kernel",
-                                               "_sparse_bwd_cache_kernel", "_cache_until_kernel", "_old_slots_kernel"}
+                                               "_sparse_bwd_cache_kernel", "_cache_until_kernel", "_old_slots_kernel",
+                                               "_cache_until_scan_kernel"}
     assert all(smem <= HOPPER_SMEM for _, _, smem in compiled), [(n, smem) for n, _, smem in compiled]
+
+
+def test_selection_scan_kernel_assembles_without_spills(compiled, tmp_path):
+    """The selection's scan (256 kept pairs, blocks of 128, its int8 products and a sort of 512
+    ranks in registers) assembles for sm_90a without spilling: it is one chain per batch*head, and a
+    spill would sit on that chain's every step."""
+    from linearize.ops.sparse_window.triton import cache_until_triton
+
+    P = 600
+    cache_until_triton(torch.zeros(1, 2, P), torch.ones(1, P, dtype=torch.bool), 256, scan=True)
+    (name, *_), = compiled
+    assert name == "_cache_until_scan_kernel"
+    assert _spill_bytes(_ptxas(compiled.ptx[0], tmp_path)) == 0
 
 
 def test_lolcats_band_kernels_compile_for_hopper(compiled):

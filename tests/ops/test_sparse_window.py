@@ -413,12 +413,13 @@ def test_gpu_live_form_equals_the_span_loop(dtype):
 
 
 @needs_cuda
-def test_gpu_selection_kernels_equal_the_torch_scan():
+@pytest.mark.parametrize("scan", [False, True], ids=["all pairs", "scan"])
+def test_gpu_selection_kernels_equal_the_torch_scan(scan):
     """On CUDA at an evaluation's length (8K tokens, window 128, 256 pairs, tied scores, left padding):
-    every pair's j_s and every query block's slots from the kernels equal the torch scan's, exactly."""
+    every pair's j_s (by either kernel) and every query block's slots equal the torch scan's, exactly."""
     from kernel_cases import sparse_slots_case
 
-    err = sparse_slots_case("cuda", torch.float32, T=8192, W=128, M=256, C=128, pad=300, ties=True)
+    err = sparse_slots_case("cuda", torch.float32, T=8192, W=128, M=256, C=128, pad=300, ties=True, scan=scan)
     assert max(err.values()) == 0.0, err
 
 

@@ -307,6 +307,56 @@ def _cache_until_kernel(RANK, UNTIL, P, M, BS: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
+def _cache_until_scan_kernel(RANK, ORDER, UNTIL, KEPT, P, M, MS: tl.constexpr, BJ: tl.constexpr, CB: tl.constexpr,
+                             N: tl.constexpr):
+    """``live.cache_until``'s scan on one program per batch*head, O(P (M + BJ)) work: the pairs in
+    blocks of BJ, carrying the M best ranks so far sorted in KEPT (MS slots, P + 1 where empty). In a
+    block, a kept pair at slot p has p kept pairs above it, a new pair the kept ones ranked above it;
+    the block's pairs above each add up through j (an int8 product with a triangle of ones); j_s is
+    the first j (at or after s's arrival) where M are above s. Then the kept set and the block are
+    sorted together and the first M kept. ORDER (B*H, P + 1): each candidate rank's pair."""
+    bh = tl.program_id(0).to(tl.int64)
+    rj = tl.arange(0, BJ)
+    rc = tl.arange(0, CB)
+    rs = tl.arange(0, MS)
+    rn = tl.arange(0, N)
+    empty = P + 1
+    through = (rj[:, None] <= rj[None, :]).to(tl.int8)  # [i, j]: i <= j
+    for j0 in range(0, P, BJ):
+        jb = j0 + rj
+        mb = jb < P
+        rb = tl.load(RANK + bh * P + jb, mask=mb, other=empty)
+        kept = tl.load(KEPT + bh * MS + rs)
+        for c0 in tl.static_range(0, MS, CB):  # the kept pairs, CB at a time
+            xc = tl.load(KEPT + bh * MS + c0 + rc)
+            above = ((rb[None, :] < xc[:, None]) & mb[None, :]).to(tl.int8)
+            count = (c0 + rc)[:, None] + tl.dot(above, through, out_dtype=tl.int32)
+            hit = (count >= M) & mb[None, :]
+            first = tl.min(tl.where(hit, jb[None, :], P), 1)
+            out = (first < P) & (xc < P)  # (a pair of rank P is no candidate: its j_s is not used)
+            pair = tl.load(ORDER + bh * (P + 1) + xc, mask=out, other=0)
+            tl.store(UNTIL + bh * P + pair, first, mask=out)
+        for c0 in tl.static_range(0, BJ, CB):  # the block's own pairs, CB at a time
+            sc = j0 + c0 + rc
+            mc = sc < P
+            xc = tl.load(RANK + bh * P + sc, mask=mc, other=empty)
+            before = tl.sum((kept[None, :] < xc[:, None]).to(tl.int32), 1)
+            above = ((rb[None, :] < xc[:, None]) & mb[None, :]).to(tl.int8)
+            count = before[:, None] + tl.dot(above, through, out_dtype=tl.int32)
+            hit = (count >= M) & mb[None, :] & (jb[None, :] >= sc[:, None])
+            first = tl.min(tl.where(hit, jb[None, :], P), 1)
+            tl.store(UNTIL + bh * P + sc, first, mask=mc & (first < P))
+        # the new kept set: the M best of the kept and the block's ranks
+        x = tl.where(rn < MS, tl.load(KEPT + bh * MS + rn, mask=rn < MS, other=empty),
+                     tl.load(RANK + bh * P + j0 + rn - MS, mask=(rn >= MS) & (rn < MS + BJ) & (j0 + rn - MS < P),
+                             other=empty))
+        x = tl.sort(x)
+        tl.debug_barrier()  # (every thread has read KEPT before it is written)
+        tl.store(KEPT + bh * MS + rn, tl.where(rn < M, x, empty), mask=rn < MS)
+        tl.debug_barrier()
+
+
+@triton.jit
 def _old_slots_kernel(UNTIL, PICK, P, NB, C, W, M, BP: tl.constexpr):
     """Per (batch*head, query block b): the pairs s < b C - w still cached at its first query
     (j_s > b C - w) into its M slots in position order (``live.old_slots``; the rest stay P)."""
@@ -323,16 +373,36 @@ def _old_slots_kernel(UNTIL, PICK, P, NB, C, W, M, BP: tl.constexpr):
         taken += tl.sum(old.to(tl.int32), 0)
 
 
+# pairs from which the selection runs as a scan (O(P (M + 128)) on B * H programs) rather than by
+# counting all pairs against all (O(P^2) on B * H * P / 64 programs); set without a GPU measurement
+SCAN_SELECTION_FROM = 4096
+
+
 @torch.no_grad()
-def cache_until_triton(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: int) -> torch.Tensor:
+def cache_until_triton(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: int,
+                       scan: Optional[bool] = None) -> torch.Tensor:
     """``live.cache_until`` (B, H, P) int32 on a kernel: the ranks in torch (``live.pair_ranks``), then
-    every pair's j_s counted directly, O(P^2) comparisons in one launch, where the scan takes
-    ceil(P / 256) steps of a dozen launches each."""
+    every pair's j_s, counted directly (O(P^2) comparisons in one launch) for short rows, or by the
+    scan of ``_cache_until_scan_kernel`` from ``SCAN_SELECTION_FROM`` pairs (``scan``: force either)."""
     B, H, P = pair_score.shape
     rank = live.pair_ranks(pair_score, candidate).contiguous()
-    until = torch.empty_like(rank)
-    if rank.numel():
+    if scan is None:
+        scan = P >= SCAN_SELECTION_FROM
+    if scan and rank.numel():
+        MS = max(pow2(cache_size), 16)
+        BJ, CB = 128, min(64, MS)
+        until = torch.full_like(rank, P)
+        # the pair of each candidate's rank (the no-candidates' shared rank P lands in a spare slot)
+        order = torch.zeros(B, H, P + 1, dtype=torch.int32, device=rank.device).scatter_(
+            -1, rank.long(), torch.arange(P, device=rank.device, dtype=torch.int32).expand(B, H, P))
+        kept = torch.full((B * H, MS), P + 1, dtype=torch.int32, device=rank.device)
+        _cache_until_scan_kernel[(B * H,)](rank, order, until, kept, P, cache_size, MS=MS, BJ=BJ, CB=CB,
+                                           N=pow2(MS + BJ), num_warps=4)
+    elif rank.numel():
+        until = torch.empty_like(rank)
         _cache_until_kernel[(B * H, triton.cdiv(P, 64))](rank, until, P, cache_size, BS=64, BJ=64, num_warps=4)
+    else:
+        until = torch.empty_like(rank)
     idx = torch.arange(P, device=rank.device, dtype=torch.int32)
     return torch.where(candidate[:, None, :], until, idx)
 
