@@ -10,6 +10,8 @@
 
     python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model] [--profile] [--compiled]
         [--alt NAME=FILE]   (another ops/sparse_window/triton.py, e.g. an earlier commit's, timed as "live C64 NAME")
+    python benchmarks/probes/sparse_live.py --out OUT.json --cells 8x2048 2x8192 1x16384 --selection
+        (the selection's two kernels alone: where the scan overtakes counting all pairs)
 """
 
 from __future__ import annotations
@@ -91,6 +93,23 @@ def model_cells(cells: list[tuple[int, int]], save, forms: tuple[str, ...]) -> l
     return rows
 
 
+def selection_times(B: int, T: int, rounds: int = 10) -> dict:
+    """The selection alone (``cache_until_triton``): every pair against every pair (O(P^2)) and the
+    scan (O(P (M + 128)), one program per batch*head), the same j_s asserted; CUDA-event medians."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    P = T - W
+    score = torch.rand(B, H, P, device="cuda", generator=g)
+    candidate = torch.ones(B, P, dtype=torch.bool, device="cuda")
+    out, results = {"B": B, "T": T, "P": P}, {}
+    for name, scan in (("all pairs", False), ("scan", True)):
+        run = lambda scan=scan: sparse_triton.cache_until_triton(score, candidate, M, scan=scan)  # noqa: E731
+        results[name] = run()
+        out[name] = timed(run, rounds)["fwd_bwd_ms_median"]
+    out["equal"] = bool(torch.equal(results["all pairs"], results["scan"]))
+    print(out, flush=True)
+    return out
+
+
 def main() -> None:
     p = cells_parser(["8x2048", "4x4096"], "the live form's CUDA kernels, one forward + backward")
     p.add_argument("--forms", nargs="+", default=["live", "live-torch", "spans"],
@@ -98,10 +117,16 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true",
                    help="also the live form under torch.compile (its backward crashed inductor's CPU code once)")
     p.add_argument("--alt", action="append", default=[], help="NAME=FILE: another ops/sparse_window/triton.py")
+    p.add_argument("--selection", action="store_true",
+                   help="only the selection's two kernels (all pairs vs scan) at the cells, then stop")
     a = p.parse_args()
     alts = alt_modules(sparse_triton, a.alt)
     cells = [parse_shape(c) for c in a.cells]
     result, save = probe_record(a.out)
+    if a.selection:
+        result["selection"] = [selection_times(B, T) for B, T in cells]
+        save()
+        return
     for B, T in cells:
         result["op"].append(op_times(B, T, profile=a.profile, compiled=a.compiled, alts=alts))
         print({k: v for k, v in result["op"][-1].items() if k != "profile_live"}, flush=True)
