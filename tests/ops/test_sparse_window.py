@@ -423,6 +423,27 @@ def test_gpu_selection_kernels_equal_the_torch_scan(scan):
     assert max(err.values()) == 0.0, err
 
 
+@needs_triton
+def test_the_cache_pass_tiles_pairs_by_stay_then_position():
+    """``cache_tiles``: a permutation of the pairs, grouped by the power of two of their stay in the
+    cache, each group in position order; on a real selection it is not the position order (one long
+    stay no longer drags its 63 neighbours through every later query block)."""
+    from linearize.ops.sparse_window import live
+    from linearize.ops.sparse_window.triton import cache_tiles
+
+    g = torch.Generator().manual_seed(0)
+    until = live.cache_until(torch.rand(2, 3, 500, generator=g), torch.ones(2, 500, dtype=torch.bool), 16)
+    tiles = cache_tiles(until).long()
+    assert cache_tiles(until).dtype == torch.int32
+    assert torch.equal(tiles.sort(-1).values, torch.arange(500).expand(2, 3, 500))
+    stay = (until.long() - torch.arange(500)).gather(-1, tiles)
+    group = torch.floor(torch.log2(stay.double() + 1))
+    assert (group.diff(dim=-1) >= 0).all()
+    same = group.diff(dim=-1) == 0
+    assert (tiles.diff(dim=-1)[same] > 0).all()
+    assert not torch.equal(tiles, torch.arange(500).expand(2, 3, 500))
+
+
 def test_bad_inputs_are_named():
     q, k, v, score, _ = inputs(5)
     with pytest.raises(ValueError, match=r"score must have shape \(B, H, T\) = \(2, 3, 5\), got \(2, 3, 4\)"):

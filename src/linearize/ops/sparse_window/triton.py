@@ -217,13 +217,11 @@ def _key_tile_grads(QS, DO, LSE, DELTA, k, v, cols, mcol, jj, bh, T, q_lo, q_hi,
 
 
 @triton.jit
-def _key_tile(KEYS, V, i_n, bh, NK, T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-              BN: tl.constexpr):
-    """Tile i_n of NK keys of head bh (KEYS (B*H, NK, D): the window's k, NK = T, or the pairs' cache
-    keys, NK = P) with their values (rows of V (B*H, T, DV)): indices, which exist, column offsets
-    and masks, keys, values, and the values' offsets."""
-    cols = i_n * BN + tl.arange(0, BN)
-    mcol = cols < NK
+def _key_tile(KEYS, V, cols, mcol, bh, NK, T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+              BDV: tl.constexpr):
+    """The keys ``cols`` (where ``mcol``) of head bh (KEYS (B*H, NK, D): the window's k, NK = T, or the
+    pairs' cache keys, NK = P) with their values (rows of V (B*H, T, DV)): indices, which exist,
+    column offsets and masks, keys, values, and the values' offsets."""
     od, odv = tl.arange(0, BD), tl.arange(0, BDV)
     md, mdv = od < D, odv < DV
     k = tl.load(KEYS + bh * NK * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
@@ -244,7 +242,8 @@ def _sparse_bwd_window_kernel(
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     bh = i_bh.to(tl.int64)
-    cols, mcol, od, odv, md, mdv, k, v, voff = _key_tile(K, V, i_n, bh, T, T, D, DV, BD, BDV, BN)
+    cols = i_n * BN + tl.arange(0, BN)
+    cols, mcol, od, odv, md, mdv, k, v, voff = _key_tile(K, V, cols, cols < T, bh, T, T, D, DV, BD, BDV)
     kmin = load_kmin(KMIN, i_bh // H, HAS_KMIN)
     q_lo = i_n * BN // BM
     q_hi = tl.minimum(tl.cdiv(i_n * BN + BN - 1 + W, BM), tl.cdiv(T, BM))
@@ -257,17 +256,21 @@ def _sparse_bwd_window_kernel(
 
 @triton.jit
 def _sparse_bwd_cache_kernel(
-    CQ, LK, V, UNTIL, DO, LSE, DELTA, DLK, DV_, T, P, qk_scale, sm_scale,
+    CQ, LK, V, UNTIL, TILES, DO, LSE, DELTA, DLK, DV_, T, P, qk_scale, sm_scale,
     W: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (tiles of BN pairs, B*H): the pairs' d cache-key (fp32) and their part of dv, added to the
-    window's in DV_ (this program owns those rows), from the query blocks of their stay in the cache."""
+    window's in DV_ (this program owns those rows), from the query blocks of their stay in the cache.
+    TILES (B*H, P): the pairs in tile order (``cache_tiles``: by how long they stay, then position),
+    so that a tile's query blocks, from its first arrival to its last eviction, are few."""
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    cols, mcol, od, odv, md, mdv, lk, v, voff = _key_tile(LK, V, i_n, bh, P, T, D, DV, BD, BDV, BN)
+    idx = i_n * BN + tl.arange(0, BN)
+    cols = tl.load(TILES + bh * P + idx, mask=idx < P, other=0)
+    cols, mcol, od, odv, md, mdv, lk, v, voff = _key_tile(LK, V, cols, idx < P, bh, P, T, D, DV, BD, BDV)
     jj = tl.load(UNTIL + bh * P + cols, mask=mcol, other=NEVER)
-    q_lo = (i_n * BN + W) // BM
+    q_lo = (tl.min(tl.where(mcol, cols, P), 0) + W) // BM
     q_hi = tl.minimum(tl.cdiv(tl.max(jj, 0) + W, BM), tl.cdiv(T, BM))
     dk, dv = _key_tile_grads(CQ, DO, LSE, DELTA, lk, v, cols, mcol, jj, bh, T, q_lo, q_hi, 0, qk_scale,
                              od, md, odv, mdv, True, W, D, DV, BD, BDV, BM, BN, PREC)
@@ -419,6 +422,19 @@ def old_slots_triton(until: torch.Tensor, T: int, window: int, cache_size: int, 
     return pick
 
 
+def cache_tiles(until: torch.Tensor) -> torch.Tensor:
+    """(B, H, P) int32: the pairs ordered for the backward's cache pass, by how long they stay in the
+    cache (in powers of two) and then by position. A tile of pairs visits the query blocks from its
+    first pair's arrival to its last one's eviction: in position order one long stay among 64 short
+    ones made a tile visit every later block (the pass grew with T^2); grouped by stay, the blocks a
+    tile visits are about as many as its pairs' stays need."""
+    B, H, P = until.shape
+    s = torch.arange(P, device=until.device)
+    stay = (until.long() - s).clamp_min(0)
+    group = torch.floor(torch.log2(stay.double() + 1)).long()
+    return torch.argsort(group * P + s, dim=-1).int().contiguous()
+
+
 def _launch_args(q, v, sinks, kmin, window: int, cache_size: int, block: int) -> dict:
     """The kernels' constexprs, the same for the forward and the backward."""
     D, DV = q.shape[-1], v.shape[-1]
@@ -471,7 +487,7 @@ class _SparseLive(torch.autograd.Function):
             HAS_KMIN=kw["HAS_KMIN"], **keys)
         if P:
             _sparse_bwd_cache_kernel[(triton.cdiv(P, BN), B * H)](
-                cq, lk, v, until, do, lse, delta, dlk, dv, T, P, scale * LOG2E, scale, **keys)
+                cq, lk, v, until, cache_tiles(until), do, lse, delta, dlk, dv, T, P, scale * LOG2E, scale, **keys)
         d_sinks = None
         if nsink:
             d_sinks = dsink.view(B, H, nb, -1).sum((0, 2))[:, :nsink].to(sinks.dtype)
