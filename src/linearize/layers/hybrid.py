@@ -186,7 +186,9 @@ def _unit_keys(fq, fk, valid, unit: bool):
 
 def _pooled_beta(k, k_hist):
     """TPTT's beta (B, H, T): sigmoid of the channel mean of a causal 3-token average of k, and the
-    key history to carry."""
+    key history to carry (``k_hist`` None: zeros, a fresh state)."""
+    if k_hist is None:
+        k_hist = k.new_zeros(*k.shape[:2], BETA_POOL - 1, k.shape[-1])
     k_ext = torch.cat([k_hist.to(k.dtype), k], dim=2)
     pooled = k_ext.unfold(2, BETA_POOL, 1).mean(-1)  # (B, H, T, d)
     return torch.sigmoid(pooled.float().mean(-1)), k_ext[:, :, -(BETA_POOL - 1):]
@@ -196,11 +198,7 @@ def _silu_delta_operands(q, k, valid, k_hist, pool: bool):
     """Unit SiLU features of q, k and, for a pooled beta (``pool``), beta and the key history
     (``k_hist`` None: zeros, a fresh state)."""
     fq, fk = _unit_keys(F.silu(q), F.silu(k), valid, True)
-    if not pool:
-        return fq, fk, None, k_hist
-    if k_hist is None:
-        k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
-    return (fq, fk, *_pooled_beta(fk, k_hist))
+    return (fq, fk, *_pooled_beta(fk, k_hist)) if pool else (fq, fk, None, k_hist)
 
 
 def _output_norm(y, out_dtype):
@@ -322,14 +320,11 @@ class HybridAttention(nn.Module):
         SiLU features and a pooled beta are elementwise work over every token: with
         ``compile_glue``, one compiled function."""
         c = self.config
-        pool = c.beta == "pool"
         if c.feature_map != "silu_l2":
             fq, fk = self._global_features(gq, gk, x, valid)
-            if pool and k_hist is None:
-                k_hist = fk.new_zeros(*fk.shape[:2], BETA_POOL - 1, fk.shape[-1])
             return (fq, fk, *self._beta(fk, x, k_hist))
         fn = _compiled(_silu_delta_operands) if self.compile_glue else _silu_delta_operands
-        fq, fk, beta, k_hist = fn(gq, gk, valid, k_hist, pool)
+        fq, fk, beta, k_hist = fn(gq, gk, valid, k_hist, c.beta == "pool")
         if c.beta == "linear":
             beta = self.beta_proj(x).exp()
         return fq, fk, beta, k_hist
