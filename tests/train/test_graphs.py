@@ -299,3 +299,48 @@ def test_a_graphed_steps_weight_scales_its_gradients():
     expected = torch.autograd.grad(layer(x).square().mean() * 0.5, params)
     for g, e in zip(grads[0], expected):
         torch.testing.assert_close(g, e)
+
+
+def test_frozen_casts_are_kept_and_give_autocasts_products():
+    """cache_frozen_casts: under (CPU) bf16 autocast a stage-2 step's loss and LoRA gradients are
+    exactly autocast's own; a frozen weight is cast once (the same cached tensor at the next step)
+    and again after an in-place change; without autocast the plain fp32 product runs; trainable
+    projections (LoRA's) are left to autocast."""
+    import linearize
+    from linearize.models.lora import add_lora, lora_parameters
+    from linearize.train.graphs import cache_frozen_casts
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in lora_parameters(model)]
+
+    models = []
+    for cached in (False, True):
+        model = linearize.convert(llama(num_layers=2), "lizard")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(1)
+        add_lora(model, rank=4, alpha=8)
+        if cached:
+            assert cache_frozen_casts(model) > 0
+        models.append(model)
+    (loss_ref, grads_ref), (loss, grads) = step(models[0]), step(models[1])
+    assert torch.equal(loss, loss_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    q = models[1].model.layers[0].self_attn.q_proj
+    base = q.base_layer
+    first = base._cast_weight
+    assert first is not None and first.dtype == torch.bfloat16 and torch.equal(first, base.weight.bfloat16())
+    assert q.lora_A["default"]._cast_key is None  # trainable: autocast's own cast
+    step(models[1])
+    assert base._cast_weight is first
+    with torch.no_grad():
+        base.weight.mul_(2)
+    step(models[1])
+    assert base._cast_weight is not first and torch.equal(base._cast_weight, base.weight.bfloat16())
+    x = torch.randn(3, base.in_features)
+    assert torch.equal(base(x), torch.nn.functional.linear(x, base.weight, base.bias))  # no autocast: fp32

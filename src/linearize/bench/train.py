@@ -115,6 +115,7 @@ def make_stage(model, stage: str, method: str, device: torch.device, overrides: 
 
     from ..models.lora import add_lora, lora_parameters
     from ..train.config import TrainConfig
+    from ..train.graphs import cache_frozen_casts
     from ..train.loop import Stage
     from ..train.run import lm_loss, transfer_loss
     from ..train.transfer import freeze_all_but, make_blocks, trainable_attention_parameters
@@ -125,6 +126,7 @@ def make_stage(model, stage: str, method: str, device: torch.device, overrides: 
     for p in model.parameters():
         p.requires_grad_(False)
     if stage == "stage1":
+        cache_frozen_casts(model)
         block = make_blocks(model, None)[0]
         params = trainable_attention_parameters(model, block)
         freeze_all_but(model, params)
@@ -133,6 +135,7 @@ def make_stage(model, stage: str, method: str, device: torch.device, overrides: 
                      config.stage1_lr, graphable=True), params, config
     add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets)
     model.to(device)
+    cache_frozen_casts(model)  # (as linearize train: the frozen projections cast once for autocast)
     params = lora_parameters(model)
     model.train()
     return Stage("stage2", {}, lambda b: lm_loss(model, b, None, config), None, 0, config.stage2_lr,

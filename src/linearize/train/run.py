@@ -31,7 +31,7 @@ from ..models.teacher import load_teacher
 from ..records import device_name, write_json
 from . import distributed
 from .config import TrainConfig
-from .graphs import compile_attention_modules
+from .graphs import cache_frozen_casts, compile_attention_modules
 from .loop import MetricsLog, Stage, autocast, autocast_dtype, fit, read_state, resolve_device
 from .schedules import mu_at
 from .transfer import (Block, choose_softmax_layers, freeze_all_but, make_blocks, run_block, teacher_attention,
@@ -107,7 +107,7 @@ def _run(config: TrainConfig, resume: bool, parallel) -> Path:
         teacher_val = held_out_loss(model, val_rows, config, device) if val_rows is not None else None
         convert(model, config.method, softmax_layers=None if auto_k else config.softmax_layers, **config.overrides)
         model.to(device)
-        _compile(model, config, device)
+        _compile(model, config, device, teacher)
     else:
         # converted on the CPU, so that only shards reach a GPU (FSDP2 moves each unit's own):
         # the whole model never has to fit one
@@ -311,21 +311,27 @@ def _distribute(model, teacher, config: TrainConfig, parallel, device: torch.dev
         model.to(device)
         if teacher is not None:
             teacher.to(device)
-        _compile(model, config, device)
+        _compile(model, config, device, teacher)
         return
     _add_lora(model, config)
     gather = autocast_dtype(device, config.precision)
     parallel.shard(model, gather)
     if teacher is not None:
         parallel.shard(teacher, gather)
-    _compile(model, config, device)  # (inside the FSDP units: their weights come in gathered)
+    _compile(model, config, device, sharded=True)  # (inside the FSDP units: their weights come in gathered)
 
 
-def _compile(model, config: TrainConfig, device: torch.device) -> None:
+def _compile(model, config: TrainConfig, device: torch.device, teacher=None, sharded: bool = False) -> None:
     """The feature maps and gates compiled where the config asks and the device is CUDA (a model
-    on one device, a replicated rank or an FSDP rank)."""
+    on one device, a replicated rank or an FSDP rank); the frozen projections' autocast casts kept
+    (``cache_frozen_casts``; not under FSDP, which gathers them in the autocast dtype already), the
+    distillation teacher's too."""
     if config.compile and device.type == "cuda":
         compile_attention_modules(model)
+    if autocast_dtype(device, config.precision) is not None and not sharded:
+        for m in (model, teacher):
+            if m is not None:
+                cache_frozen_casts(m)
 
 
 def _blocks_spread(model, config: TrainConfig) -> bool:
