@@ -125,8 +125,8 @@ def make_stage(model, stage: str, method: str, device: torch.device, overrides: 
         linearize.convert(model, method, **(overrides or {}))  # (the new modules on their layers' device)
     for p in model.parameters():
         p.requires_grad_(False)
+    cache_frozen_casts(model)  # (as linearize train: the frozen projections cast once for autocast)
     if stage == "stage1":
-        cache_frozen_casts(model)
         block = make_blocks(model, None)[0]
         params = trainable_attention_parameters(model, block)
         freeze_all_but(model, params)
@@ -135,7 +135,6 @@ def make_stage(model, stage: str, method: str, device: torch.device, overrides: 
                      config.stage1_lr, graphable=True), params, config
     add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets)
     model.to(device)
-    cache_frozen_casts(model)  # (as linearize train: the frozen projections cast once for autocast)
     params = lora_parameters(model)
     model.train()
     return Stage("stage2", {}, lambda b: lm_loss(model, b, None, config), None, 0, config.stage2_lr,

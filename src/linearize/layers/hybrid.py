@@ -329,14 +329,20 @@ class HybridAttention(nn.Module):
             beta = self.beta_proj(x).exp()
         return fq, fk, beta, k_hist
 
+    @property
+    def _norm_in_mix(self) -> bool:
+        """Whether the delta rule's output norm runs in LiZA's mix (one compiled function for both)
+        rather than right after the rule: with combine "mu" and a local branch to mix with."""
+        c = self.config
+        return c.global_rule == "delta" and c.delta_norm and c.combine == "mu" and c.local_rule != "none"
+
     def _mix(self, y_g, y_w, out_dtype):
         """The branches combined (``combine`` sum or mu), liza's output norm of the delta rule's part
-        included (applied here, with the mix, so that one compiled function does both)."""
+        included where ``_norm_in_mix``."""
         c = self.config
         if c.combine == "mu":
-            norm = c.global_rule == "delta" and c.delta_norm
             fn = _compiled(_mu_mix) if self.compile_glue else _mu_mix
-            return fn(y_g, y_w, self.mu, norm, out_dtype)
+            return fn(y_g, y_w, self.mu, self._norm_in_mix, out_dtype)
         return (y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w).to(out_dtype)
 
     # ------------------------------------------------------------------ forward
@@ -393,7 +399,7 @@ class HybridAttention(nn.Module):
                     **chunk)
             else:
                 y_g, state["global"] = read(fq)
-            if c.delta_norm and c.combine != "mu":  # (mu: normed in _mix, with the mix)
+            if c.delta_norm and not self._norm_in_mix:
                 y_g = _output_norm(y_g, v.dtype)
         else:
             fq, fk = self._global_features(gq, gk, x, valid)
@@ -413,8 +419,6 @@ class HybridAttention(nn.Module):
             y_g, state["global"] = read(fq)
 
         if c.local_rule == "none":
-            if c.global_rule == "delta" and c.delta_norm and c.combine == "mu":
-                y_g = _output_norm(y_g, v.dtype)
             return y_g, state
 
         # local branch

@@ -190,14 +190,12 @@ def _decay_grad(gp, gs, ge, gt, r):
 @triton.jit
 def _rows_bht(ptr, b, h, tok, cols, mrow, mcol, s_b, s_h, s_t):
     """A (rows, cols) tile of a (B, H, T, D) tensor (last axis contiguous), zero outside, fp32."""
-    p = ptr + b * s_b + h * s_h + tok[:, None] * s_t + cols[None, :]
-    return tl.load(p, mask=mrow[:, None] & mcol[None, :], other=0.0).to(tl.float32)
+    return _tile(ptr + b * s_b + h * s_h, tok, cols, mrow, mcol, s_t).to(tl.float32)
 
 
 @triton.jit
 def _put_bht(ptr, x, b, h, tok, cols, mrow, mcol, s_b, s_h, s_t):
-    p = ptr + b * s_b + h * s_h + tok[:, None] * s_t + cols[None, :]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=mrow[:, None] & mcol[None, :])
+    _put(ptr + b * s_b + h * s_h, x.to(ptr.dtype.element_ty), tok, cols, mrow, mcol, s_t)
 
 
 @triton.jit

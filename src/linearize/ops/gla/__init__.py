@@ -51,6 +51,11 @@ def gla_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.
 VALUE_BLOCK = 128  # the widest values the kernels take (``triton.MAX_DIM``)
 
 
+def _columns(state: Optional[GLAState], c0: int, c1: int) -> Optional[GLAState]:
+    """The state of value columns c0 .. c1 - 1 (the normaliser z is every block's)."""
+    return None if state is None else GLAState(state.S[..., c0:c1], state.z)
+
+
 def _value_blocks(q, k, v, log_g, state) -> list[tuple[int, int]]:
     """Column ranges of v of at most VALUE_BLOCK where the kernels apply to each (values wider
     than they take, keys within it), else []."""
@@ -59,8 +64,7 @@ def _value_blocks(q, k, v, log_g, state) -> list[tuple[int, int]]:
     Dv = v.shape[-1]
     blocks = [(c0, min(c0 + VALUE_BLOCK, Dv)) for c0 in range(0, Dv, VALUE_BLOCK)]
     c0, c1 = blocks[0]
-    part = None if state is None else GLAState(state.S[..., c0:c1], state.z)
-    return blocks if gla_applies(q, k, v[..., c0:c1], log_g, part) else []
+    return blocks if gla_applies(q, k, v[..., c0:c1], log_g, _columns(state, c0, c1)) else []
 
 
 def gla_chunk(
@@ -84,13 +88,12 @@ def gla_chunk(
     if blocks:
         # values wider than the kernels take (Gemma's heads of 256): their columns never mix, so
         # blocks of columns run on the kernels, each with the whole keys, and join exactly
-        outs = [gla_chunk(q, k, v[..., c0:c1], log_g, state=None if state is None else GLAState(
-            state.S[..., c0:c1], state.z), chunk_size=chunk_size, settings=settings, **kw) for c0, c1 in blocks]
+        outs = [gla_chunk(q, k, v[..., c0:c1], log_g, state=_columns(state, c0, c1), chunk_size=chunk_size,
+                          settings=settings, **kw) for c0, c1 in blocks]
         return (torch.cat([o for o, _ in outs], -1),
                 GLAState(torch.cat([st.S for _, st in outs], -1), outs[0][1].z))
     if q.is_cuda and kernels_enabled() and q.shape[-1] > VALUE_BLOCK:
         warnings.warn(f"gla_chunk: features of width {q.shape[-1]} are wider than the kernels take ({VALUE_BLOCK}); "
                       f"the torch chunk form runs instead, several times slower (a student with feature_dim <= "
                       f"{VALUE_BLOCK} runs on the kernels)", stacklevel=2)
-    return gla_chunk_torch(q, k, v, log_g, normalize=normalize, log_space_features=log_space_features,
-                            state=state, chunk_size=chunk_size, eps=eps)
+    return gla_chunk_torch(q, k, v, log_g, state=state, chunk_size=chunk_size, **kw)

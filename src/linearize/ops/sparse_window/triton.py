@@ -220,15 +220,15 @@ def _key_tile_grads(QS, DO, LSE, DELTA, k, v, cols, mcol, jj, bh, T, q_lo, q_hi,
 def _key_tile(KEYS, V, cols, mcol, bh, NK, T, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
               BDV: tl.constexpr):
     """The keys ``cols`` (where ``mcol``) of head bh (KEYS (B*H, NK, D): the window's k, NK = T, or the
-    pairs' cache keys, NK = P) with their values (rows of V (B*H, T, DV)): indices, which exist,
-    column offsets and masks, keys, values, and the values' offsets."""
+    pairs' cache keys, NK = P) with their values (rows of V (B*H, T, DV)): column offsets and masks,
+    keys, values, and the values' offsets."""
     od, odv = tl.arange(0, BD), tl.arange(0, BDV)
     md, mdv = od < D, odv < DV
     k = tl.load(KEYS + bh * NK * D + cols[:, None].to(tl.int64) * D + od[None, :], mask=mcol[:, None] & md[None, :],
                 other=0.0)
     voff = bh * T * DV + cols[:, None].to(tl.int64) * DV + odv[None, :]
     v = tl.load(V + voff, mask=mcol[:, None] & mdv[None, :], other=0.0)
-    return cols, mcol, od, odv, md, mdv, k, v, voff
+    return od, odv, md, mdv, k, v, voff
 
 
 @triton.jit
@@ -243,7 +243,8 @@ def _sparse_bwd_window_kernel(
     i_bh = tl.program_id(1)
     bh = i_bh.to(tl.int64)
     cols = i_n * BN + tl.arange(0, BN)
-    cols, mcol, od, odv, md, mdv, k, v, voff = _key_tile(K, V, cols, cols < T, bh, T, T, D, DV, BD, BDV)
+    mcol = cols < T
+    od, odv, md, mdv, k, v, voff = _key_tile(K, V, cols, mcol, bh, T, T, D, DV, BD, BDV)
     kmin = load_kmin(KMIN, i_bh // H, HAS_KMIN)
     q_lo = i_n * BN // BM
     q_hi = tl.minimum(tl.cdiv(i_n * BN + BN - 1 + W, BM), tl.cdiv(T, BM))
@@ -267,8 +268,9 @@ def _sparse_bwd_cache_kernel(
     i_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     idx = i_n * BN + tl.arange(0, BN)
-    cols = tl.load(TILES + bh * P + idx, mask=idx < P, other=0)
-    cols, mcol, od, odv, md, mdv, lk, v, voff = _key_tile(LK, V, cols, idx < P, bh, P, T, D, DV, BD, BDV)
+    mcol = idx < P
+    cols = tl.load(TILES + bh * P + idx, mask=mcol, other=0)
+    od, odv, md, mdv, lk, v, voff = _key_tile(LK, V, cols, mcol, bh, P, T, D, DV, BD, BDV)
     jj = tl.load(UNTIL + bh * P + cols, mask=mcol, other=NEVER)
     q_lo = (tl.min(tl.where(mcol, cols, P), 0) + W) // BM
     q_hi = tl.minimum(tl.cdiv(tl.max(jj, 0) + W, BM), tl.cdiv(T, BM))
