@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -321,6 +322,68 @@ def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, tmp_path):
         out.logits.float().square().mean().backward()
         for name, p in [("q_proj", attn.q_proj.weight), ("embeddings", model.model.embed_tokens.weight)]:
             assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("target", ["heads", "output"])
+def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, tmp_path, target):
+    """Stage 1's backward needs the new modules' weights and, for the "output" target, the output
+    projection's, kept from forward: no decoder layer is gathered in backward (FSDP's default
+    prefetch gathered layer l-1 from layer l's new module, and left it gathered to the end). The
+    gradients are those of the unsharded model; stage 2's defaults come back: every layer gathered again in
+    backward. Counted on one rank, where a gather is the same call as on N."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from linearize.train.run import transfer_loss
+    from linearize.train.transfer import Block, freeze_all_but, trainable_attention_parameters
+
+    gathers: list[tuple[str, str]] = []
+    real_unshard = FSDPParamGroup.unshard
+
+    def counting(self, async_op=False):
+        idle = self._all_gather_result is None and not self.is_unsharded
+        real_unshard(self, async_op)
+        if idle and self._all_gather_result is not None:
+            gathers.append((self._module_fqn, self._training_state.name))
+
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        grads = []
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model, _ = linearize.load_teacher(tiny)
+            linearize.convert(model, "lizard")
+            freeze_all_but(model, trainable_attention_parameters(model))
+            if sharded:
+                parallel = distributed.Parallel(0, 1, torch.device("cpu"))
+                parallel.shard(model)
+                parallel.transfer_layout(model, target)
+            gathers.clear()
+            with mock.patch.object(FSDPParamGroup, "unshard", counting):
+                loss, _ = transfer_loss(model, {"input_ids": ids}, target, Block(0, 3, (0, 1, 2)))
+                forward = len(gathers)
+                loss.backward()
+            backward = [fqn for fqn, state in gathers[forward:] if state != "FORWARD"]
+            grads.append({n: distributed.full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        layers = {f"model.layers.{i}" for i in range(3)}
+        if target == "heads":
+            assert layers & set(backward) == set() and sorted(backward) == sorted(f"{name}.self_attn.hybrid" for name in layers)
+        else:
+            assert layers & set(backward) == set()
+        (whole, chosen) = grads
+        assert whole.keys() == chosen.keys() and whole
+        for n in whole:
+            torch.testing.assert_close(chosen[n], whole[n], rtol=1e-6, atol=1e-8, msg=n)
+        parallel.transfer_layout(model, None)  # stage 2: the loss goes back through every layer
+        for p in model.parameters():
+            p.requires_grad_(True)
+        gathers.clear()
+        with mock.patch.object(FSDPParamGroup, "unshard", counting):
+            model(input_ids=ids).logits.square().mean().backward()
+        assert layers <= {fqn for fqn, state in gathers if state == "PRE_BACKWARD"}
     finally:
         dist.destroy_process_group()
 

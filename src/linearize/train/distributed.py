@@ -206,15 +206,19 @@ class Parallel:
         self.roots.append(model)
         return model
 
-    def keep_gathered(self, model: nn.Module, keep: bool) -> None:
-        """Keep each decoder layer's weights gathered from forward to backward (``keep``) or free
-        them after forward. Stage 1 with ``transfer_target="output"`` needs them kept: its loss
-        goes back through the frozen output projection, and not through the layer's output, which
-        is where FSDP would gather them again. (Replicated: nothing to keep.)"""
+    def transfer_layout(self, model: nn.Module, target: str | None) -> None:
+        """Stage 1's use of the frozen decoder layers (``target``: its transfer target; None: stage
+        2's, FSDP's defaults). "output": each layer's weights stay gathered from forward to backward,
+        as its loss goes back through the frozen output projection and not through the layer's
+        output, where FSDP would gather them again. "heads": backward needs no layer's weights, only
+        the new modules' (units of their own), so no layer is gathered in backward; by default the
+        backward of layer l's new module prefetches layer l-1, the unit before it in forward, which
+        then stays gathered to the end of the backward. (Replicated: nothing is gathered.)"""
         if self.replicated:
             return
         for layer in adapter_for(model).layers(model):
-            layer.set_reshard_after_forward(not keep)
+            layer.set_reshard_after_forward(target != "output")
+            layer.set_unshard_in_backward(target != "heads")
 
     def reset(self) -> None:
         """After a forward with no backward (a skipped step): FSDP's iteration state starts afresh."""

@@ -405,14 +405,14 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
 
         stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, graphable=True,
                       loss_tokens=transfer_tokens)
-        if parallel is not None and config.transfer_target == "output":
-            parallel.keep_gathered(model, True)
+        if parallel is not None and not spread:  # (spread: the model is whole on each rank)
+            parallel.transfer_layout(model, config.transfer_target)
         # a block trained on its own rank has its own log, merged into the run's afterwards
         log = MetricsLog(out / "state" / f"metrics-{name}.jsonl") if spread else metrics
         summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", log, resume,
                              extra_batch=extra, parallel=None if spread else parallel))
         if parallel is not None and not spread:
-            parallel.keep_gathered(model, False)
+            parallel.transfer_layout(model, None)
     for p in model.parameters():
         p.requires_grad_(False)
     if spread:
