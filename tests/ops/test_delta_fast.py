@@ -142,6 +142,17 @@ def test_triton_scan_rejects_bad_block():
         delta_scan_triton(W, W, W, None, torch.zeros(1, 1, 16, 16), bv=24)
 
 
+@needs_triton
+def test_the_scan_splits_values_finer_only_where_multiprocessors_would_idle():
+    from linearize.ops.delta.triton import _blocks
+
+    bv = lambda rows, Dv=64, given=None: _blocks(64, 64, Dv, given, rows, 132)[2]  # noqa: E731
+    assert bv(9) == 16 and bv(65) == 16  # 1 x 9 heads (18 programs at 32 columns); 130 < 132
+    assert bv(66) == 32 and bv(72) == 32  # 8 x 9 heads: 144 programs at 32 columns
+    assert bv(9, Dv=16) == 16 and bv(9, given=32) == 32 and bv(200, Dv=128) == 32
+    assert _blocks(8, 16, 16, None, 1, 132)[:2] == (32, 32)  # chunks and keys: MIN_TILE
+
+
 # the Triton scan against its torch twin, and the chunk forms on the kernels against the fp64
 # parallel form, under the interpreter (tests/ops/conftest.py, interpreter_results)
 INTERPRETER_OP = "delta"
@@ -188,9 +199,8 @@ def test_gpu_narrow_heads_and_short_rows_match_reference(D, T, gated):
 @needs_cuda
 @pytest.mark.parametrize("bv", [16, 32])
 def test_gpu_scan_in_value_blocks_matches_the_torch_scan(bv):
-    """The scan with its values split in blocks of ``bv`` columns (16: more programs for one long
-    row, ~10% faster at 1 x 16K, not used until this passes on a GPU; see MIN_TILE) equals
-    scan_torch, outputs and gradients, at 64 x 64 over 40 chunks."""
+    """The scan with its values split in blocks of ``bv`` columns (16: more programs for few long
+    rows) equals scan_torch, outputs and gradients, at 64 x 64 over 40 chunks."""
     from linearize.ops.delta.chunk import scan_torch
     from linearize.ops.delta.triton import delta_scan_triton
 

@@ -43,14 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import patch_interpreter, pow2, strides_bht, unit_last
+from ..backend.dispatch import device_sms, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
 PREC = "tf32x3"  # see the module docstring
-# The smallest tile side of the scan's and the chunk kernels' products: heads of 16 faulted on an
-# H200 (illegal memory access; 32 and wider ran), so narrower widths and short chunks are masked
-# tiles of 32 (docs/results/train-methods-h200.md)
+# The smallest chunk and key side of the scan's and the chunk kernels' tiles: heads of 16 faulted
+# on an H200 (illegal memory access; 32 and wider ran), so narrower widths and short chunks are
+# masked tiles of 32 (docs/results/train-methods-h200.md). The scan's value blocks of 16 passed
+# their GPU test.
 MIN_TILE = 32
 
 
@@ -417,16 +418,20 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, x.stride(0), x.stride(1), x.stride(2)
 
 
-def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int]) -> tuple[int, int, int, int, int]:
-    """(BL, BK, BV, warps, stages). A program holds a whole chunk and the whole key width, and
-    value columns in blocks of 32 (64 spilled more registers at every width, compiled for sm_90a);
-    no tile side below ``MIN_TILE`` (masked). 8 warps where the W and Kd tiles are large. The next
-    chunk's tiles are loaded during this one's products (2 stages) where two sets of them fit in
-    shared memory beside the products' own (at most 115 KB at chunks of 64 and 128 virtual
-    tokens), else one."""
+def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int], rows: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BL, BK, BV, warps, stages) for ``rows`` (batch*head) on ``sms`` multiprocessors. A program
+    holds a whole chunk and the whole key width (no side below ``MIN_TILE``, masked), and value
+    columns in blocks of 32 (64 spilled more registers at every width, compiled for sm_90a), 16
+    where 32 leave multiprocessors idle: with few long rows the walk is a chain of latencies, and
+    more programs run more chains at once (op forward + backward at 1 x 16K, 9 heads of 64: 10%
+    faster). 8 warps where the W and Kd tiles are large. The next chunk's tiles are loaded during
+    this one's products (2 stages) where two sets of them fit in shared memory beside the
+    products' own (at most 115 KB at chunks of 64 and 128 virtual tokens), else one."""
     BL, BK = max(pow2(L), MIN_TILE), max(pow2(Dk), MIN_TILE)
     big = BL * BK > 64 * 64
     BV = bv if bv is not None else MIN_TILE
+    if bv is None and rows * triton.cdiv(Dv, BV) < sms:
+        BV = 16
     tile_bytes = 4 * BL * (2 * BK + BV)
     return BL, BK, BV, 8 if big else 4, 2 if tile_bytes <= 96 * 1024 else 1
 
@@ -445,7 +450,7 @@ def _scan_forward(W, U0, Kd, total, S0, bv):
     U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
     ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
     _delta_scan_fwd_kernel[(B * H, triton.cdiv(Dv, BV))](
         w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
         GATED=gated, PREC=PREC, num_warps=warps, num_stages=stages)
@@ -468,7 +473,7 @@ def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv):
     DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
     DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv)
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
     _delta_scan_bwd_kernel[(B * H, triton.cdiv(Dv, BV))](
         w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
         GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
