@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from linearize.layers import (
     GATES, GLAGate, HedgehogFeatureMap, Mamba2Gate, PoolGate, SigmoidGate, Sinks, T2RFeatureMap,
@@ -161,6 +162,28 @@ def test_every_parameter_gets_a_gradient_through_the_gated_op(fm_cls, gate_name)
     o.square().sum().backward()
     for m in (fq, fk, gate):
         _assert_all_grads_nonzero(m)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("gate_cls", [SigmoidGate, Mamba2Gate])
+def test_head_gates_give_their_formula_and_a_gradient_in_the_inputs_layout(gate_cls, batch):
+    """w_h . x + c_h per head (the formula as an einsum), and the gradient that reaches the hidden
+    states has their layout, at one row too (an einsum's was transposed there, and every later sum
+    with the residual stream's gradient read it strided)."""
+    torch.manual_seed(0)
+    gate = gate_cls(HIDDEN, H)
+    with torch.no_grad():
+        gate.weight.normal_()
+    x = torch.randn(batch, 16, HIDDEN, requires_grad=True)
+    h = x * 1.0  # (not a leaf: its gradient arrives as the gate's backward made it)
+    seen = []
+    h.register_hook(lambda g: seen.append(g.stride()))
+    log_g = gate(h)
+    logits = torch.einsum("btd,hd->bht", x.detach(), gate.weight.detach()) + gate.bias.detach()[:, None]
+    ref = F.logsigmoid(logits) if gate_cls is SigmoidGate else -F.softplus(logits) * gate.log_a.detach().exp()[:, None]
+    torch.testing.assert_close(log_g, ref, rtol=1e-6, atol=1e-6)
+    log_g.square().sum().backward()
+    assert seen == [h.stride()]
 
 
 @pytest.mark.parametrize("kind", ["logits", "kv"])

@@ -46,6 +46,14 @@ def _check_input(x: torch.Tensor, hidden_size: int) -> None:
         raise ValueError(f"gate input must be (B, T, {hidden_size}), got {tuple(x.shape)}")
 
 
+def _head_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """w_h . x_t + c_h as (B, H, T) from x (B, T, D), weight (H, D), bias (H,). A product over the
+    last axis transposed afterwards, so that x's gradient comes back in x's layout: an einsum to
+    (B, H, T) returned it transposed, (D, T) in memory, and every later sum with the residual
+    stream's gradient read it strided."""
+    return (F.linear(x, weight.to(x.dtype)) + bias.to(x.dtype)).transpose(1, 2)
+
+
 class SigmoidGate(nn.Module):
     """Lizard's gate: one scalar per head, log g = logsigmoid(w_h . x + c_h)."""
 
@@ -59,7 +67,7 @@ class SigmoidGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden_size)
-        logits = torch.einsum("btd,hd->bht", x, self.weight.to(x.dtype)) + self.bias[:, None].to(x.dtype)
+        logits = _head_logits(x, self.weight, self.bias)
         return F.logsigmoid(logits.float())
 
 
@@ -79,7 +87,7 @@ class Mamba2Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.hidden_size)
-        logits = torch.einsum("btd,hd->bht", x, self.weight.to(x.dtype)) + self.bias[:, None].to(x.dtype)
+        logits = _head_logits(x, self.weight, self.bias)
         return -F.softplus(logits.float()) * self.log_a.exp()[:, None]
 
 
