@@ -297,43 +297,46 @@ def test_shard_modes(tiny):
         TrainConfig(shard="ddp").validate()
 
 
-def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, tmp_path):
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone (gloo): FSDP2 runs as on any rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, one_rank):
     """Under bf16 autocast a decoder layer's weights are gathered and used in bf16 (half of fp32's
     bytes on the wire) while the residual stream, the embeddings and the new attention modules stay
     fp32, and the sharded weights and their gradients stay fp32. (One rank: the dtypes are the same
     on any number.)"""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        model, _ = linearize.load_teacher(tiny)
-        linearize.convert(model, "lizard")
-        distributed.Parallel(0, 1, torch.device("cpu")).shard(model, torch.bfloat16)
-        layers, seen = model.model.layers, {}
-        attn = layers[0].self_attn
-        attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(q_proj=m.weight.dtype))
-        inner = next(m for m in attn.hybrid.modules() if m is not attn.hybrid and list(m.parameters(recurse=False)))
-        inner.register_forward_hook(  # (inside the unit's forward: its weights as gathered)
-            lambda m, args, out: seen.update(hybrid={p.dtype for p in m.parameters(recurse=False)}))
-        layers[1].register_forward_pre_hook(lambda m, args: seen.update(residual=args[0].dtype))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(input_ids=torch.randint(0, 100, (2, 12)))
-        assert seen == {"q_proj": torch.bfloat16, "hybrid": {torch.float32}, "residual": torch.float32}
-        out.logits.float().square().mean().backward()
-        for name, p in [("q_proj", attn.q_proj.weight), ("embeddings", model.model.embed_tokens.weight)]:
-            assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
-    finally:
-        dist.destroy_process_group()
+    model, _ = linearize.load_teacher(tiny)
+    linearize.convert(model, "lizard")
+    distributed.Parallel(0, 1, torch.device("cpu")).shard(model, torch.bfloat16)
+    layers, seen = model.model.layers, {}
+    attn = layers[0].self_attn
+    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(q_proj=m.weight.dtype))
+    inner = next(m for m in attn.hybrid.modules() if m is not attn.hybrid and list(m.parameters(recurse=False)))
+    inner.register_forward_hook(  # (inside the unit's forward: its weights as gathered)
+        lambda m, args, out: seen.update(hybrid={p.dtype for p in m.parameters(recurse=False)}))
+    layers[1].register_forward_pre_hook(lambda m, args: seen.update(residual=args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=torch.randint(0, 100, (2, 12)))
+    assert seen == {"q_proj": torch.bfloat16, "hybrid": {torch.float32}, "residual": torch.float32}
+    out.logits.float().square().mean().backward()
+    for name, p in [("q_proj", attn.q_proj.weight), ("embeddings", model.model.embed_tokens.weight)]:
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
 
 
 @pytest.mark.parametrize("target", ["heads", "output"])
-def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, tmp_path, target):
+def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, one_rank, target):
     """Stage 1's backward needs the new modules' weights and, for the "output" target, the output
     projection's, kept from forward: no decoder layer is gathered in backward (FSDP's default
     prefetch gathered layer l-1 from layer l's new module, and left it gathered to the end). The
-    gradients are those of the unsharded model; stage 2's defaults come back: every layer gathered again in
-    backward. Counted on one rank, where a gather is the same call as on N."""
-    import torch.distributed as dist
+    gradients are those of the unsharded model; stage 2's defaults come back: every layer gathered
+    again in backward. Counted on one rank, where a gather is the same call as on N."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from linearize.train.run import transfer_loss
@@ -349,75 +352,65 @@ def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, tmp_path, 
             gathers.append((self._module_fqn, self._training_state.name))
 
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        grads = []
-        for sharded in (False, True):
-            torch.manual_seed(0)
-            model, _ = linearize.load_teacher(tiny)
-            linearize.convert(model, "lizard")
-            freeze_all_but(model, trainable_attention_parameters(model))
-            if sharded:
-                parallel = distributed.Parallel(0, 1, torch.device("cpu"))
-                parallel.shard(model)
-                parallel.transfer_layout(model, target)
-            gathers.clear()
-            with mock.patch.object(FSDPParamGroup, "unshard", counting):
-                loss, _ = transfer_loss(model, {"input_ids": ids}, target, Block(0, 3, (0, 1, 2)))
-                forward = len(gathers)
-                loss.backward()
-            backward = [fqn for fqn, state in gathers[forward:] if state != "FORWARD"]
-            grads.append({n: distributed.full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
-        layers = {f"model.layers.{i}" for i in range(3)}
-        if target == "heads":
-            assert layers & set(backward) == set() and sorted(backward) == sorted(f"{name}.self_attn.hybrid" for name in layers)
-        else:
-            assert layers & set(backward) == set()
-        (whole, chosen) = grads
-        assert whole.keys() == chosen.keys() and whole
-        for n in whole:
-            torch.testing.assert_close(chosen[n], whole[n], rtol=1e-6, atol=1e-8, msg=n)
-        parallel.transfer_layout(model, None)  # stage 2: the loss goes back through every layer
-        for p in model.parameters():
-            p.requires_grad_(True)
+    grads = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model, _ = linearize.load_teacher(tiny)
+        linearize.convert(model, "lizard")
+        freeze_all_but(model, trainable_attention_parameters(model))
+        if sharded:
+            parallel = distributed.Parallel(0, 1, torch.device("cpu"))
+            parallel.shard(model)
+            parallel.transfer_layout(model, target)
         gathers.clear()
         with mock.patch.object(FSDPParamGroup, "unshard", counting):
-            model(input_ids=ids).logits.square().mean().backward()
-        assert layers <= {fqn for fqn, state in gathers if state == "PRE_BACKWARD"}
-    finally:
-        dist.destroy_process_group()
+            loss, _ = transfer_loss(model, {"input_ids": ids}, target, Block(0, 3, (0, 1, 2)))
+            forward = len(gathers)
+            loss.backward()
+        backward = [fqn for fqn, state in gathers[forward:] if state != "FORWARD"]
+        grads.append({n: distributed.full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    layers = {f"model.layers.{i}" for i in range(3)}
+    if target == "heads":
+        assert layers & set(backward) == set() and sorted(backward) == sorted(f"{name}.self_attn.hybrid" for name in layers)
+    else:
+        assert layers & set(backward) == set()
+    (whole, chosen) = grads
+    assert whole.keys() == chosen.keys() and whole
+    for n in whole:
+        torch.testing.assert_close(chosen[n], whole[n], rtol=1e-6, atol=1e-8, msg=n)
+    parallel.transfer_layout(model, None)  # stage 2: the loss goes back through every layer
+    for p in model.parameters():
+        p.requires_grad_(True)
+    gathers.clear()
+    with mock.patch.object(FSDPParamGroup, "unshard", counting):
+        model(input_ids=ids).logits.square().mean().backward()
+    assert layers <= {fqn for fqn, state in gathers if state == "PRE_BACKWARD"}
 
 
-def test_compiled_feature_maps_under_fsdp_equal_eager(tiny, tmp_path):
+def test_compiled_feature_maps_under_fsdp_equal_eager(tiny, one_rank):
     """An FSDP rank compiles the feature maps and gates as one device does (on CUDA): inside the
     sharded units they see gathered weights; outputs and the new modules' gradients equal eager's."""
-    import torch.distributed as dist
-
     from linearize.train.graphs import compile_attention_modules
 
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        results = []
-        for compiled in (False, True):
-            torch.manual_seed(0)
-            model, _ = linearize.load_teacher(tiny)
-            linearize.convert(model, "lizard")
-            distributed.Parallel(0, 1, torch.device("cpu")).shard(model)
-            if compiled:
-                assert compile_attention_modules(model) > 0
-            for _ in range(2):  # the second step finds the weights gathered anew
-                logits = model(input_ids=ids).logits
-                logits.square().mean().backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if ".hybrid." in n}
-            results.append((logits.detach(), grads))
-        (eager, g_eager), (comp, g_comp) = results
-        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
-        assert g_eager.keys() == g_comp.keys() and g_eager
-        for n in g_eager:
-            torch.testing.assert_close(g_comp[n], g_eager[n], rtol=1e-4, atol=1e-6, msg=n)
-    finally:
-        dist.destroy_process_group()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model, _ = linearize.load_teacher(tiny)
+        linearize.convert(model, "lizard")
+        distributed.Parallel(0, 1, torch.device("cpu")).shard(model)
+        if compiled:
+            assert compile_attention_modules(model) > 0
+        for _ in range(2):  # the second step finds the weights gathered anew
+            logits = model(input_ids=ids).logits
+            logits.square().mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if ".hybrid." in n}
+        results.append((logits.detach(), grads))
+    (eager, g_eager), (comp, g_comp) = results
+    torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+    assert g_eager.keys() == g_comp.keys() and g_eager
+    for n in g_eager:
+        torch.testing.assert_close(g_comp[n], g_eager[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_a_missing_backend_is_named(monkeypatch):
