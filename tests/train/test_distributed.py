@@ -308,9 +308,9 @@ def one_rank(tmp_path):
 
 
 def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, one_rank):
-    """Under bf16 autocast a decoder layer's weights are gathered and used in bf16 (half of fp32's
-    bytes on the wire) while the residual stream, the embeddings and the new attention modules stay
-    fp32, and the sharded weights and their gradients stay fp32. (One rank: the dtypes are the same
+    """Under bf16 autocast a decoder layer's and the (untied) head's weights are gathered and used
+    in bf16 (half of fp32's bytes on the wire) while the residual stream, the embeddings and the new
+    attention modules stay fp32, and the sharded weights and their gradients stay fp32. (One rank: the dtypes are the same
     on any number.)"""
     model, _ = linearize.load_teacher(tiny)
     linearize.convert(model, "lizard")
@@ -322,21 +322,27 @@ def test_fsdp_gathers_the_decoder_layers_in_the_autocast_dtype(tiny, one_rank):
     inner.register_forward_hook(  # (inside the unit's forward: its weights as gathered)
         lambda m, args, out: seen.update(hybrid={p.dtype for p in m.parameters(recurse=False)}))
     layers[1].register_forward_pre_hook(lambda m, args: seen.update(residual=args[0].dtype))
+    # (units of their own: a pre-hook sees their weights as gathered, a hook as resharded)
+    model.lm_head.register_forward_pre_hook(lambda m, args: seen.update(head=m.weight.dtype))
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: seen.update(embeddings=m.weight.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(input_ids=torch.randint(0, 100, (2, 12)))
-    assert seen == {"q_proj": torch.bfloat16, "hybrid": {torch.float32}, "residual": torch.float32}
+    assert seen == {"q_proj": torch.bfloat16, "hybrid": {torch.float32}, "residual": torch.float32,
+                    "head": torch.bfloat16, "embeddings": torch.float32}
     out.logits.float().square().mean().backward()
     for name, p in [("q_proj", attn.q_proj.weight), ("embeddings", model.model.embed_tokens.weight)]:
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
 
 
 @pytest.mark.parametrize("target", ["heads", "output"])
-def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, one_rank, target):
+def test_each_stage_under_fsdp_gathers_only_what_its_backward_uses(tiny, one_rank, target):
     """Stage 1's backward needs the new modules' weights and, for the "output" target, the output
     projection's, kept from forward: no decoder layer is gathered in backward (FSDP's default
-    prefetch gathered layer l-1 from layer l's new module, and left it gathered to the end). The
-    gradients are those of the unsharded model; stage 2's defaults come back: every layer gathered
-    again in backward. Counted on one rank, where a gather is the same call as on N."""
+    prefetch gathered layer l-1 from layer l's new module and left it gathered to the end), and
+    the head, never used in stage 1, is never gathered. Stage 2 gathers every layer and the head
+    in backward. The frozen input embeddings are gathered in forward only, in both. The gradients
+    are those of the unsharded model. Counted on one rank, where a gather is the same call as on
+    N; the tiny model's head is untied (its own unit)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from linearize.train.run import transfer_loss
@@ -351,40 +357,45 @@ def test_stage1_under_fsdp_gathers_no_decoder_layer_in_backward(tiny, one_rank, 
         if idle and self._all_gather_result is not None:
             gathers.append((self._module_fqn, self._training_state.name))
 
+    def step(loss_fn) -> tuple[list[str], list[str]]:
+        """(units gathered in forward, units gathered in backward)"""
+        gathers.clear()
+        with mock.patch.object(FSDPParamGroup, "unshard", counting):
+            loss = loss_fn()
+            forward = len(gathers)
+            loss.backward()
+        return [f for f, _ in gathers[:forward]], [f for f, state in gathers[forward:] if state != "FORWARD"]
+
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    grads = []
+    grads, units = [], []
     for sharded in (False, True):
         torch.manual_seed(0)
         model, _ = linearize.load_teacher(tiny)
         linearize.convert(model, "lizard")
+        parallel = distributed.Parallel(0, 1, torch.device("cpu"))
+        if sharded:
+            parallel.shard(model)
         freeze_all_but(model, trainable_attention_parameters(model))
         if sharded:
-            parallel = distributed.Parallel(0, 1, torch.device("cpu"))
-            parallel.shard(model)
-            parallel.transfer_layout(model, target)
-        gathers.clear()
-        with mock.patch.object(FSDPParamGroup, "unshard", counting):
-            loss, _ = transfer_loss(model, {"input_ids": ids}, target, Block(0, 3, (0, 1, 2)))
-            forward = len(gathers)
-            loss.backward()
-        backward = [fqn for fqn, state in gathers[forward:] if state != "FORWARD"]
+            parallel.stage_layout(model, target)
+        units.append(step(lambda: transfer_loss(model, {"input_ids": ids}, target, Block(0, 3, (0, 1, 2)))[0]))
+        stage2 = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+        freeze_all_but(model, stage2)
+        if sharded:
+            parallel.stage_layout(model, None)
+        units.append(step(lambda: model(input_ids=ids).logits.square().mean()))
         grads.append({n: distributed.full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    (_, _, (forward1, backward1), (forward2, backward2)) = units
     layers = {f"model.layers.{i}" for i in range(3)}
-    if target == "heads":
-        assert layers & set(backward) == set() and sorted(backward) == sorted(f"{name}.self_attn.hybrid" for name in layers)
-    else:
-        assert layers & set(backward) == set()
+    new_modules = sorted(f"{name}.self_attn.hybrid" for name in layers)
+    assert "lm_head" not in forward1 + backward1 and "model.embed_tokens" in forward1
+    assert sorted(backward1) == (new_modules if target == "heads" else [])  # ("output": kept from forward)
+    assert "model.embed_tokens" not in backward1 + backward2
+    assert layers | {"lm_head"} <= set(backward2) and "lm_head" in forward2
     (whole, chosen) = grads
-    assert whole.keys() == chosen.keys() and whole
+    assert whole.keys() == chosen.keys() and any("hybrid" in n for n in whole) and any("lm_head" in n for n in whole)
     for n in whole:
-        torch.testing.assert_close(chosen[n], whole[n], rtol=1e-6, atol=1e-8, msg=n)
-    parallel.transfer_layout(model, None)  # stage 2: the loss goes back through every layer
-    for p in model.parameters():
-        p.requires_grad_(True)
-    gathers.clear()
-    with mock.patch.object(FSDPParamGroup, "unshard", counting):
-        model(input_ids=ids).logits.square().mean().backward()
-    assert layers <= {fqn for fqn, state in gathers if state == "PRE_BACKWARD"}
+        torch.testing.assert_close(chosen[n], whole[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_compiled_feature_maps_under_fsdp_equal_eager(tiny, one_rank):

@@ -3,9 +3,10 @@
 Data parallel, in one of two modes (``config.shard``):
 
 - ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): every decoder layer, every new
-  attention module and the rest of the model are sharded across the ranks, frozen teacher weights
-  included, so each rank holds 1/N of the weights, gradients and optimizer state between uses.
-  For a model that does not fit one GPU.
+  attention module, the (untied) embeddings and head, and the rest of the model are sharded across
+  the ranks, frozen teacher weights included, so each rank holds 1/N of the weights, gradients and
+  optimizer state between uses, and each stage gathers only what its forward and backward use
+  (``Parallel.stage_layout``). For a model that does not fit one GPU.
 - ``replicate``: each rank holds the whole model and runs the one-device step (CUDA graphs,
   compiled feature maps); after a step's micro-batches one all-reduce averages the trainable
   parameters' gradients. For a model that fits: nothing is gathered per layer, nothing is
@@ -178,15 +179,18 @@ class Parallel:
 
     def shard(self, model: nn.Module, gather_dtype: torch.dtype | None = None) -> nn.Module:
         """FSDP2 over ``model`` in place: each new attention module, then each decoder layer, then
-        the rest (embeddings, final norm, head) are their own units; each unit's shards go to this
-        rank's device (from the CPU: the whole model is never on one GPU).
+        (untied) the input embeddings and the output head, then the rest (final norm; tied
+        embeddings) are their own units; each unit's shards go to this rank's device (from the CPU:
+        the whole model is never on one GPU).
 
-        ``gather_dtype`` (the run's autocast dtype, bf16, or None): the decoder layers are gathered
-        and used in it, half of fp32's bytes on the wire, where autocast would cast their products'
-        weights anyway; their gradients are reduced and kept in fp32 and their inputs (the residual
-        stream) left in fp32. The rest stays fp32: the embeddings, whose output starts the residual
-        stream, and the new attention modules (their gates and sinks take part in fp32 sums; they
-        are small)."""
+        ``gather_dtype`` (the run's autocast dtype, bf16, or None): the decoder layers and the head
+        are gathered and used in it, half of fp32's bytes on the wire, where autocast would cast
+        their products' weights anyway; their gradients are reduced and kept in fp32 and their
+        inputs (the residual stream) left in fp32. The rest stays fp32: the embeddings, whose output
+        starts the residual stream, and the new attention modules (their gates and sinks take part
+        in fp32 sums; they are small). The embeddings and the head are units of their own so that
+        each is gathered only where it is used (stage 1 never uses the head) and not kept gathered
+        through the step, as the root unit's weights are."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -202,23 +206,34 @@ class Parallel:
             param_dtype=gather_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for layer in adapter_for(model).layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        embed, head = _embeddings(model)
+        if embed is not None:
+            fully_shard(embed, mesh=self.mesh)
+        if head is not None:
+            fully_shard(head, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh)
         self.roots.append(model)
         return model
 
-    def transfer_layout(self, model: nn.Module, target: str | None) -> None:
-        """Stage 1's use of the frozen decoder layers (``target``: its transfer target; None: stage
-        2's, FSDP's defaults). "output": each layer's weights stay gathered from forward to backward,
-        as its loss goes back through the frozen output projection and not through the layer's
-        output, where FSDP would gather them again. "heads": backward needs no layer's weights, only
-        the new modules' (units of their own), so no layer is gathered in backward; by default the
-        backward of layer l's new module prefetches layer l-1, the unit before it in forward, which
-        then stays gathered to the end of the backward. (Replicated: nothing is gathered.)"""
+    def stage_layout(self, model: nn.Module, target: str | None) -> None:
+        """Which units a stage's backward gathers; call it once the stage has frozen what it does
+        not train. ``target``: stage 1's transfer target, None for stage 2. "output": each decoder
+        layer's weights stay gathered from forward to backward, as its loss goes back through the
+        frozen output projection and not through the layer's output, where FSDP would gather them
+        again. "heads": backward needs no decoder layer's weights, only the new modules' (units of
+        their own), so no layer is gathered in backward: by default the backward of layer l's new
+        module prefetches the unit before it in forward (layer l-1), which then stays gathered to
+        the end of the backward. Stage 2 gathers every layer in backward. The input embeddings
+        are gathered in backward only where something of theirs trains (else the first new
+        module's backward would prefetch them). (Replicated: nothing is gathered.)"""
         if self.replicated:
             return
         for layer in adapter_for(model).layers(model):
             layer.set_reshard_after_forward(target != "output")
             layer.set_unshard_in_backward(target != "heads")
+        embed = _embeddings(model)[0]
+        if embed is not None:
+            embed.set_unshard_in_backward(any(p.requires_grad for p in embed.parameters()))
 
     def reset(self) -> None:
         """After a forward with no backward (a skipped step): FSDP's iteration state starts afresh."""
@@ -332,6 +347,15 @@ class Parallel:
     def added_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The new modules' and LoRA's tensors (what a checkpoint holds), whole, on the CPU."""
         return {k: full_tensor(v) for k, v in model.state_dict().items() if any(m in k for m in ADDED_MARKERS)}
+
+
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(input embeddings, output head) to shard as units of their own: both None when they share
+    their weight (one unit, the root, holds it) or the model has no such modules."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None or head.weight is embed.weight:
+        return None, None
+    return embed, head
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:

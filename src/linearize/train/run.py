@@ -406,13 +406,11 @@ def _stage1(model, config, train_rows, val_rows, device, out, metrics, resume, p
         stage = Stage(name, named, loss_fn, eval_fn, steps, config.stage1_lr, graphable=True,
                       loss_tokens=transfer_tokens)
         if parallel is not None and not spread:  # (spread: the model is whole on each rank)
-            parallel.transfer_layout(model, config.transfer_target)
+            parallel.stage_layout(model, config.transfer_target)
         # a block trained on its own rank has its own log, merged into the run's afterwards
         log = MetricsLog(out / "state" / f"metrics-{name}.jsonl") if spread else metrics
         summaries.append(fit(stage, train_rows, config, device, out / "state" / f"{name}.pt", log, resume,
                              extra_batch=extra, parallel=None if spread else parallel))
-        if parallel is not None and not spread:
-            parallel.transfer_layout(model, None)
     for p in model.parameters():
         p.requires_grad_(False)
     if spread:
@@ -573,6 +571,8 @@ def _stage2(model, teacher, config, train_rows, val_rows, device, out, metrics, 
     if config.stage2_attention:
         params += trainable_attention_parameters(model)
     freeze_all_but(model, params)  # (several processes: stage 1 froze the LoRA it ran with)
+    if parallel is not None:
+        parallel.stage_layout(model, None)
     steps = _steps(config.stage2_tokens, config)
     log_progress(config, f"stage2: LoRA rank {config.lora_rank} on {model.linearize_lora['targets']}"
                  f"{' and the attention modules' if config.stage2_attention else ''}, "
