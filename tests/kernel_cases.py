@@ -723,11 +723,12 @@ def _delta_gates(g: torch.Generator, B: int, H: int, T: int, extreme: bool) -> t
 
 def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, order: int | None = None,
                gated: bool = True, state: bool = False, extreme: bool = False, chunk: int = 16, B: int = 1,
-               H: int = 2, seed: int = 0) -> dict[str, float]:
+               H: int = 2, segments: int | None = None, seed: int = 0) -> dict[str, float]:
     """delta_rule_chunk (``order`` None) or delta_product_chunk of that order on the kernels (the
     delta rule's whole chunk form, or DeltaProduct's scan and chunks' inverses: each asserted to
     run once), vs the fp64 parallel form on the same rounded inputs: o, final state and
-    d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev})."""
+    d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev}). ``segments``:
+    the scan's chain in that many segments, as on a GPU with few long rows."""
     from linearize.ops import delta as D
     from linearize.ops.delta import triton as kdelta
 
@@ -768,13 +769,16 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     kdelta.unit_lower_inverse_triton = lambda n: inverses.append(n.shape[-1]) or inverse(n)
     fused, chunks = kdelta._DeltaChunkFunction.apply, []
     kdelta._DeltaChunkFunction.apply = lambda *a: chunks.append(a[6]) or fused(*a)  # its chunk size
+    choose = kdelta._segments
+    if segments is not None:
+        kdelta._segments = lambda *a: segments
     try:
         o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32
         ((o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()).backward()
     finally:
         kdelta._DeltaScanFunction.apply, kdelta.unit_lower_inverse_triton = apply, inverse
-        kdelta._DeltaChunkFunction.apply = fused
+        kdelta._DeltaChunkFunction.apply, kdelta._segments = fused, choose
     if n == 1:
         ran = len(chunks) == 1 and chunks[0] <= kdelta.FUSED_MAX_CHUNK and not calls and not inverses
     else:
@@ -860,10 +864,12 @@ def delta_layer_case(device: str, dtype: torch.dtype, *, order: int = 1, T: int 
 
 
 def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int, DV: int, gated: bool = True,
-                    bv: int | None = 16, B: int = 1, H: int = 2, seed: int = 0) -> dict[str, float]:
+                    bv: int | None = 16, segments: int | None = None, B: int = 1, H: int = 2,
+                    seed: int = 0) -> dict[str, float]:
     """The Triton scan (ops.delta.triton.delta_scan_triton, forward and backward) vs its torch
     twin (ops.delta.chunk.scan_torch, through autograd), fp32, on random inputs of the chunk
-    form's shapes: U, S_c, S_final and d{W, U0, Kd, total, S0}; ``bv`` splits the value columns."""
+    form's shapes: U, S_c, S_final and d{W, U0, Kd, total, S0}; ``bv`` splits the value columns,
+    ``segments`` the chain."""
     from linearize.ops.delta.chunk import scan_torch
     from linearize.ops.delta.triton import delta_scan_triton
 
@@ -881,7 +887,7 @@ def delta_scan_case(device: str, dtype: torch.dtype, *, NC: int, L: int, DK: int
     ref = scan_torch(*ref_in)
     sum((y * u.double()).sum() for y, u in zip(ref, ups)).backward()
     k_in = [None if x is None else x.to(dev).requires_grad_() for x in xs]
-    out = delta_scan_triton(*k_in, bv=bv)
+    out = delta_scan_triton(*k_in, bv=bv, segments=segments)
     sum((y * u.to(dev)).sum() for y, u in zip(out, ups)).backward()
     err = {name: rel_rms(a.cpu(), b) for name, a, b in zip(("U", "S_c", "S_final"), out, ref)}
     for name, a, b in zip(("dW", "dU0", "dKd", "dtotal", "dS0"), k_in, ref_in):
@@ -1171,9 +1177,13 @@ INTERPRETER_CASES = {
     # chunk form with the Triton scan against the fp64 parallel form (T not a multiple of the chunk)
     "delta scan f32 gated": (delta_scan_case, dict(NC=3, L=20, DK=16, DV=24), F32),
     "delta scan f32 ungated": (delta_scan_case, dict(NC=2, L=16, DK=24, DV=16, gated=False, bv=None), F32),
+    # the chain in segments: 4 of 3 chunks (a tree of pairs with an odd one), 2 of 1
+    "delta scan f32 gated segments": (delta_scan_case, dict(NC=12, L=16, DK=16, DV=24, segments=4), F32),
+    "delta scan f32 ungated segments": (delta_scan_case, dict(NC=2, L=20, DK=24, DV=16, gated=False, segments=2), F32),
     "delta f32 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), F32),
     "delta f32 ungated": (delta_case, dict(T=37, DK=16, DV=16, gated=False), F32),
     "delta f32 extreme gates": (delta_case, dict(T=45, DK=16, DV=16, extreme=True), F32),
+    "delta f32 gated state segments": (delta_case, dict(T=128, DK=16, DV=24, state=True, chunk=8, segments=4), F32),
     "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
     "delta f32 extra queries": (delta_extra_case, dict(T=45, DK=16, DV=24), F32),
     "delta bf16 extra queries ungated": (delta_extra_case, dict(T=45, DK=16, DV=16, gated=False), BF16),
@@ -1182,6 +1192,7 @@ INTERPRETER_CASES = {
     "delta product2 bf16 extreme gates": (delta_case, dict(T=29, DK=16, DV=16, order=2, extreme=True, chunk=8), BF16),
     # order 3 at chunk_size 64: the scan takes chunks of 42 tokens (126 virtual ones)
     "delta product3 f32 kernel chunks": (delta_case, dict(T=100, DK=16, DV=16, order=3, chunk=64, state=True), F32),
+    "delta product2 f32 segments": (delta_case, dict(T=64, DK=16, DV=16, order=2, chunk=8, segments=2), F32),
     # liza's layer takes the Triton scan and means the same with the kernels off
     "delta liza layer f32": (delta_layer_case, dict(), F32),
     "delta liza layer f32 product2": (delta_layer_case, dict(order=2), F32),

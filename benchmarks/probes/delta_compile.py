@@ -13,9 +13,9 @@ of lizard-gdn (the shipped student's base) and liza, beside Lizard's step. One G
 
 ``--sweep-warps``: the op (chunk kernels) again with each chunk kernel's warps set to 2, 4, 8 and 16 in
 turn, the others at their defaults (``ops.delta.triton.CHUNK_WARPS``). ``--sweep-scan``: the op again
-with the scan's products in tf32x3 or tf32, its value columns per program (BV) and its pipeline
-stages varied (the scan walks T / 64 chunks one after another: at one long row it is a chain of
-latencies on B * H * Dv / BV programs).
+with the scan's value columns per program (BV) and its chain's segments (G) varied (the scan walks
+T / 64 chunks one after another: at one long row it is a chain of latencies on B * H * Dv / BV
+programs, or on G times as many, twice, in segments).
 """
 
 from __future__ import annotations
@@ -111,24 +111,28 @@ def warps_sweep(B: int, T: int, rounds: int = 10) -> dict:
 
 
 def scan_sweep(B: int, T: int, rounds: int = 10) -> dict:
-    """The op's forward + backward (chunk kernels) with the scan's precision, BV and stages varied."""
+    """The op's forward + backward (chunk kernels) with the scan's value columns per program (BV)
+    and its chain's segments varied (segments that do not divide the chunks are skipped)."""
     run = op_run([t.requires_grad_(True) for t in op_inputs(B, T)])
-    prec, blocks = delta_triton.PREC, delta_triton._blocks
+    blocks, segments = delta_triton._blocks, delta_triton._segments
     out = {"B": B, "T": T, "default_ms": timed(run, rounds)["fwd_bwd_ms_median"]}
-    for p in ("tf32x3", "tf32"):
-        for bv in (16, 32, 64):
-            for stages in (1, 2, 3):
-                def pick(L, Dk, Dv, _bv, bv=bv, stages=stages):
-                    BL, BK, _, warps, _ = blocks(L, Dk, Dv, bv)
-                    return BL, BK, bv, warps, stages
-                delta_triton.PREC, delta_triton._blocks = p, pick
-                try:
-                    run()  # compiles this variant
-                    out[f"{p} bv{bv} s{stages}"] = timed(run, rounds)["fwd_bwd_ms_median"]
-                except Exception as e:  # a launch that does not fit (registers, shared memory)
-                    out[f"{p} bv{bv} s{stages}"] = f"{type(e).__name__}: {str(e)[:120]}"
-                finally:
-                    delta_triton.PREC, delta_triton._blocks = prec, blocks
+    NC = -(-T // 64)
+    for bv in (16, 32):
+        for G in (1, 2, 4, 8, 16):
+            if NC % G:
+                continue
+
+            def pick(L, Dk, Dv, _bv, rows, sms, bv=bv):
+                BL, BK, _, warps, stages = blocks(L, Dk, Dv, bv, rows, sms)
+                return BL, BK, bv, warps, stages
+            delta_triton._blocks, delta_triton._segments = pick, lambda *a, G=G: G
+            try:
+                run()  # compiles this variant
+                out[f"bv{bv} G{G}"] = timed(run, rounds)["fwd_bwd_ms_median"]
+            except Exception as e:  # a launch that does not fit (registers, shared memory)
+                out[f"bv{bv} G{G}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            finally:
+                delta_triton._blocks, delta_triton._segments = blocks, segments
     print(out, flush=True)
     return out
 
@@ -156,7 +160,7 @@ def model_cells(cells: list[tuple[int, int]], save) -> list[dict]:
 def main() -> None:
     parser = cells_parser(["8x2048", "1x16384"], "the op's CUDA kernels, one forward + backward, each way")
     parser.add_argument("--sweep-warps", action="store_true", help="each chunk kernel's warps in turn (see above)")
-    parser.add_argument("--sweep-scan", action="store_true", help="the scan's precision, BV and stages (see above)")
+    parser.add_argument("--sweep-scan", action="store_true", help="the scan's BV and segments (see above)")
     a = parser.parse_args()
     cells = [parse_shape(c) for c in a.cells]
     result, save = probe_record(a.out)

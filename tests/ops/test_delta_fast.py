@@ -153,6 +153,17 @@ def test_the_scan_splits_values_finer_only_where_multiprocessors_would_idle():
     assert _blocks(8, 16, 16, None, 1, 132)[:2] == (32, 32)  # chunks and keys: MIN_TILE
 
 
+@needs_triton
+def test_the_scan_runs_in_segments_only_for_few_long_rows():
+    from linearize.ops.delta.triton import _segments
+
+    assert _segments(256, 36, 132) == 4  # 1 x 16K, 9 heads in value blocks of 16: 144 programs
+    assert _segments(256, 18, 132) == 8 and _segments(512, 9, 132) == 16
+    assert _segments(32, 144, 132) == 1  # 8 x 2K: enough programs already
+    assert _segments(48, 9, 132) == 1  # 16 chunks a segment at most 3 segments: not worth two passes
+    assert _segments(250, 9, 132) == 1  # no power of two above 2 divides the chunks
+
+
 # the Triton scan against its torch twin, and the chunk forms on the kernels against the fp64
 # parallel form, under the interpreter (tests/ops/conftest.py, interpreter_results)
 INTERPRETER_OP = "delta"
@@ -197,10 +208,11 @@ def test_gpu_narrow_heads_and_short_rows_match_reference(D, T, gated):
 
 
 @needs_cuda
-@pytest.mark.parametrize("bv", [16, 32])
-def test_gpu_scan_in_value_blocks_matches_the_torch_scan(bv):
+@pytest.mark.parametrize("bv, segments", [(16, None), (32, None), (16, 4), (32, 8)])
+def test_gpu_scan_in_value_blocks_matches_the_torch_scan(bv, segments):
     """The scan with its values split in blocks of ``bv`` columns (16: more programs for few long
-    rows) equals scan_torch, outputs and gradients, at 64 x 64 over 40 chunks."""
+    rows) and its chain in ``segments`` equals scan_torch, outputs and gradients, at 64 x 64 over
+    40 chunks."""
     from linearize.ops.delta.chunk import scan_torch
     from linearize.ops.delta.triton import delta_scan_triton
 
@@ -211,13 +223,31 @@ def test_gpu_scan_in_value_blocks_matches_the_torch_scan(bv):
     S0 = torch.randn(1, 9, 64, 64, generator=g, device="cuda")
     ins = [x.requires_grad_(True) for x in (W, U0, Kd, total, S0)]
     ref = scan_torch(*[x.double() for x in ins])
-    out = delta_scan_triton(*ins, bv=bv)
+    out = delta_scan_triton(*ins, bv=bv, segments=segments)
     w = [torch.randn(x.shape, generator=g, device="cuda", dtype=torch.float64) for x in ref]
     grads_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, w)), ins)
     grads = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, w)), ins)
     for name, a, b in zip(("U", "S_c", "S_final") + ("dW", "dU0", "dKd", "dtotal", "dS0"),
                           list(out) + list(grads), list(ref) + list(grads_ref)):
         assert_rel_close(a.double(), b, 1e-4, name)
+
+
+@needs_cuda
+def test_gpu_one_long_row_runs_the_scan_in_segments_and_matches_reference():
+    """One row of 4,096 tokens, 9 heads of 64 (liza's 16K cell, shorter): on a GPU of 132
+    multiprocessors the scan runs in 4 segments (``_segments``), and the whole chunk form equals
+    the fp64 parallel form, outputs and gradients."""
+    from linearize.ops.delta import triton as kdelta
+
+    real, chosen = kdelta._segments, []
+    kdelta._segments = lambda *a: chosen.append(real(*a)) or chosen[-1]
+    try:
+        err = delta_case("cuda", torch.float32, T=4096, B=1, H=9, chunk=64, state=True, DK=64, DV=64)
+    finally:
+        kdelta._segments = real
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert chosen and all(g == 4 for g in chosen) if sms >= 72 else chosen, (chosen, sms)
+    assert_errors(err, KTOL[torch.float32], "delta 1 x 9 x 4096")
 
 
 def test_chunk_form_ignores_autocast():

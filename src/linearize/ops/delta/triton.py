@@ -19,6 +19,10 @@ current chunk, with dU, dS_c, dS_final the gradients of the outputs:
 
 storing dU~_c and the leaving dS of each chunk; what remains is parallel over chunks and done in
 batched torch: dU0 = dU~, dW_c = -dU~_c S_c^T, dKd_c = U_c dS_{c+1}^T, dtotal_c = <S_c, dS_{c+1}>.
+The step is affine, S_{c+1} = A_c S_c + Kd_c^T U0_c with A_c = total_c I - Kd_c^T W_c, so with few
+long rows the chain runs in segments (``_segments``): each segment walked from a zero state, the
+segments' entering states joined through the products of their A_c, then each walked again from
+its own (the backward likewise, with A_c^T).
 Products are tf32x3 (three tf32 tensor-core products per product, about fp32's accuracy): plain
 tf32 would put 5e-4 relative errors into a state that carries them over the sequence, and exact
 fp32 products (``"ieee"``) lower to FMA loops that spilled 7 KB a thread on sm_90a. The
@@ -69,22 +73,27 @@ def _put(ptr, x, rows, cols, mrow, mcol, stride_row):
 def _delta_scan_fwd_kernel(
     W, U0, KD, TOT, S0, U, SC, ST,
     sw_bh, sw_c, sw_l, su0_bh, su0_c, su0_l, skd_bh, skd_c, skd_l,
-    NC, L,
+    NC, L, NSEG,
     DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATED: tl.constexpr, PREC: tl.constexpr,
+    GATED: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    # one program per (batch*head, segment of NC / NSEG chunks), value block
+    pid = tl.program_id(0).to(tl.int64)
+    bh, first = pid // NSEG, (pid % NSEG) * (NC // NSEG)
     rl, rk = tl.arange(0, BL), tl.arange(0, BK)
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
     ml, mk, mv = rl < L, rk < DK, rv < DV
-    state_off = bh * DK * DV  # S0, ST: (B*H, Dk, Dv); SC: (B*H, NC, Dk, Dv); U: (B*H, NC, L, Dv), contiguous
+    state_off = pid * DK * DV  # S0, ST: (B*H*NSEG, Dk, Dv); SC: (B*H, NC, Dk, Dv); U: (B*H, NC, L, Dv), contiguous
     S = _tile(S0 + state_off, rk, rv, mk, mv, DV).to(tl.float32)
-    for c in range(0, NC):
-        _put(SC + (bh * NC + c) * DK * DV, S, rk, rv, mk, mv, DV)
+    for i in range(0, NC // NSEG):
+        c = first + i
+        if STORE:
+            _put(SC + (bh * NC + c) * DK * DV, S, rk, rv, mk, mv, DV)
         w = _tile(W + bh * sw_bh + c * sw_c, rl, rk, ml, mk, sw_l).to(tl.float32)
         u = _tile(U0 + bh * su0_bh + c * su0_c, rl, rv, ml, mv, su0_l).to(tl.float32)
         u = u - tl.dot(w, S, input_precision=PREC)
-        _put(U + (bh * NC + c) * L * DV, u, rl, rv, ml, mv, DV)
+        if STORE:
+            _put(U + (bh * NC + c) * L * DV, u, rl, rv, ml, mv, DV)
         kd = _tile(KD + bh * skd_bh + c * skd_c, rl, rk, ml, mk, skd_l).to(tl.float32)
         if GATED:
             S = S * tl.load(TOT + bh * NC + c)
@@ -96,30 +105,34 @@ def _delta_scan_fwd_kernel(
 def _delta_scan_bwd_kernel(
     W, KD, TOT, DU, DSC, DST, DUT, DSN, DS0,
     sw_bh, sw_c, sw_l, skd_bh, skd_c, skd_l,
-    NC, L,
+    NC, L, NSEG,
     DK: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATED: tl.constexpr, HAS_DU: tl.constexpr, HAS_DSC: tl.constexpr, HAS_DST: tl.constexpr,
-    PREC: tl.constexpr,
+    STORE: tl.constexpr, PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    n = NC // NSEG
+    bh, first = pid // NSEG, (pid % NSEG) * n
     rl, rk = tl.arange(0, BL), tl.arange(0, BK)
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
     ml, mk, mv = rl < L, rk < DK, rv < DV
-    state_off = bh * DK * DV  # DST, DS0: (B*H, Dk, Dv); DSC, DSN: (B*H, NC, Dk, Dv); DU, DUT: (B*H, NC, L, Dv)
+    state_off = pid * DK * DV  # DST, DS0: (B*H*NSEG, Dk, Dv); DSC, DSN: (B*H, NC, Dk, Dv); DU, DUT: (B*H, NC, L, Dv)
     if HAS_DST:
         dS = _tile(DST + state_off, rk, rv, mk, mv, DV).to(tl.float32)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(0, NC):
-        c = NC - 1 - i
-        _put(DSN + (bh * NC + c) * DK * DV, dS, rk, rv, mk, mv, DV)
+    for i in range(0, n):
+        c = first + n - 1 - i
+        if STORE:
+            _put(DSN + (bh * NC + c) * DK * DV, dS, rk, rv, mk, mv, DV)
         kd = _tile(KD + bh * skd_bh + c * skd_c, rl, rk, ml, mk, skd_l).to(tl.float32)
         if HAS_DU:
             du = _tile(DU + (bh * NC + c) * L * DV, rl, rv, ml, mv, DV).to(tl.float32)
             du = tl.dot(kd, dS, du, input_precision=PREC)
         else:
             du = tl.dot(kd, dS, input_precision=PREC)
-        _put(DUT + (bh * NC + c) * L * DV, du, rl, rv, ml, mv, DV)
+        if STORE:
+            _put(DUT + (bh * NC + c) * L * DV, du, rl, rv, ml, mv, DV)
         w = _tile(W + bh * sw_bh + c * sw_c, rl, rk, ml, mk, sw_l).to(tl.float32)
         if GATED:
             dS = dS * tl.load(TOT + bh * NC + c)
@@ -436,8 +449,42 @@ def _blocks(L: int, Dk: int, Dv: int, bv: Optional[int], rows: int, sms: int) ->
     return BL, BK, BV, 8 if big else 4, 2 if tile_bytes <= 96 * 1024 else 1
 
 
-def _scan_forward(W, U0, Kd, total, S0, bv):
-    """The scan's forward kernel: U, S_c (B*H, NC, L, .), S_final (B*H, Dk, Dv), fp32."""
+MIN_SEGMENT = 16  # chunks: a segment shorter than this gains less than its extra pass costs
+
+
+def _segments(NC: int, programs: int, sms: int) -> int:
+    """Segments of the scan's chain for each (batch*head): the largest power of two G that divides
+    NC, leaves segments of at least ``MIN_SEGMENT`` chunks and keeps ``programs`` * G within two
+    per multiprocessor; 1 (the plain walk) where that is below 4, as two passes over segments of
+    half the chain gain nothing."""
+    G = 1
+    while NC % (2 * G) == 0 and NC // (2 * G) >= MIN_SEGMENT and programs * 2 * G <= 2 * sms:
+        G *= 2
+    return G if G >= 4 else 1
+
+
+def _segment_transfers(w: torch.Tensor, kd: torch.Tensor, tot: Optional[torch.Tensor], G: int) -> torch.Tensor:
+    """P_g (B*H, G, Dk, Dk): what each segment's chunks do to the state entering it, the product
+    of A_c = total_c I - Kd_c^T W_c over its chunks (later ones on the left; S_{c+1} = A_c S_c +
+    Kd_c^T U0_c), by pairwise products (a tree of log2(chunks) batched products). fp32 products:
+    the segments' states are built from them."""
+    A = -(kd.transpose(-1, -2) @ w)  # (B*H, NC, Dk, Dk)
+    A.diagonal(dim1=-2, dim2=-1).add_(tot[..., None] if tot is not None else 1.0)
+    M = A.view(A.shape[0], G, -1, *A.shape[-2:])
+    while M.shape[2] > 1:
+        m = M.shape[2] - M.shape[2] % 2
+        paired = M[:, :, 1:m:2] @ M[:, :, 0:m:2]
+        M = torch.cat([paired, M[:, :, m:]], 2) if m < M.shape[2] else paired
+    return M[:, :, 0]
+
+
+def _scan_forward(W, U0, Kd, total, S0, bv, segments=None):
+    """The scan's forward kernel: U, S_c (B*H, NC, L, .), S_final (B*H, Dk, Dv), fp32. With few
+    rows and long ones (``_segments``; ``segments`` forces a count) the chain runs in G segments
+    at once, twice: from a zero state, giving each segment's own contribution Q_g to the state it
+    leaves, then, with each segment's entering state S_{g+1} = P_g S_g + Q_g (``_segment_transfers``;
+    G small products), for the outputs. The walk is a chain of latencies, and G times as many
+    programs run G chains of 1/G the length."""
     B, H, NC, L, Dk = W.shape
     Dv = U0.shape[-1]
     f32 = torch.float32
@@ -449,17 +496,35 @@ def _scan_forward(W, U0, Kd, total, S0, bv):
     S0c = S0.reshape(B * H, Dk, Dv).to(f32).contiguous()
     U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-    ST = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
     BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
-    _delta_scan_fwd_kernel[(B * H, triton.cdiv(Dv, BV))](
-        w, u0, kd, tot, S0c, U, SC, ST, *sw, *su0, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
-        GATED=gated, PREC=PREC, num_warps=warps, num_stages=stages)
-    return U, SC, ST
+    cols = triton.cdiv(Dv, BV)
+    G = segments or _segments(NC, B * H * cols, device_sms(W))
+
+    def walk(starts: torch.Tensor, store: bool) -> torch.Tensor:
+        ends = torch.empty(B * H * G, Dk, Dv, dtype=f32, device=W.device)
+        _delta_scan_fwd_kernel[(B * H * G, cols)](
+            w, u0, kd, tot, starts, U, SC, ends, *sw, *su0, *skd, NC, L, G, DK=Dk, DV=Dv, BL=BL, BK=BK,
+            BV=BV, GATED=gated, STORE=store, PREC=PREC, num_warps=warps, num_stages=stages)
+        return ends
+
+    if G == 1:
+        return U, SC, walk(S0c, True)
+    Q = walk(torch.zeros(B * H * G, Dk, Dv, dtype=f32, device=W.device), False).view(B * H, G, Dk, Dv)
+    P = _segment_transfers(w, kd, tot if gated else None, G)
+    starts = [S0c]
+    for g in range(G - 1):
+        starts.append(torch.baddbmm(Q[:, g], P[:, g], starts[-1]))
+    ends = walk(torch.stack(starts, 1).view(B * H * G, Dk, Dv), True)
+    return U, SC, ends.view(B * H, G, Dk, Dv)[:, -1]
 
 
-def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv):
+def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv, segments=None):
     """The scan's backward kernel: dU~ (B*H, NC, L, Dv), the leaving states' dS (B*H, NC, Dk, Dv)
-    and dS0 (B*H, Dk, Dv), fp32; dU, dSC, dST may be None (no gradient)."""
+    and dS0 (B*H, Dk, Dv), fp32; dU, dSC, dST may be None (no gradient). In segments as the
+    forward (the same count): each segment's walk from a zero gradient at its end gives R_g, its
+    own part of the gradient of the state entering it; the gradient leaving segment g is then
+    that entering g + 1, D_g = P_{g+1}^T D_{g+1} + R_{g+1} (the last one dS_final), and a second
+    walk from them gives the outputs."""
     B, H, NC, L, Dk = W.shape
     f32 = torch.float32
     w, *sw = _rows(W)
@@ -469,27 +534,41 @@ def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv):
     tot = total.reshape(B * H, NC).to(f32).contiguous() if gated else w
     du = dU.reshape(B * H, NC, L, Dv).to(f32).contiguous() if dU is not None else w
     dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else w
-    dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else w
     DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-    DS0 = torch.empty(B * H, Dk, Dv, dtype=f32, device=W.device)
     BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
-    _delta_scan_bwd_kernel[(B * H, triton.cdiv(Dv, BV))](
-        w, kd, tot, du, dsc, dst, DUT, DSN, DS0, *sw, *skd, NC, L, DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV,
-        GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None, HAS_DST=dST is not None, PREC=PREC,
-        num_warps=warps, num_stages=stages)
-    return DUT, DSN, DS0
+    cols = triton.cdiv(Dv, BV)
+    G = segments or _segments(NC, B * H * cols, device_sms(W))
+
+    def walk(ends: Optional[torch.Tensor], store: bool) -> torch.Tensor:
+        starts = torch.empty(B * H * G, Dk, Dv, dtype=f32, device=W.device)
+        _delta_scan_bwd_kernel[(B * H * G, cols)](
+            w, kd, tot, du, dsc, w if ends is None else ends, DUT, DSN, starts, *sw, *skd, NC, L, G,
+            DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV, GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None,
+            HAS_DST=ends is not None, STORE=store, PREC=PREC, num_warps=warps, num_stages=stages)
+        return starts
+
+    dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else None
+    if G == 1:
+        return DUT, DSN, walk(dst, True)
+    R = walk(None, False).view(B * H, G, Dk, Dv)
+    P = _segment_transfers(w, kd, tot if gated else None, G)
+    ends = [dst if dst is not None else torch.zeros(B * H, Dk, Dv, dtype=f32, device=W.device)]
+    for g in range(G - 1, 0, -1):
+        ends.insert(0, torch.baddbmm(R[:, g], P[:, g].transpose(-1, -2), ends[0]))
+    starts = walk(torch.stack(ends, 1).view(B * H * G, Dk, Dv), True)
+    return DUT, DSN, starts.view(B * H, G, Dk, Dv)[:, 0]
 
 
 class _DeltaScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, W, U0, Kd, total, S0, bv):
+    def forward(ctx, W, U0, Kd, total, S0, bv, segments):
         B, H, NC, L, Dk = W.shape
         Dv = U0.shape[-1]
-        U, SC, ST = _scan_forward(W, U0, Kd, total, S0, bv)
+        U, SC, ST = _scan_forward(W, U0, Kd, total, S0, bv, segments)
         U, SC, ST = U.view(B, H, NC, L, Dv), SC.view(B, H, NC, Dk, Dv), ST.view(B, H, Dk, Dv)
         ctx.save_for_backward(W, Kd, total, U, SC)
-        ctx.bv, ctx.s0_dtype = bv, S0.dtype
+        ctx.bv, ctx.segments, ctx.s0_dtype = bv, segments, S0.dtype
         ctx.set_materialize_grads(False)
         return U, SC, ST
 
@@ -498,28 +577,31 @@ class _DeltaScanFunction(torch.autograd.Function):
         W, Kd, total, U, SC = ctx.saved_tensors
         B, H, NC, L, Dk = W.shape
         Dv = U.shape[-1]
-        DUT, DSN, DS0 = _scan_backward(W, Kd, total, dU, dSC, dST, Dv, ctx.bv)
+        DUT, DSN, DS0 = _scan_backward(W, Kd, total, dU, dSC, dST, Dv, ctx.bv, ctx.segments)
         dUt, dSn = DUT.view(B, H, NC, L, Dv), DSN.view(B, H, NC, Dk, Dv)
         dW = -(dUt @ SC.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
         dKd = U @ dSn.transpose(-1, -2) if ctx.needs_input_grad[2] else None
         gated = total is not None
         dtot = (SC * dSn).sum((-1, -2)).to(total.dtype) if gated and ctx.needs_input_grad[3] else None
         dS0 = DS0.view(B, H, Dk, Dv).to(ctx.s0_dtype) if ctx.needs_input_grad[4] else None
-        return dW, dUt if ctx.needs_input_grad[1] else None, dKd, dtot, dS0, None
+        return dW, dUt if ctx.needs_input_grad[1] else None, dKd, dtot, dS0, None, None
 
 
 def delta_scan_triton(
     W: torch.Tensor, U0: torch.Tensor, Kd: torch.Tensor, total: Optional[torch.Tensor], S0: torch.Tensor,
-    bv: Optional[int] = None,
+    bv: Optional[int] = None, segments: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``chunk.scan_torch`` on the Triton kernels, differentiable (one autograd node). Shapes as
     there, fp32 in and out; ``bv``: the value columns per program (a power of two >= 16; None:
-    ``_blocks``' choice), for tests that split narrow values."""
+    ``_blocks``' choice), ``segments``: the chain's segments (dividing NC; None: ``_segments``'
+    choice), for tests."""
     if W.shape[-1] > 128 or U0.shape[-1] > 128:
         raise ValueError(f"the Triton delta scan takes Dk, Dv <= 128, got Dk={W.shape[-1]}, Dv={U0.shape[-1]}")
     if bv is not None and (bv < 16 or bv & (bv - 1)):
         raise ValueError(f"bv must be a power of two >= 16, got {bv}")
-    return _DeltaScanFunction.apply(W, U0, Kd, total, S0, bv)
+    if segments is not None and (segments < 1 or W.shape[2] % segments):
+        raise ValueError(f"segments must divide the {W.shape[2]} chunks, got {segments}")
+    return _DeltaScanFunction.apply(W, U0, Kd, total, S0, bv, segments)
 
 
 FUSED_MAX_CHUNK = 64  # the chunk kernels hold (C, C) and (C, D) fp32 tiles of a whole chunk (C * D <= 64 * 64)
