@@ -723,12 +723,13 @@ def _delta_gates(g: torch.Generator, B: int, H: int, T: int, extreme: bool) -> t
 
 def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, order: int | None = None,
                gated: bool = True, state: bool = False, extreme: bool = False, chunk: int = 16, B: int = 1,
-               H: int = 2, segments: int | None = None, seed: int = 0) -> dict[str, float]:
+               H: int = 2, segments: int | None = None, autocast: bool = False, seed: int = 0) -> dict[str, float]:
     """delta_rule_chunk (``order`` None) or delta_product_chunk of that order on the kernels (the
     delta rule's whole chunk form, or DeltaProduct's scan and chunks' inverses: each asserted to
     run once), vs the fp64 parallel form on the same rounded inputs: o, final state and
     d{q, k, v, beta, log_alpha, S0} (with DeltaProduct's history, d{k_prev, v_prev}). ``segments``:
-    the scan's chain in that many segments, as on a GPU with few long rows."""
+    the scan's chain in that many segments, as on a GPU with few long rows; ``autocast``: called
+    under bf16 autocast, as a model trains (the op's own products stay in fp32)."""
     from linearize.ops import delta as D
     from linearize.ops.delta import triton as kdelta
 
@@ -773,7 +774,8 @@ def delta_case(device: str, dtype: torch.dtype, *, T: int, DK: int, DV: int, ord
     if segments is not None:
         kdelta._segments = lambda *a: segments
     try:
-        o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            o2, s2 = call(D.delta_rule_chunk if order is None else D.delta_product_chunk, k_in, k_st, chunk_size=chunk)
         assert o2.dtype == dtype and s2.S.dtype == torch.float32
         ((o2.double() * do.to(dev)).sum() + (s2.S.double() * dS.to(dev)).sum()).backward()
     finally:
@@ -1184,6 +1186,7 @@ INTERPRETER_CASES = {
     "delta f32 ungated": (delta_case, dict(T=37, DK=16, DV=16, gated=False), F32),
     "delta f32 extreme gates": (delta_case, dict(T=45, DK=16, DV=16, extreme=True), F32),
     "delta f32 gated state segments": (delta_case, dict(T=128, DK=16, DV=24, state=True, chunk=8, segments=4), F32),
+    "delta f32 segments under autocast": (delta_case, dict(T=128, DK=16, DV=16, chunk=8, segments=4, autocast=True), F32),
     "delta bf16 gated state": (delta_case, dict(T=37, DK=16, DV=24, state=True), BF16),
     "delta f32 extra queries": (delta_extra_case, dict(T=45, DK=16, DV=24), F32),
     "delta bf16 extra queries ungated": (delta_extra_case, dict(T=45, DK=16, DV=16, gated=False), BF16),

@@ -510,10 +510,11 @@ def _scan_forward(W, U0, Kd, total, S0, bv, segments=None):
     if G == 1:
         return U, SC, walk(S0c, True)
     Q = walk(torch.zeros(B * H * G, Dk, Dv, dtype=f32, device=W.device), False).view(B * H, G, Dk, Dv)
-    P = _segment_transfers(w, kd, tot if gated else None, G)
-    starts = [S0c]
-    for g in range(G - 1):
-        starts.append(torch.baddbmm(Q[:, g], P[:, g], starts[-1]))
+    with torch.autocast(W.device.type, enabled=False):  # (the layer may run under autocast: fp32 products)
+        P = _segment_transfers(w, kd, tot if gated else None, G)
+        starts = [S0c]
+        for g in range(G - 1):
+            starts.append(torch.baddbmm(Q[:, g], P[:, g], starts[-1]))
     ends = walk(torch.stack(starts, 1).view(B * H * G, Dk, Dv), True)
     return U, SC, ends.view(B * H, G, Dk, Dv)[:, -1]
 
@@ -552,10 +553,11 @@ def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv, segments=None):
     if G == 1:
         return DUT, DSN, walk(dst, True)
     R = walk(None, False).view(B * H, G, Dk, Dv)
-    P = _segment_transfers(w, kd, tot if gated else None, G)
-    ends = [dst if dst is not None else torch.zeros(B * H, Dk, Dv, dtype=f32, device=W.device)]
-    for g in range(G - 1, 0, -1):
-        ends.insert(0, torch.baddbmm(R[:, g], P[:, g].transpose(-1, -2), ends[0]))
+    with torch.autocast(W.device.type, enabled=False):
+        P = _segment_transfers(w, kd, tot if gated else None, G)
+        ends = [dst if dst is not None else torch.zeros(B * H, Dk, Dv, dtype=f32, device=W.device)]
+        for g in range(G - 1, 0, -1):
+            ends.insert(0, torch.baddbmm(R[:, g], P[:, g].transpose(-1, -2), ends[0]))
     starts = walk(torch.stack(ends, 1).view(B * H * G, Dk, Dv), True)
     return DUT, DSN, starts.view(B * H, G, Dk, Dv)[:, 0]
 
