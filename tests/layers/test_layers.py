@@ -320,15 +320,17 @@ def test_layer_prefill_in_pieces_and_token_steps_equal_one_forward(method, kw):
     torch.testing.assert_close(steps, full, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["liza", "lizard-gdn"])
+@pytest.mark.parametrize("method", ["liza", "lizard-gdn", "lizard-recall"])
 def test_the_compiled_glue_equals_the_eager_one(method):
-    """compile_glue (the training step's compiled features, pooled beta and LiZA's normed mix):
-    the same outputs, state and gradients as eagerly, on padded rows, in two pieces. Inductor on
-    CPU; the layer's parameters moved off their initialisation so that beta and the gates vary."""
+    """compile_glue (the training step's compiled features, pooled beta, LiZA's normed mix and the
+    sparse cache's recall scores): the same outputs, state and gradients as eagerly, on padded
+    rows, in two pieces. Inductor on CPU; the layer's parameters moved off their initialisation so
+    that beta and the gates vary."""
     from linearize.layers import hybrid
 
     torch.manual_seed(0)
-    layer = hybrid.HybridAttention(hybrid_config(method), H, D, HIDDEN)
+    kw = {"sparse_cache": 3, "sparse_distance": None} if method == "lizard-recall" else {}
+    layer = hybrid.HybridAttention(hybrid_config(method, **kw), H, D, HIDDEN)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -350,6 +352,7 @@ def test_the_compiled_glue_equals_the_eager_one(method):
     layer.zero_grad()
     y_comp, S_comp, g_comp = run(True)
     assert hybrid._COMPILED, "the compiled functions ran"
+    assert method != "lizard-recall" or hybrid._recall_score in hybrid._COMPILED
     torch.testing.assert_close(y_comp, y_eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(S_comp, S_eager, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_comp, g_eager):  # (fp32 sums in another order: 1e-5 of the largest gradient)
@@ -358,10 +361,10 @@ def test_the_compiled_glue_equals_the_eager_one(method):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
 
 
-def hybrid_config(method):
+def hybrid_config(method, **kw):
     from linearize.methods import method_config
 
-    return method_config(method, window=4, chunk_size=4)
+    return method_config(method, window=4, chunk_size=4, **kw)
 
 
 @pytest.mark.parametrize("method,kw", [c for c in LAYER_CASES if "sparse_cache" in c[1]],

@@ -213,6 +213,15 @@ def _mu_mix(y_g, y_w, mu, norm: bool, out_dtype):
     return ((1 - mu) * y_w + mu * y_g).to(out_dtype)
 
 
+def _recall_score(v_out, recall, relative: bool):
+    """The sparse cache's score of each leaving pair (B, H, T): ||v - recall||, over ||v|| where
+    ``relative``, in fp32 at least."""
+    acc = torch.promote_types(v_out.dtype, torch.float32)
+    v_out = v_out.to(acc)
+    score = (v_out - recall.to(acc)).norm(dim=-1)
+    return score / v_out.norm(dim=-1).clamp_min(torch.finfo(acc).tiny) if relative else score
+
+
 _COMPILED: dict = {}
 
 
@@ -483,11 +492,10 @@ class HybridAttention(nn.Module):
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
             if recall is None:
                 recall, _ = read(fk_ext[:, :, :T])
-            acc = torch.promote_types(v.dtype, torch.float32)
-            v_out = v_ext[:, :, :T].to(acc)
-            score = (v_out - recall.to(acc)).norm(dim=-1)  # (B, H, T)
-            if c.sparse_score == "relative":  # the share of the value lost, whatever its norm
-                score = score / v_out.norm(dim=-1).clamp_min(torch.finfo(acc).tiny)
+            fn = _compiled(_recall_score) if self.compile_glue else _recall_score
+            # (relative: the share of the value lost, whatever its norm)
+            score = fn(v_ext[:, :, :T].to(torch.promote_types(v.dtype, torch.float32)), recall,
+                       c.sparse_score == "relative")
         if fresh:  # rows start at minus their left padding, as the window's
             _, pos = self._fresh_window_state(lk, valid)
             B, H, _, d = lk.shape
