@@ -1064,11 +1064,12 @@ def sparse_case(device: str, dtype: torch.dtype, *, T: int, D: int, DV: int, W: 
 
 def sparse_slots_case(device: str, dtype: torch.dtype, *, T: int, W: int, M: int, C: int, pad: int = 0,
                       ties: bool = False, B: int = 2, H: int = 3, seed: int = 0,
-                      scan: bool | None = None) -> dict[str, float]:
+                      scan: bool | None = None, segments: int | None = None) -> dict[str, float]:
     """The live form's selection on its kernels (``cache_until_triton``, ``old_slots_triton``) vs the torch
     scan and lists (``live.cache_until``, ``live.old_slots``): every j_s and every block's slots, exactly
     (0 or inf). Row 1's first ``pad`` pairs are no candidates (left padding); ``ties``: scores in {0, 1, 2};
-    ``scan``: the selection's scan kernel (True) or its all-pairs count (False); None: by length."""
+    ``scan``: the selection's scan kernel (True) or its all-pairs count (False); None: by length;
+    ``segments``: the scan's pairs in about that many segments."""
     from linearize.ops.sparse_window import live
     from linearize.ops.sparse_window import triton as ksparse
 
@@ -1081,7 +1082,7 @@ def sparse_slots_case(device: str, dtype: torch.dtype, *, T: int, W: int, M: int
     until = live.cache_until(score, candidate, M)
     slots = live.old_slots(until, T, W, M, C)
     dev = torch.device(device)
-    until2 = ksparse.cache_until_triton(score.to(dev), candidate.to(dev), M, scan=scan)
+    until2 = ksparse.cache_until_triton(score.to(dev), candidate.to(dev), M, scan=scan, segments=segments)
     slots2 = ksparse.old_slots_triton(until2, T, W, M, C)
     exact = lambda a, b: 0.0 if a.dtype == torch.int32 and torch.equal(a.cpu().long(), b.long()) else float("inf")  # noqa: E731
     return {"until": exact(until2, until), "slots": exact(slots2, slots),
@@ -1220,6 +1221,14 @@ INTERPRETER_CASES = {
     "sparse slots bf16 ties, one slot, scan": (sparse_slots_case, dict(T=200, W=4, M=1, C=64, ties=True, pad=5,
                                                                       scan=True), BF16),
     "sparse slots bf16 ties, one slot": (sparse_slots_case, dict(T=200, W=4, M=1, C=64, ties=True, pad=5), BF16),
+    # the scan's pairs in segments (3 of 256, the last shorter; 5 of 128 under a cache of 256; padding
+    # longer than a segment)
+    "sparse slots f32 padded, scan in segments": (sparse_slots_case, dict(T=700, W=16, M=20, C=32, pad=300,
+                                                                          scan=True, segments=3), F32),
+    "sparse slots f32 ties, 256 slots, scan in segments": (sparse_slots_case, dict(
+        T=700, W=64, M=256, C=64, ties=True, pad=9, B=2, H=1, scan=True, segments=5), F32),
+    "sparse slots bf16 ties, one slot, scan in segments": (sparse_slots_case, dict(
+        T=600, W=4, M=1, C=64, ties=True, pad=5, scan=True, segments=4), BF16),
     # a window wider than the key passes' query tiles, and pairs leaving the small cache all along
     "sparse f32 wide window short stays": (sparse_case, dict(T=300, D=16, DV=16, W=100, M=4, C=32, nsink=2, pad=5),
                                            F32),

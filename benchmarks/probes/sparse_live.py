@@ -11,7 +11,7 @@
     python benchmarks/probes/sparse_live.py --out OUT.json [--cells 8x2048 4x4096] [--skip-model] [--profile] [--compiled]
         [--alt NAME=FILE]   (another ops/sparse_window/triton.py, e.g. an earlier commit's, timed as "live C64 NAME")
     python benchmarks/probes/sparse_live.py --out OUT.json --cells 8x2048 2x8192 1x16384 --selection
-        (the selection's two kernels alone: where the scan overtakes counting all pairs)
+        (the selection's kernels alone: where the scan, in one piece or in segments, overtakes counting all pairs)
 """
 
 from __future__ import annotations
@@ -94,18 +94,21 @@ def model_cells(cells: list[tuple[int, int]], save, forms: tuple[str, ...]) -> l
 
 
 def selection_times(B: int, T: int, rounds: int = 10) -> dict:
-    """The selection alone (``cache_until_triton``): every pair against every pair (O(P^2)) and the
-    scan (O(P (M + 128)), one program per batch*head), the same j_s asserted; CUDA-event medians."""
+    """The selection alone (``cache_until_triton``): every pair against every pair (O(P^2)), the
+    scan (O(P (M + 128)), one program per batch*head) and the scan in the segments it picks, the
+    same j_s asserted; CUDA-event medians."""
     g = torch.Generator(device="cuda").manual_seed(0)
     P = T - W
     score = torch.rand(B, H, P, device="cuda", generator=g)
     candidate = torch.ones(B, P, dtype=torch.bool, device="cuda")
     out, results = {"B": B, "T": T, "P": P}, {}
-    for name, scan in (("all pairs", False), ("scan", True)):
-        run = lambda scan=scan: sparse_triton.cache_until_triton(score, candidate, M, scan=scan)  # noqa: E731
+    for name, scan, segments in (("all pairs", False, None), ("scan", True, 1), ("scan in segments", True, None)):
+        run = lambda scan=scan, segments=segments: sparse_triton.cache_until_triton(  # noqa: E731
+            score, candidate, M, scan=scan, segments=segments)
         results[name] = run()
         out[name] = timed(run, rounds)["fwd_bwd_ms_median"]
-    out["equal"] = bool(torch.equal(results["all pairs"], results["scan"]))
+    out["segments"] = sparse_triton._selection_segments(P, B * H, torch.cuda.get_device_properties(0).multi_processor_count)
+    out["equal"] = all(torch.equal(results["all pairs"], r) for r in results.values())
     print(out, flush=True)
     return out
 

@@ -413,14 +413,27 @@ def test_gpu_live_form_equals_the_span_loop(dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("scan", [False, True], ids=["all pairs", "scan"])
-def test_gpu_selection_kernels_equal_the_torch_scan(scan):
+@pytest.mark.parametrize("scan, segments", [(False, None), (True, 1), (True, None)],
+                         ids=["all pairs", "scan", "scan in segments"])
+def test_gpu_selection_kernels_equal_the_torch_scan(scan, segments):
     """On CUDA at an evaluation's length (8K tokens, window 128, 256 pairs, tied scores, left padding):
-    every pair's j_s (by either kernel) and every query block's slots equal the torch scan's, exactly."""
+    every pair's j_s (by either kernel; the scan in one piece or in the segments it picks for 6 rows)
+    and every query block's slots equal the torch scan's, exactly."""
     from kernel_cases import sparse_slots_case
 
-    err = sparse_slots_case("cuda", torch.float32, T=8192, W=128, M=256, C=128, pad=300, ties=True, scan=scan)
+    err = sparse_slots_case("cuda", torch.float32, T=8192, W=128, M=256, C=128, pad=300, ties=True, scan=scan,
+                            segments=segments)
     assert max(err.values()) == 0.0, err
+
+
+@needs_triton
+def test_the_selection_scan_runs_in_segments_only_for_few_long_rows():
+    from linearize.ops.sparse_window.triton import _selection_segments
+
+    assert _selection_segments(16256, 9, 132) == 16  # 1 x 16K, 9 heads: 144 programs of 1,024 pairs
+    assert _selection_segments(8064, 18, 132) == 8 and _selection_segments(8064, 6, 132) == 8
+    assert _selection_segments(16256, 144, 132) == 1  # enough rows already
+    assert _selection_segments(1000, 1, 132) == 1  # a segment of fewer than 4 blocks of 128
 
 
 @needs_triton

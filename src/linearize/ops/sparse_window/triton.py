@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import patch_interpreter, pow2
+from ..backend.dispatch import device_sms, patch_interpreter, pow2
 from ..window_attn.triton import block_offsets, load_kmin, online_step, sink_start, store_sink_grad, tile_visible
 from . import live
 
@@ -312,28 +312,33 @@ def _cache_until_kernel(RANK, UNTIL, P, M, BS: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
-def _cache_until_scan_kernel(RANK, ORDER, UNTIL, KEPT, P, M, MS: tl.constexpr, BJ: tl.constexpr, CB: tl.constexpr,
-                             N: tl.constexpr):
-    """``live.cache_until``'s scan on one program per batch*head, O(P (M + BJ)) work: the pairs in
-    blocks of BJ, carrying the M best ranks so far sorted in KEPT (MS slots, P + 1 where empty). In a
-    block, a kept pair at slot p has p kept pairs above it, a new pair the kept ones ranked above it;
-    the block's pairs above each add up through j (an int8 product with a triangle of ones); j_s is
-    the first j (at or after s's arrival) where M are above s. Then the kept set and the block are
-    sorted together and the first M kept. ORDER (B*H, P + 1): each candidate rank's pair."""
-    bh = tl.program_id(0).to(tl.int64)
+def _cache_until_scan_kernel(RANK, ORDER, UNTIL, KEPT, P, M, NSEG, SEG, MS: tl.constexpr, BJ: tl.constexpr,
+                             CB: tl.constexpr, N: tl.constexpr):
+    """``live.cache_until``'s scan on one program per (batch*head, segment of SEG pairs), O(SEG (M + BJ))
+    work: the pairs in blocks of BJ, carrying the M best ranks so far sorted in KEPT (MS slots, P + 1
+    where empty; it comes in holding the M best of the pairs before the segment). In a block, a kept
+    pair at slot p has p kept pairs above it, a new pair the kept ones ranked above it; the block's
+    pairs above each add up through j (an int8 product with a triangle of ones); j_s is the first j
+    (at or after s's arrival) where M are above s. Then the kept set and the block are sorted
+    together and the first M kept. ORDER (B*H, P + 1): each candidate rank's pair. A pair's j_s is
+    written by the one segment where it leaves the kept set."""
+    pid = tl.program_id(0)  # (int32 where it can: the kernel is at the edge of its registers)
+    bh = (pid // NSEG).to(tl.int64)
+    start = (pid % NSEG) * SEG
+    end = tl.minimum(start + SEG, P)
     rj = tl.arange(0, BJ)
     rc = tl.arange(0, CB)
     rs = tl.arange(0, MS)
     rn = tl.arange(0, N)
     empty = P + 1
     through = (rj[:, None] <= rj[None, :]).to(tl.int8)  # [i, j]: i <= j
-    for j0 in range(0, P, BJ):
+    for j0 in range(start, end, BJ):
         jb = j0 + rj
-        mb = jb < P
+        mb = jb < end
         rb = tl.load(RANK + bh * P + jb, mask=mb, other=empty)
-        kept = tl.load(KEPT + bh * MS + rs)
+        kept = tl.load(KEPT + pid * MS + rs)
         for c0 in tl.static_range(0, MS, CB):  # the kept pairs, CB at a time
-            xc = tl.load(KEPT + bh * MS + c0 + rc)
+            xc = tl.load(KEPT + pid * MS + c0 + rc)
             above = ((rb[None, :] < xc[:, None]) & mb[None, :]).to(tl.int8)
             count = (c0 + rc)[:, None] + tl.dot(above, through, out_dtype=tl.int32)
             hit = (count >= M) & mb[None, :]
@@ -343,7 +348,7 @@ def _cache_until_scan_kernel(RANK, ORDER, UNTIL, KEPT, P, M, MS: tl.constexpr, B
             tl.store(UNTIL + bh * P + pair, first, mask=out)
         for c0 in tl.static_range(0, BJ, CB):  # the block's own pairs, CB at a time
             sc = j0 + c0 + rc
-            mc = sc < P
+            mc = sc < end
             xc = tl.load(RANK + bh * P + sc, mask=mc, other=empty)
             before = tl.sum((kept[None, :] < xc[:, None]).to(tl.int32), 1)
             above = ((rb[None, :] < xc[:, None]) & mb[None, :]).to(tl.int8)
@@ -352,12 +357,12 @@ def _cache_until_scan_kernel(RANK, ORDER, UNTIL, KEPT, P, M, MS: tl.constexpr, B
             first = tl.min(tl.where(hit, jb[None, :], P), 1)
             tl.store(UNTIL + bh * P + sc, first, mask=mc & (first < P))
         # the new kept set: the M best of the kept and the block's ranks
-        x = tl.where(rn < MS, tl.load(KEPT + bh * MS + rn, mask=rn < MS, other=empty),
-                     tl.load(RANK + bh * P + j0 + rn - MS, mask=(rn >= MS) & (rn < MS + BJ) & (j0 + rn - MS < P),
+        x = tl.where(rn < MS, tl.load(KEPT + pid * MS + rn, mask=rn < MS, other=empty),
+                     tl.load(RANK + bh * P + j0 + rn - MS, mask=(rn >= MS) & (rn < MS + BJ) & (j0 + rn - MS < end),
                              other=empty))
         x = tl.sort(x)
         tl.debug_barrier()  # (every thread has read KEPT before it is written)
-        tl.store(KEPT + bh * MS + rn, tl.where(rn < M, x, empty), mask=rn < MS)
+        tl.store(KEPT + pid * MS + rn, tl.where(rn < M, x, empty), mask=rn < MS)
         tl.debug_barrier()
 
 
@@ -381,28 +386,66 @@ def _old_slots_kernel(UNTIL, PICK, P, NB, C, W, M, BP: tl.constexpr):
 # pairs from which the selection runs as a scan (O(P (M + 128)) on B * H programs) rather than by
 # counting all pairs against all (O(P^2) on B * H * P / 64 programs); set without a GPU measurement
 SCAN_SELECTION_FROM = 4096
+SCAN_BLOCK = 128  # pairs a step of the scan
+
+
+def _selection_segments(P: int, rows: int, sms: int) -> int:
+    """Segments of the selection scan's pairs for each (batch*head): the largest power of two G with
+    segments of at least 4 blocks and ``rows`` * G programs within two per multiprocessor (the scan
+    is a chain of blocks on one program a row)."""
+    G = 1
+    while P // (2 * G) >= 4 * SCAN_BLOCK and rows * 2 * G <= 2 * sms:
+        G *= 2
+    return G
+
+
+def _entering_kept(rank: torch.Tensor, M: int, MS: int, seg: int, G: int) -> torch.Tensor:
+    """(B*H*G, MS) int32: the kept set entering each segment of ``seg`` pairs, the M best ranks of
+    the pairs before it, sorted, P + 1 where empty. The scan's kept set is the M best of all the pairs
+    so far, so each segment's M best (a top-k a segment) joined over the segments before it (a top-k
+    of those) is the set it carries in."""
+    BH, P = rank.shape
+    empty = P + 1
+    padded = torch.full((BH, G * seg), empty, dtype=rank.dtype, device=rank.device)
+    padded[:, :P] = rank
+    best = padded.view(BH, G, seg).topk(min(M, seg), dim=-1, largest=False, sorted=True).values  # (BH, G, m)
+    before = torch.arange(G, device=rank.device)
+    earlier = before[None, :, None] < before[:, None, None]  # [g, g', 1]: segment g' comes before g
+    joined = torch.where(earlier, best[:, None], empty).flatten(2)  # (BH, G, G * m)
+    kept = joined.topk(min(M, joined.shape[-1]), dim=-1, largest=False, sorted=True).values
+    out = torch.full((BH, G, MS), empty, dtype=rank.dtype, device=rank.device)
+    out[..., :kept.shape[-1]] = kept
+    return out.view(BH * G, MS).contiguous()
 
 
 @torch.no_grad()
 def cache_until_triton(pair_score: torch.Tensor, candidate: torch.Tensor, cache_size: int,
-                       scan: Optional[bool] = None) -> torch.Tensor:
+                       scan: Optional[bool] = None, segments: Optional[int] = None) -> torch.Tensor:
     """``live.cache_until`` (B, H, P) int32 on a kernel: the ranks in torch (``live.pair_ranks``), then
     every pair's j_s, counted directly (O(P^2) comparisons in one launch) for short rows, or by the
-    scan of ``_cache_until_scan_kernel`` from ``SCAN_SELECTION_FROM`` pairs (``scan``: force either)."""
+    scan of ``_cache_until_scan_kernel`` from ``SCAN_SELECTION_FROM`` pairs (``scan``: force either),
+    its pairs in segments that run at once where the rows are few (``_selection_segments``;
+    ``segments``: force a count), each entering with the kept set of the pairs before it."""
     B, H, P = pair_score.shape
     rank = live.pair_ranks(pair_score, candidate).contiguous()
     if scan is None:
         scan = P >= SCAN_SELECTION_FROM
     if scan and rank.numel():
         MS = max(pow2(cache_size), 16)
-        BJ, CB = 128, min(64, MS)
+        BJ, CB = SCAN_BLOCK, min(64, MS)
+        G = segments or _selection_segments(P, B * H, device_sms(rank))
+        seg = BJ * triton.cdiv(triton.cdiv(P, G), BJ)
+        G = triton.cdiv(P, seg)
         until = torch.full_like(rank, P)
         # the pair of each candidate's rank (the no-candidates' shared rank P lands in a spare slot)
         order = torch.zeros(B, H, P + 1, dtype=torch.int32, device=rank.device).scatter_(
             -1, rank.long(), torch.arange(P, device=rank.device, dtype=torch.int32).expand(B, H, P))
-        kept = torch.full((B * H, MS), P + 1, dtype=torch.int32, device=rank.device)
-        _cache_until_scan_kernel[(B * H,)](rank, order, until, kept, P, cache_size, MS=MS, BJ=BJ, CB=CB,
-                                           N=pow2(MS + BJ), num_warps=4)
+        if G == 1:
+            kept = torch.full((B * H, MS), P + 1, dtype=torch.int32, device=rank.device)
+        else:
+            kept = _entering_kept(rank.view(B * H, P), cache_size, MS, seg, G)
+        _cache_until_scan_kernel[(B * H * G,)](rank, order, until, kept, P, cache_size, G, seg, MS=MS, BJ=BJ,
+                                               CB=CB, N=pow2(MS + BJ), num_warps=4)
     elif rank.numel():
         until = torch.empty_like(rank)
         _cache_until_kernel[(B * H, triton.cdiv(P, 64))](rank, until, P, cache_size, BS=64, BJ=64, num_warps=4)
