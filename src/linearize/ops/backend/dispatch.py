@@ -119,6 +119,17 @@ def device_sms(x: torch.Tensor) -> int:
     return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def chain_segments(programs: int, steps: int, sms: int, min_steps: int, whole: bool = False) -> int:
+    """Segments for a kernel whose ``programs`` each walk a chain of ``steps`` in order (a state
+    carried from step to step): doubled while the programs leave multiprocessors idle and every
+    segment keeps at least ``min_steps`` (``whole``: and the steps split into equal segments). A
+    walk is a chain of latencies; G segments run G chains of 1/G the length at once."""
+    G = 1
+    while programs * G < sms and steps // (2 * G) >= min_steps and (not whole or steps % (2 * G) == 0):
+        G *= 2
+    return G
+
+
 def pow2(n: int) -> int:
     """The block width that holds n columns: the next power of two, at least 16 (tl.dot's least)."""
     return max(16, 1 << (max(1, n) - 1).bit_length())

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import device_sms, patch_interpreter, pow2, strides_bht, unit_last
+from ..backend.dispatch import chain_segments, device_sms, patch_interpreter, pow2, strides_bht, unit_last
 
 patch_interpreter()
 
@@ -453,13 +453,10 @@ MIN_SEGMENT = 16  # chunks: a segment shorter than this gains less than its extr
 
 
 def _segments(NC: int, programs: int, sms: int) -> int:
-    """Segments of the scan's chain for each (batch*head): the largest power of two G that divides
-    NC, leaves segments of at least ``MIN_SEGMENT`` chunks and keeps ``programs`` * G within two
-    per multiprocessor; 1 (the plain walk) where that is below 4, as two passes over segments of
-    half the chain gain nothing."""
-    G = 1
-    while NC % (2 * G) == 0 and NC // (2 * G) >= MIN_SEGMENT and programs * 2 * G <= 2 * sms:
-        G *= 2
+    """Segments of the scan's chain for each (batch*head) (``chain_segments``: equal ones of at
+    least ``MIN_SEGMENT`` chunks); 1 (the plain walk) below 4, as two passes over segments of half
+    the chain gain nothing."""
+    G = chain_segments(programs, NC, sms, MIN_SEGMENT, whole=True)
     return G if G >= 4 else 1
 
 
@@ -476,6 +473,18 @@ def _segment_transfers(w: torch.Tensor, kd: torch.Tensor, tot: Optional[torch.Te
         paired = M[:, :, 1:m:2] @ M[:, :, 0:m:2]
         M = torch.cat([paired, M[:, :, m:]], 2) if m < M.shape[2] else paired
     return M[:, :, 0]
+
+
+def _scan_launch(W: torch.Tensor, Dv: int, bv: Optional[int], segments: Optional[int]) -> tuple[dict, int, int]:
+    """The scan kernels' launch for W (B, H, NC, L, Dk) and Dv value columns, the same in the forward
+    and the backward: their block sizes, warps and stages (``_blocks``) as keyword arguments, the
+    value blocks a row, and the chain's segments (``_segments``; ``segments`` forces a count)."""
+    B, H, NC, L, Dk = W.shape
+    sms = device_sms(W)
+    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, sms)
+    cols = triton.cdiv(Dv, BV)
+    launch = dict(DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV, PREC=PREC, num_warps=warps, num_stages=stages)
+    return launch, cols, segments or _segments(NC, B * H * cols, sms)
 
 
 def _scan_forward(W, U0, Kd, total, S0, bv, segments=None):
@@ -496,15 +505,12 @@ def _scan_forward(W, U0, Kd, total, S0, bv, segments=None):
     S0c = S0.reshape(B * H, Dk, Dv).to(f32).contiguous()
     U = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     SC = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
-    cols = triton.cdiv(Dv, BV)
-    G = segments or _segments(NC, B * H * cols, device_sms(W))
+    launch, cols, G = _scan_launch(W, Dv, bv, segments)
 
     def walk(starts: torch.Tensor, store: bool) -> torch.Tensor:
         ends = torch.empty(B * H * G, Dk, Dv, dtype=f32, device=W.device)
         _delta_scan_fwd_kernel[(B * H * G, cols)](
-            w, u0, kd, tot, starts, U, SC, ends, *sw, *su0, *skd, NC, L, G, DK=Dk, DV=Dv, BL=BL, BK=BK,
-            BV=BV, GATED=gated, STORE=store, PREC=PREC, num_warps=warps, num_stages=stages)
+            w, u0, kd, tot, starts, U, SC, ends, *sw, *su0, *skd, NC, L, G, GATED=gated, STORE=store, **launch)
         return ends
 
     if G == 1:
@@ -537,16 +543,14 @@ def _scan_backward(W, Kd, total, dU, dSC, dST, Dv, bv, segments=None):
     dsc = dSC.reshape(B * H, NC, Dk, Dv).to(f32).contiguous() if dSC is not None else w
     DUT = torch.empty(B * H, NC, L, Dv, dtype=f32, device=W.device)
     DSN = torch.empty(B * H, NC, Dk, Dv, dtype=f32, device=W.device)
-    BL, BK, BV, warps, stages = _blocks(L, Dk, Dv, bv, B * H, device_sms(W))
-    cols = triton.cdiv(Dv, BV)
-    G = segments or _segments(NC, B * H * cols, device_sms(W))
+    launch, cols, G = _scan_launch(W, Dv, bv, segments)
 
     def walk(ends: Optional[torch.Tensor], store: bool) -> torch.Tensor:
         starts = torch.empty(B * H * G, Dk, Dv, dtype=f32, device=W.device)
         _delta_scan_bwd_kernel[(B * H * G, cols)](
             w, kd, tot, du, dsc, w if ends is None else ends, DUT, DSN, starts, *sw, *skd, NC, L, G,
-            DK=Dk, DV=Dv, BL=BL, BK=BK, BV=BV, GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None,
-            HAS_DST=ends is not None, STORE=store, PREC=PREC, num_warps=warps, num_stages=stages)
+            GATED=gated, HAS_DU=dU is not None, HAS_DSC=dSC is not None, HAS_DST=ends is not None, STORE=store,
+            **launch)
         return starts
 
     dst = dST.reshape(B * H, Dk, Dv).to(f32).contiguous() if dST is not None else None

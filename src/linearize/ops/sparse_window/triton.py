@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend.dispatch import device_sms, patch_interpreter, pow2
+from ..backend.dispatch import chain_segments, device_sms, patch_interpreter, pow2
 from ..window_attn.triton import block_offsets, load_kmin, online_step, sink_start, store_sink_grad, tile_visible
 from . import live
 
@@ -390,13 +390,9 @@ SCAN_BLOCK = 128  # pairs a step of the scan
 
 
 def _selection_segments(P: int, rows: int, sms: int) -> int:
-    """Segments of the selection scan's pairs for each (batch*head): the largest power of two G with
-    segments of at least 4 blocks and ``rows`` * G programs within two per multiprocessor (the scan
-    is a chain of blocks on one program a row)."""
-    G = 1
-    while P // (2 * G) >= 4 * SCAN_BLOCK and rows * 2 * G <= 2 * sms:
-        G *= 2
-    return G
+    """Segments of the selection scan's pairs for each (batch*head), a chain of blocks on one
+    program a row (``chain_segments``: at least 4 blocks a segment)."""
+    return chain_segments(rows, P, sms, 4 * SCAN_BLOCK)
 
 
 def _entering_kept(rank: torch.Tensor, M: int, MS: int, seg: int, G: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from ..backend.dispatch import sm_major
+from ..backend.dispatch import chain_segments, sm_major
 from ..gla.gluon import load_pair, prof_init, qkv_rows, store_tile, prof_tick, model_layout_bits, tma_readable, tma_tiles
 
 BT = 64  # tokens per chunk (query and key tiles)
@@ -537,10 +537,7 @@ def walk_segments(programs: int, n_chunks: int, sms: int) -> int:
     """Segments per (batch x head) for the walking kernel: doubled while the programs leave
     multiprocessors idle and every segment keeps at least 8 chunks (each one's two rings fill
     with tiles of the chunks around it, read again by its neighbour)."""
-    nseg = 1
-    while programs * nseg < sms and n_chunks // (2 * nseg) >= 8:
-        nseg *= 2
-    return nseg
+    return chain_segments(programs, n_chunks, sms, 8)
 
 
 def bwd(q, k, v, dy, lse, delta, alpha, dq, dk, dv, *, window: int, scale: float, walk: bool = False,
