@@ -277,6 +277,10 @@ class HybridAttention(nn.Module):
 
     # ------------------------------------------------------------------ pieces
 
+    def _glue(self, fn):
+        """``fn``, one of the parameterless glue functions above, compiled where ``compile_glue``."""
+        return _compiled(fn) if self.compile_glue else fn
+
     def _window_kwargs(self) -> dict:
         c = self.config
         kw = {"window": c.window, "terraced": c.local_rule == "terraced", "scale": self.scale,
@@ -332,7 +336,7 @@ class HybridAttention(nn.Module):
         if c.feature_map != "silu_l2":
             fq, fk = self._global_features(gq, gk, x, valid)
             return (fq, fk, *self._beta(fk, x, k_hist))
-        fn = _compiled(_silu_delta_operands) if self.compile_glue else _silu_delta_operands
+        fn = self._glue(_silu_delta_operands)
         fq, fk, beta, k_hist = fn(gq, gk, valid, k_hist, c.beta == "pool")
         if c.beta == "linear":
             beta = self.beta_proj(x).exp()
@@ -350,7 +354,7 @@ class HybridAttention(nn.Module):
         included where ``_norm_in_mix``."""
         c = self.config
         if c.combine == "mu":
-            fn = _compiled(_mu_mix) if self.compile_glue else _mu_mix
+            fn = self._glue(_mu_mix)
             return fn(y_g, y_w, self.mu, self._norm_in_mix, out_dtype)
         return (y_g + self.alpha[:, None, None].to(y_g.dtype) * y_w).to(out_dtype)
 
@@ -391,7 +395,7 @@ class HybridAttention(nn.Module):
         # global branch; `read(queries)` runs the same op from the same state with other queries
         # (the sparse cache's recall of the leaving pairs; given as `recall` where computed already)
         g0 = state.get("global")
-        recall = None
+        recall = behind = None
         if c.global_rule == "delta":
             fq, fk, beta, k_hist = self._delta_operands(gq, gk, x, valid, state.get("k_hist"))
             if k_hist is not None:
@@ -402,10 +406,10 @@ class HybridAttention(nn.Module):
                                       log_alpha=log_alpha, **({} if step else chunk))
             if c.sparse_cache and not step:
                 # the cache's scores read the memory with the leaving keys: one prep and scan for both reads
-                leaving = self._behind_history((fk,), state)[0][:, :, :fk.shape[2]]
+                behind = self._behind_history(fk, k, state)
                 y_g, state["global"], recall = delta_product_chunk(
-                    fq, fk, v_lin, beta, order=c.delta_order, state=g0, log_alpha=log_alpha, extra_queries=leaving,
-                    **chunk)
+                    fq, fk, v_lin, beta, order=c.delta_order, state=g0, log_alpha=log_alpha,
+                    extra_queries=behind[0][:, :, :fk.shape[2]], **chunk)
             else:
                 y_g, state["global"] = read(fq)
             if c.delta_norm and not self._norm_in_mix:
@@ -434,7 +438,7 @@ class HybridAttention(nn.Module):
         if c.local_rule == "softmax":
             y_w, state["local"] = self._full_softmax(lq, lk, v, state.get("local"), valid)
         elif c.sparse_cache:
-            y_w = self._sparse_window(q, k, lq, lk, v, v_lin, fk, read, state, valid, step, q_far, recall)
+            y_w = self._sparse_window(q, k, lq, lk, v, v_lin, fk, read, state, valid, step, q_far, recall, behind)
         else:
             fresh = "local" not in state  # a new state: pos <= 0, so its cache is never visible
             if fresh:
@@ -456,27 +460,29 @@ class HybridAttention(nn.Module):
 
         return self._mix(y_g, y_w, v.dtype), state
 
-    def _behind_history(self, parts: tuple, state: dict) -> tuple:
-        """Each of ``parts`` (B, H, T, .) behind the last w of its tokens before this call (the state's
-        "leaving", in the same order; zeros for a fresh state): (B, H, w + T, .) each."""
-        w = self.config.window
-        hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], w, x.shape[-1]) for x in parts)
+    def _behind_history(self, fk, k, state: dict) -> tuple:
+        """The sparse cache's leaving parts, fk and (with ``sparse_distance``) k (B, H, T, .), each
+        behind the last w of its tokens before this call (the state's "leaving", in the same order;
+        zeros for a fresh state): (B, H, w + T, .) each."""
+        c = self.config
+        parts = (fk,) + ((k,) if c.sparse_far_rope else ())
+        hist = state.get("leaving") or tuple(x.new_zeros(*x.shape[:2], c.window, x.shape[-1]) for x in parts)
         return tuple(torch.cat([h, x], 2) for h, x in zip(hist, parts))
 
     def _sparse_window(self, q, k, lq, lk, v, v_lin, fk, read, state: dict, valid, step: bool, q_far,
-                       recall: torch.Tensor | None = None):
+                       recall: torch.Tensor | None = None, behind: tuple | None = None):
         """Window + sinks + the sparse cache (``ops.sparse_window``); updates ``state`` ("local", and
         "leaving": the last w key features, and keys without RoPE when ``sparse_distance`` is set;
         the last w values are the window's, in "local") and returns y_w. The pair leaving the window
         at query t is scored by the global memory's self-recall error ||v_{t-w} - read(S_t, phi(k_{t-w}))||
         (the raw read: before any output norm), divided by ||v_{t-w}|| when ``sparse_score`` is "relative";
-        ``recall``: that read where the global branch made it already, else ``read`` makes it."""
+        ``recall``: that read where the global branch made it already, else ``read`` makes it;
+        ``behind``: ``_behind_history`` where the global branch made it already."""
         c = self.config
         w, T = c.window, fk.shape[2]
         local = state.get("local")
         fresh = local is None
-        parts = (fk,) + ((k,) if c.sparse_far_rope else ())
-        fk_ext, *k_ext = self._behind_history(parts, state)
+        fk_ext, *k_ext = behind if behind is not None else self._behind_history(fk, k, state)
         state["leaving"] = tuple(x[:, :, T:] for x in (fk_ext, *k_ext))
         # the leaving values are the window's own (the op's state holds the last w; they differ from
         # v_lin only at left padding, whose pairs are never cached, so their scores go unread)
@@ -492,7 +498,7 @@ class HybridAttention(nn.Module):
         with torch.no_grad():  # the selection is a ranking: no gradient flows through the scores
             if recall is None:
                 recall, _ = read(fk_ext[:, :, :T])
-            fn = _compiled(_recall_score) if self.compile_glue else _recall_score
+            fn = self._glue(_recall_score)
             # (relative: the share of the value lost, whatever its norm)
             score = fn(v_ext[:, :, :T].to(torch.promote_types(v.dtype, torch.float32)), recall,
                        c.sparse_score == "relative")
