@@ -33,10 +33,9 @@ every weight that needs no gradient at every use: about a thousand kernels a ste
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Callable
-
-import types
 
 import torch
 import torch.nn.functional as F
